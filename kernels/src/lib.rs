@@ -1,0 +1,1 @@
+//! The `Backend` traits and their CPU implementation.

@@ -1,0 +1,3 @@
+#![forbid(unsafe_code)]
+
+fn main() {}
