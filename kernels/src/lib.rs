@@ -1,1 +1,111 @@
-//! The `Backend` traits and their CPU implementation.
+//! The compute backends of loraplex.
+//!
+//! A backend owns device memory and runs the ops of a Llama-family forward pass over it. The
+//! contract is split into a few small traits ([`Memory`], [`DenseOps`], [`AttentionOps`],
+//! [`SamplingOps`]) that together form [`Backend`]. Buffers are opaque: the engine allocates them,
+//! fills them by upload, passes them between ops and reads results back by download. Shapes travel
+//! with each call as small descriptor structs, so every op checks its arguments and reports a
+//! [`KernelError`] instead of reading out of bounds.
+//!
+//! The CPU backend ([`cpu::CpuBackend`]) is the reference implementation: f32 arithmetic, matmuls
+//! on packed weights, rayon for parallelism. Every other backend is tested against it.
+
+pub mod cpu;
+mod layout;
+
+pub use layout::{AttentionParams, BatchMeta, KvLayout};
+
+/// Errors from a backend. Each names the op and what was wrong with its arguments.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    /// An argument's size disagrees with the shape the op was given.
+    #[error("{op}: {detail}")]
+    Shape { op: &'static str, detail: String },
+    /// An index (token id, slot, block, position) points outside the buffer it indexes.
+    #[error("{op}: index {index} out of range (limit {limit})")]
+    Index { op: &'static str, index: usize, limit: usize },
+    /// A buffer holds a different element type than the op needs.
+    #[error("{op}: expected a {expected} buffer, got {actual}")]
+    DType { op: &'static str, expected: DType, actual: DType },
+    /// The device could not provide the memory asked for.
+    #[error("out of memory allocating {bytes} bytes on {device}")]
+    OutOfMemory { device: String, bytes: usize },
+}
+
+pub type Result<T> = std::result::Result<T, KernelError>;
+
+/// Element type of a buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    U32,
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::U32 => "u32",
+        })
+    }
+}
+
+/// Device memory: allocation and host transfers.
+pub trait Memory {
+    /// An opaque device buffer of f32 or u32 elements.
+    type Buffer: Send + Sync;
+    /// A linear layer's weight (`[out_features, in_features]`, as in HF checkpoints), stored in
+    /// whatever layout this backend's matmul wants.
+    type Weight: Send + Sync;
+
+    /// A human-readable name of the device ("cpu", "cuda:0 (NVIDIA H200)").
+    fn device_name(&self) -> String;
+    /// A zero-filled f32 buffer of `len` elements.
+    fn zeros(&self, len: usize) -> Result<Self::Buffer>;
+    fn upload_f32(&self, data: &[f32]) -> Result<Self::Buffer>;
+    fn upload_u32(&self, data: &[u32]) -> Result<Self::Buffer>;
+    /// Copies an f32 buffer back to the host.
+    fn download_f32(&self, buf: &Self::Buffer) -> Result<Vec<f32>>;
+    /// Prepares a weight from host data laid out `[out_features, in_features]`, row-major.
+    fn load_weight(&self, data: &[f32], out_features: usize, in_features: usize) -> Result<Self::Weight>;
+}
+
+/// Row-wise dense ops over `[rows, dim]` activations.
+pub trait DenseOps: Memory {
+    /// `out[i] = table[ids[i]]` for each row; `table` is `[vocab, hidden]`.
+    fn embedding(&self, table: &Self::Buffer, ids: &Self::Buffer, out: &mut Self::Buffer, hidden: usize) -> Result<()>;
+    /// `out = x / rms(x) * weight` per row; the row length is `weight`'s length.
+    fn rms_norm(&self, x: &Self::Buffer, weight: &Self::Buffer, out: &mut Self::Buffer, eps: f32) -> Result<()>;
+    /// `out[rows, n] = x[rows, k] · Wᵀ (+ bias)`.
+    fn matmul(&self, x: &Self::Buffer, w: &Self::Weight, bias: Option<&Self::Buffer>, out: &mut Self::Buffer, rows: usize) -> Result<()>;
+    /// `out = silu(gate) * up`, elementwise.
+    fn silu_mul(&self, gate: &Self::Buffer, up: &Self::Buffer, out: &mut Self::Buffer) -> Result<()>;
+    /// `acc += x`, elementwise.
+    fn add_assign(&self, acc: &mut Self::Buffer, x: &Self::Buffer) -> Result<()>;
+    /// `out[i] = x[rows[i]]` over rows of `dim` elements.
+    fn gather_rows(&self, x: &Self::Buffer, rows: &Self::Buffer, out: &mut Self::Buffer, dim: usize) -> Result<()>;
+}
+
+/// Rotary embeddings, the paged KV cache and attention over it.
+pub trait AttentionOps: Memory {
+    /// Rotates `x` (`[tokens, heads, head_dim]`) in place, half-split ("rotate_half") convention.
+    /// `cos_sin` is `[max_positions, head_dim]`: per position, `head_dim / 2` cosines then as many
+    /// sines; `positions` has one u32 per token.
+    fn rope(&self, x: &mut Self::Buffer, positions: &Self::Buffer, cos_sin: &Self::Buffer, heads: usize, head_dim: usize) -> Result<()>;
+    /// Writes each token's K and V (`[tokens, kv_heads, head_dim]`) into its slot of the cache.
+    fn write_kv(&self, k: &Self::Buffer, v: &Self::Buffer, cache: &mut Self::Buffer, meta: &BatchMeta<Self::Buffer>, layout: &KvLayout, layer: usize) -> Result<()>;
+    /// Causal attention of each query token over its sequence's cached keys and values (which must
+    /// already include the batch's own tokens). `q` and `out` are `[tokens, heads, head_dim]`.
+    fn attention(&self, q: &Self::Buffer, cache: &Self::Buffer, out: &mut Self::Buffer, meta: &BatchMeta<Self::Buffer>, layout: &KvLayout, params: &AttentionParams) -> Result<()>;
+}
+
+/// Helpers that let greedy decoding avoid copying whole logit rows back to the host.
+pub trait SamplingOps: Memory {
+    /// The index of the largest value of each `vocab`-long row (the first one on ties, NaN ignored).
+    fn argmax_rows(&self, logits: &Self::Buffer, vocab: usize) -> Result<Vec<u32>>;
+}
+
+/// Everything the model needs from a device.
+pub trait Backend: Memory + DenseOps + AttentionOps + SamplingOps + Send + Sync + 'static {}
+
+impl<T> Backend for T where T: Memory + DenseOps + AttentionOps + SamplingOps + Send + Sync + 'static {}

@@ -1,0 +1,158 @@
+use super::*;
+use crate::Memory;
+
+fn rand_vec(len: usize, seed: &mut u64) -> Vec<f32> {
+    (0..len)
+        .map(|_| {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Dense causal attention of the last `new` positions of one sequence over all `len` of them.
+fn dense_attention(q: &[f32], k: &[f32], v: &[f32], len: usize, new: usize, heads: usize, kv_heads: usize, hd: usize, window: Option<usize>) -> Vec<f32> {
+    let group = heads / kv_heads;
+    let mut out = vec![0f32; new * heads * hd];
+    for t in 0..new {
+        let pos = len - new + t;
+        let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        for h in 0..heads {
+            let kvh = h / group;
+            let qh = &q[(t * heads + h) * hd..][..hd];
+            let scores: Vec<f64> = (first..=pos)
+                .map(|j| {
+                    let kj = &k[(j * kv_heads + kvh) * hd..][..hd];
+                    qh.iter().zip(kj).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() / (hd as f64).sqrt()
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let sum: f64 = exps.iter().sum();
+            for d in 0..hd {
+                let acc: f64 = (first..=pos).zip(&exps).map(|(j, e)| e / sum * v[(j * kv_heads + kvh) * hd + d] as f64).sum();
+                out[(t * heads + h) * hd + d] = acc as f32;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn paged_attention_matches_dense_for_mixed_prefill_and_decode() {
+    let cpu = CpuBackend::new();
+    let (heads, kv_heads, hd) = (6, 2, 8);
+    let layout = KvLayout { num_layers: 2, num_kv_heads: kv_heads, head_dim: hd, block_size: 4 };
+    let num_pages = 32;
+    // (total length, new tokens): a decode, a prefill with a cached prefix, a fresh prefill.
+    let seqs = [(9usize, 1usize), (13, 5), (7, 7)];
+    for window in [None, Some(3)] {
+        let mut seed = 42u64;
+        let mut cache = cpu.zeros(num_pages * layout.page_elems()).unwrap();
+        // Scattered, non-contiguous pages for each sequence.
+        let mut next_page = num_pages as u32 - 1;
+        let mut tables = Vec::new();
+        let max_blocks = 4;
+        let (mut positions, mut slots, mut seq_starts, mut ctx) = (vec![], vec![], vec![0u32], vec![]);
+        let (mut all_q, mut dense) = (vec![], vec![]);
+        let mut ks = vec![];
+        let mut vs = vec![];
+        for &(len, new) in &seqs {
+            let mut table = vec![0u32; max_blocks];
+            for b in 0..len.div_ceil(layout.block_size) {
+                table[b] = next_page;
+                next_page -= 3;
+            }
+            let k = rand_vec(len * kv_heads * hd, &mut seed);
+            let v = rand_vec(len * kv_heads * hd, &mut seed);
+            let q = rand_vec(new * heads * hd, &mut seed);
+            // The cached prefix goes in through one write, the new tokens through the batch.
+            let prefix = len - new;
+            if prefix > 0 {
+                let pm = BatchMeta {
+                    num_seqs: 1,
+                    num_tokens: prefix,
+                    max_blocks_per_seq: max_blocks,
+                    positions: cpu.upload_u32(&(0..prefix as u32).collect::<Vec<_>>()).unwrap(),
+                    slots: cpu.upload_u32(&(0..prefix).map(|p| table[p / 4] * 4 + (p % 4) as u32).collect::<Vec<_>>()).unwrap(),
+                    seq_starts: cpu.upload_u32(&[0, prefix as u32]).unwrap(),
+                    context_lens: cpu.upload_u32(&[prefix as u32]).unwrap(),
+                    block_tables: cpu.upload_u32(&table).unwrap(),
+                };
+                let kp = cpu.upload_f32(&k[..prefix * kv_heads * hd]).unwrap();
+                let vp = cpu.upload_f32(&v[..prefix * kv_heads * hd]).unwrap();
+                cpu.write_kv(&kp, &vp, &mut cache, &pm, &layout, 1).unwrap();
+            }
+            for p in prefix..len {
+                positions.push(p as u32);
+                slots.push(table[p / 4] * 4 + (p % 4) as u32);
+            }
+            ks.extend_from_slice(&k[prefix * kv_heads * hd..]);
+            vs.extend_from_slice(&v[prefix * kv_heads * hd..]);
+            seq_starts.push(seq_starts.last().unwrap() + new as u32);
+            ctx.push(len as u32);
+            tables.extend_from_slice(&table);
+            all_q.extend_from_slice(&q);
+            dense.extend(dense_attention(&q, &k, &v, len, new, heads, kv_heads, hd, window));
+        }
+        let tokens = positions.len();
+        let meta = BatchMeta {
+            num_seqs: seqs.len(),
+            num_tokens: tokens,
+            max_blocks_per_seq: max_blocks,
+            positions: cpu.upload_u32(&positions).unwrap(),
+            slots: cpu.upload_u32(&slots).unwrap(),
+            seq_starts: cpu.upload_u32(&seq_starts).unwrap(),
+            context_lens: cpu.upload_u32(&ctx).unwrap(),
+            block_tables: cpu.upload_u32(&tables).unwrap(),
+        };
+        cpu.write_kv(&cpu.upload_f32(&ks).unwrap(), &cpu.upload_f32(&vs).unwrap(), &mut cache, &meta, &layout, 1).unwrap();
+        let params = AttentionParams { layer: 1, num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), sliding_window: window };
+        let mut out = cpu.upload_f32(&vec![f32::NAN; tokens * heads * hd]).unwrap();
+        cpu.attention(&cpu.upload_f32(&all_q).unwrap(), &cache, &mut out, &meta, &layout, &params).unwrap();
+        let got = cpu.download_f32(&out).unwrap();
+        let err = got.iter().zip(&dense).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(err < 1e-5, "window {window:?}: max error {err}");
+    }
+}
+
+#[test]
+fn attention_rejects_positions_beyond_context_and_bad_pages() {
+    let cpu = CpuBackend::new();
+    let layout = KvLayout { num_layers: 1, num_kv_heads: 1, head_dim: 2, block_size: 2 };
+    let cache = cpu.zeros(2 * layout.page_elems()).unwrap();
+    let params = AttentionParams { layer: 0, num_heads: 1, num_kv_heads: 1, head_dim: 2, scale: 1.0, sliding_window: None };
+    let meta = |pos: u32, page: u32| BatchMeta {
+        num_seqs: 1,
+        num_tokens: 1,
+        max_blocks_per_seq: 2,
+        positions: cpu.upload_u32(&[pos]).unwrap(),
+        slots: cpu.upload_u32(&[0]).unwrap(),
+        seq_starts: cpu.upload_u32(&[0, 1]).unwrap(),
+        context_lens: cpu.upload_u32(&[3]).unwrap(),
+        block_tables: cpu.upload_u32(&[0, page]).unwrap(),
+    };
+    let q = cpu.upload_f32(&[1.0, 1.0]).unwrap();
+    let mut out = cpu.zeros(2).unwrap();
+    cpu.attention(&q, &cache, &mut out, &meta(2, 1), &layout, &params).unwrap();
+    assert!(cpu.attention(&q, &cache, &mut out, &meta(3, 1), &layout, &params).is_err());
+    assert!(cpu.attention(&q, &cache, &mut out, &meta(2, 5), &layout, &params).is_err());
+}
+
+#[test]
+fn rope_rotates_halves() {
+    let cpu = CpuBackend::new();
+    // head_dim 4, one head; position 1 has angles (a, b).
+    let (a, b) = (0.3f32, 1.1f32);
+    let table = cpu.upload_f32(&[1.0, 1.0, 0.0, 0.0, a.cos(), b.cos(), a.sin(), b.sin()]).unwrap();
+    let mut x = cpu.upload_f32(&[1.0, 2.0, 3.0, 4.0]).unwrap();
+    cpu.rope(&mut x, &cpu.upload_u32(&[1]).unwrap(), &table, 1, 4).unwrap();
+    let got = cpu.download_f32(&x).unwrap();
+    let want = [1.0 * a.cos() - 3.0 * a.sin(), 2.0 * b.cos() - 4.0 * b.sin(), 3.0 * a.cos() + 1.0 * a.sin(), 4.0 * b.cos() + 2.0 * b.sin()];
+    for (g, w) in got.iter().zip(want) {
+        assert!((g - w).abs() < 1e-6);
+    }
+    assert!(cpu.rope(&mut x, &cpu.upload_u32(&[2]).unwrap(), &table, 1, 4).is_err());
+}

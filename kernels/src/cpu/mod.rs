@@ -1,0 +1,118 @@
+//! The CPU backend: f32 arithmetic on host memory, matmuls through packed weights, rayon for the
+//! row-parallel ops. It is the reference every other backend is compared against.
+
+mod attention;
+mod matmul;
+mod ops;
+
+use crate::{DType, KernelError, Memory, Result};
+
+pub use matmul::CpuWeight;
+
+/// The CPU device. Work runs on rayon's global pool; size it with `RAYON_NUM_THREADS` or
+/// `rayon::ThreadPoolBuilder` before the first op.
+#[derive(Debug, Default, Clone)]
+pub struct CpuBackend {}
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        Self {}
+    }
+}
+
+/// A buffer in host memory.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CpuBuffer {
+    F32(Vec<f32>),
+    U32(Vec<u32>),
+}
+
+impl CpuBuffer {
+    pub fn dtype(&self) -> DType {
+        match self {
+            CpuBuffer::F32(_) => DType::F32,
+            CpuBuffer::U32(_) => DType::U32,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            CpuBuffer::F32(v) => v.len(),
+            CpuBuffer::U32(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub(crate) fn f32(&self, op: &'static str) -> Result<&[f32]> {
+        match self {
+            CpuBuffer::F32(v) => Ok(v),
+            other => Err(KernelError::DType { op, expected: DType::F32, actual: other.dtype() }),
+        }
+    }
+
+    pub(crate) fn f32_mut(&mut self, op: &'static str) -> Result<&mut [f32]> {
+        match self {
+            CpuBuffer::F32(v) => Ok(v),
+            other => Err(KernelError::DType { op, expected: DType::F32, actual: other.dtype() }),
+        }
+    }
+
+    pub(crate) fn u32(&self, op: &'static str) -> Result<&[u32]> {
+        match self {
+            CpuBuffer::U32(v) => Ok(v),
+            other => Err(KernelError::DType { op, expected: DType::U32, actual: other.dtype() }),
+        }
+    }
+}
+
+/// Fails with a shape error unless `len` is at least `need`.
+pub(crate) fn ensure_len(op: &'static str, what: &str, len: usize, need: usize) -> Result<()> {
+    if len < need {
+        return Err(KernelError::Shape { op, detail: format!("{what} holds {len} elements, {need} needed") });
+    }
+    Ok(())
+}
+
+/// Fails with a shape error unless `len` is a whole number of `dim`-long rows.
+pub(crate) fn rows_of(op: &'static str, what: &str, len: usize, dim: usize) -> Result<usize> {
+    if dim == 0 || len % dim != 0 {
+        return Err(KernelError::Shape { op, detail: format!("{what} holds {len} elements, not a multiple of the row length {dim}") });
+    }
+    Ok(len / dim)
+}
+
+impl Memory for CpuBackend {
+    type Buffer = CpuBuffer;
+    type Weight = CpuWeight;
+
+    fn device_name(&self) -> String {
+        "cpu".to_string()
+    }
+
+    fn zeros(&self, len: usize) -> Result<CpuBuffer> {
+        let mut v = Vec::new();
+        v.try_reserve_exact(len)
+            .map_err(|_| KernelError::OutOfMemory { device: self.device_name(), bytes: len.saturating_mul(4) })?;
+        v.resize(len, 0.0);
+        Ok(CpuBuffer::F32(v))
+    }
+
+    fn upload_f32(&self, data: &[f32]) -> Result<CpuBuffer> {
+        Ok(CpuBuffer::F32(data.to_vec()))
+    }
+
+    fn upload_u32(&self, data: &[u32]) -> Result<CpuBuffer> {
+        Ok(CpuBuffer::U32(data.to_vec()))
+    }
+
+    fn download_f32(&self, buf: &CpuBuffer) -> Result<Vec<f32>> {
+        Ok(buf.f32("download_f32")?.to_vec())
+    }
+
+    fn load_weight(&self, data: &[f32], out_features: usize, in_features: usize) -> Result<CpuWeight> {
+        CpuWeight::pack(data, out_features, in_features)
+    }
+}

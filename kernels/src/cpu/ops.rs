@@ -1,0 +1,176 @@
+//! Row-wise CPU ops: embedding, RMS norm, SiLU·mul, add, row gather, argmax.
+
+use rayon::prelude::*;
+
+use super::{CpuBackend, CpuBuffer, CpuWeight, ensure_len, rows_of};
+use crate::{DenseOps, KernelError, Result, SamplingOps};
+
+/// Below this many elements an elementwise op runs on the calling thread.
+const PAR_MIN_ELEMS: usize = 1 << 14;
+
+impl DenseOps for CpuBackend {
+    fn embedding(&self, table: &CpuBuffer, ids: &CpuBuffer, out: &mut CpuBuffer, hidden: usize) -> Result<()> {
+        const OP: &str = "embedding";
+        let table = table.f32(OP)?;
+        let vocab = rows_of(OP, "table", table.len(), hidden)?;
+        let ids = ids.u32(OP)?;
+        let out = out.f32_mut(OP)?;
+        ensure_len(OP, "out", out.len(), ids.len() * hidden)?;
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(KernelError::Index { op: OP, index: bad as usize, limit: vocab });
+        }
+        out[..ids.len() * hidden].par_chunks_mut(hidden).zip(ids.par_iter()).for_each(|(row, &id)| {
+            let start = id as usize * hidden;
+            row.copy_from_slice(&table[start..start + hidden]);
+        });
+        Ok(())
+    }
+
+    fn rms_norm(&self, x: &CpuBuffer, weight: &CpuBuffer, out: &mut CpuBuffer, eps: f32) -> Result<()> {
+        const OP: &str = "rms_norm";
+        let weight = weight.f32(OP)?;
+        let dim = weight.len();
+        let x = x.f32(OP)?;
+        let rows = rows_of(OP, "x", x.len(), dim)?;
+        let out = out.f32_mut(OP)?;
+        ensure_len(OP, "out", out.len(), rows * dim)?;
+        out[..rows * dim].par_chunks_mut(dim).zip(x.par_chunks(dim)).for_each(|(o, xr)| {
+            let sum_sq: f32 = xr.iter().map(|v| v * v).sum();
+            let inv = 1.0 / (sum_sq / dim as f32 + eps).sqrt();
+            for ((o, &v), &w) in o.iter_mut().zip(xr).zip(weight) {
+                *o = w * (v * inv);
+            }
+        });
+        Ok(())
+    }
+
+    fn matmul(&self, x: &CpuBuffer, w: &CpuWeight, bias: Option<&CpuBuffer>, out: &mut CpuBuffer, rows: usize) -> Result<()> {
+        self.matmul_impl(x, w, bias, out, rows)
+    }
+
+    fn silu_mul(&self, gate: &CpuBuffer, up: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        const OP: &str = "silu_mul";
+        let gate = gate.f32(OP)?;
+        let up = up.f32(OP)?;
+        ensure_len(OP, "up", up.len(), gate.len())?;
+        let out = out.f32_mut(OP)?;
+        ensure_len(OP, "out", out.len(), gate.len())?;
+        let n = gate.len();
+        let f = |(o, (&g, &u)): (&mut f32, (&f32, &f32))| *o = g / (1.0 + (-g).exp()) * u;
+        if n >= PAR_MIN_ELEMS {
+            out[..n].par_iter_mut().zip(gate.par_iter().zip(up.par_iter())).for_each(f);
+        } else {
+            out[..n].iter_mut().zip(gate.iter().zip(up.iter())).for_each(f);
+        }
+        Ok(())
+    }
+
+    fn add_assign(&self, acc: &mut CpuBuffer, x: &CpuBuffer) -> Result<()> {
+        const OP: &str = "add_assign";
+        let x = x.f32(OP)?;
+        let acc = acc.f32_mut(OP)?;
+        ensure_len(OP, "x", x.len(), acc.len())?;
+        let n = acc.len();
+        if n >= PAR_MIN_ELEMS {
+            acc.par_iter_mut().zip(x[..n].par_iter()).for_each(|(a, &b)| *a += b);
+        } else {
+            acc.iter_mut().zip(&x[..n]).for_each(|(a, &b)| *a += b);
+        }
+        Ok(())
+    }
+
+    fn gather_rows(&self, x: &CpuBuffer, rows: &CpuBuffer, out: &mut CpuBuffer, dim: usize) -> Result<()> {
+        const OP: &str = "gather_rows";
+        let x = x.f32(OP)?;
+        let total = rows_of(OP, "x", x.len(), dim)?;
+        let rows = rows.u32(OP)?;
+        let out = out.f32_mut(OP)?;
+        ensure_len(OP, "out", out.len(), rows.len() * dim)?;
+        for (o, &r) in out.chunks_exact_mut(dim).zip(rows) {
+            let r = r as usize;
+            if r >= total {
+                return Err(KernelError::Index { op: OP, index: r, limit: total });
+            }
+            o.copy_from_slice(&x[r * dim..(r + 1) * dim]);
+        }
+        Ok(())
+    }
+}
+
+impl SamplingOps for CpuBackend {
+    fn argmax_rows(&self, logits: &CpuBuffer, vocab: usize) -> Result<Vec<u32>> {
+        const OP: &str = "argmax_rows";
+        let logits = logits.f32(OP)?;
+        rows_of(OP, "logits", logits.len(), vocab)?;
+        Ok(logits.par_chunks(vocab).map(argmax).collect())
+    }
+}
+
+/// Index of the first largest value; NaNs never win.
+pub(crate) fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut best_val = f32::NEG_INFINITY;
+    for (i, &v) in row.iter().enumerate() {
+        if v > best_val {
+            best = i;
+            best_val = v;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Memory;
+
+    #[test]
+    fn rms_norm_matches_formula() {
+        let cpu = CpuBackend::new();
+        let x = cpu.upload_f32(&[1.0, 2.0, 3.0, 4.0, -1.0, 0.0, 0.5, 2.0]).unwrap();
+        let w = cpu.upload_f32(&[0.5, 1.0, 1.5, 2.0]).unwrap();
+        let mut out = cpu.zeros(8).unwrap();
+        cpu.rms_norm(&x, &w, &mut out, 1e-5).unwrap();
+        let got = cpu.download_f32(&out).unwrap();
+        let rms0 = ((1.0 + 4.0 + 9.0 + 16.0) / 4.0f32 + 1e-5).sqrt();
+        assert!((got[3] - 4.0 / rms0 * 2.0).abs() < 1e-6);
+        let rms1 = ((1.0 + 0.0 + 0.25 + 4.0) / 4.0f32 + 1e-5).sqrt();
+        assert!((got[4] - (-1.0 / rms1 * 0.5)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn embedding_rejects_out_of_vocab_ids() {
+        let cpu = CpuBackend::new();
+        let table = cpu.upload_f32(&[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
+        let mut out = cpu.zeros(4).unwrap();
+        cpu.embedding(&table, &cpu.upload_u32(&[2, 0]).unwrap(), &mut out, 2).unwrap();
+        assert_eq!(cpu.download_f32(&out).unwrap(), vec![4.0, 5.0, 0.0, 1.0]);
+        let err = cpu.embedding(&table, &cpu.upload_u32(&[3]).unwrap(), &mut out, 2).unwrap_err();
+        assert!(matches!(err, KernelError::Index { index: 3, limit: 3, .. }), "{err}");
+    }
+
+    #[test]
+    fn silu_mul_add_gather_argmax() {
+        let cpu = CpuBackend::new();
+        let gate = cpu.upload_f32(&[0.0, 1.0, -2.0]).unwrap();
+        let up = cpu.upload_f32(&[3.0, 2.0, 1.0]).unwrap();
+        let mut out = cpu.zeros(3).unwrap();
+        cpu.silu_mul(&gate, &up, &mut out).unwrap();
+        let got = cpu.download_f32(&out).unwrap();
+        let silu = |g: f32| g / (1.0 + (-g).exp());
+        assert_eq!(got, vec![0.0, silu(1.0) * 2.0, silu(-2.0)]);
+
+        let mut acc = cpu.upload_f32(&[1.0, 1.0, 1.0]).unwrap();
+        cpu.add_assign(&mut acc, &up).unwrap();
+        assert_eq!(cpu.download_f32(&acc).unwrap(), vec![4.0, 3.0, 2.0]);
+
+        let x = cpu.upload_f32(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+        let mut g = cpu.zeros(4).unwrap();
+        cpu.gather_rows(&x, &cpu.upload_u32(&[2, 0]).unwrap(), &mut g, 2).unwrap();
+        assert_eq!(cpu.download_f32(&g).unwrap(), vec![5.0, 6.0, 1.0, 2.0]);
+        assert!(cpu.gather_rows(&x, &cpu.upload_u32(&[3]).unwrap(), &mut g, 2).is_err());
+
+        let logits = cpu.upload_f32(&[0.5, 2.0, 2.0, f32::NAN, -1.0, f32::NAN]).unwrap();
+        assert_eq!(cpu.argmax_rows(&logits, 3).unwrap(), vec![1, 1]);
+    }
+}
