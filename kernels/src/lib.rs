@@ -12,6 +12,7 @@
 
 pub mod cpu;
 mod layout;
+pub mod mmap;
 
 pub use layout::{AttentionParams, BatchMeta, KvLayout};
 

@@ -2,3 +2,14 @@
 //!
 //! This crate holds the engine (model, memory, sampling) and the command-line front end.
 #![forbid(unsafe_code)]
+
+pub mod bench;
+pub mod cli;
+pub mod config;
+pub mod engine;
+pub mod memory;
+pub mod model;
+pub mod request;
+pub mod sampling;
+pub mod synth;
+pub mod tokenizer;

@@ -1,3 +1,23 @@
 #![forbid(unsafe_code)]
 
-fn main() {}
+use std::process::ExitCode;
+
+use clap::Parser;
+use loraplex::cli;
+use loraplex::config::{BenchCommand, Cli, Command};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Command::Generate(args) => cli::generate::run(args),
+        Command::Synth(args) => cli::synth(args),
+        Command::Bench { which: BenchCommand::Engine(args) } => loraplex::bench::engine::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

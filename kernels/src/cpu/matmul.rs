@@ -1,25 +1,34 @@
 //! `out[rows, n] = x[rows, k] · Wᵀ (+ bias)` on the CPU.
 
-use super::{CpuBackend, CpuBuffer, ensure_len};
+use super::{CpuBackend, CpuBuffer, ensure_len, packed};
 use crate::{KernelError, Result};
 
-/// A linear layer's weight, `[out_features, in_features]` row-major as in HF checkpoints.
+/// A linear layer's weight. On CPUs with AVX-512 it is packed into panels for the kernels of
+/// [`super::packed`]; elsewhere it stays `[out_features, in_features]` row-major, as in HF
+/// checkpoints, for the `gemm` crate.
 #[derive(Debug, Clone)]
 pub struct CpuWeight {
     data: Vec<f32>,
+    packed: bool,
     out_features: usize,
     in_features: usize,
 }
 
 impl CpuWeight {
     pub(crate) fn pack(data: &[f32], out_features: usize, in_features: usize) -> Result<Self> {
+        Self::with_layout(data, out_features, in_features, packed::available())
+    }
+
+    /// Builds the weight in the packed or the plain layout.
+    fn with_layout(data: &[f32], out_features: usize, in_features: usize, packed: bool) -> Result<Self> {
         if data.len() != out_features * in_features || out_features == 0 || in_features == 0 {
             return Err(KernelError::Shape {
                 op: "load_weight",
                 detail: format!("{} elements for a [{out_features}, {in_features}] weight", data.len()),
             });
         }
-        Ok(Self { data: data.to_vec(), out_features, in_features })
+        let data = if packed { packed::pack(data, out_features, in_features) } else { data.to_vec() };
+        Ok(Self { data, packed, out_features, in_features })
     }
 
     pub fn out_features(&self) -> usize {
@@ -54,6 +63,10 @@ impl CpuBackend {
             return Ok(());
         }
         let out = &mut out[..rows * n];
+        if w.packed {
+            packed::matmul(x, &w.data, bias, out, rows, k, n);
+            return Ok(());
+        }
         if let Some(b) = bias {
             for row in out.chunks_exact_mut(n) {
                 row.copy_from_slice(&b[..n]);
@@ -126,12 +139,15 @@ mod tests {
     #[test]
     fn matches_naive_product_on_odd_shapes() {
         let cpu = CpuBackend::new();
-        for &(rows, k, n) in &[(1, 7, 5), (3, 33, 17), (17, 64, 48), (64, 130, 97), (5, 1, 1)] {
+        for &(rows, k, n) in &[(1, 7, 5), (3, 33, 17), (17, 64, 48), (64, 130, 97), (5, 1, 1), (200, 40, 33)] {
             let x = pseudo_random(rows * k, 1);
             let w = pseudo_random(n * k, 2);
             let b = pseudo_random(n, 3);
-            let weight = cpu.load_weight(&w, n, k).unwrap();
-            for with_bias in [false, true] {
+            let layouts = if packed::available() { vec![false, true] } else { vec![false] };
+            for (weight, with_bias) in layouts
+                .into_iter()
+                .flat_map(|p| [false, true].map(|b| (CpuWeight::with_layout(&w, n, k, p).unwrap(), b)))
+            {
                 let mut out = cpu.upload_f32(&vec![f32::NAN; rows * n]).unwrap();
                 let bias_buf = cpu.upload_f32(&b).unwrap();
                 cpu.matmul(&cpu.upload_f32(&x).unwrap(), &weight, with_bias.then_some(&bias_buf), &mut out, rows)
@@ -139,7 +155,7 @@ mod tests {
                 let got = cpu.download_f32(&out).unwrap();
                 let want = reference(&x, &w, with_bias.then_some(&b[..]), rows, k, n);
                 for (g, w) in got.iter().zip(&want) {
-                    assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "rows={rows} k={k} n={n}: {g} vs {w}");
+                    assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "rows={rows} k={k} n={n} packed={}: {g} vs {w}", weight.packed);
                 }
             }
         }
@@ -154,5 +170,32 @@ mod tests {
         let err = cpu.matmul(&x, &weight, None, &mut out, 2).unwrap_err();
         assert!(err.to_string().contains("x holds 5 elements, 6 needed"), "{err}");
         assert!(cpu.load_weight(&[1.0; 5], 2, 3).is_err());
+    }
+}
+
+#[cfg(test)]
+mod batch_invariance {
+    use super::*;
+    use crate::{DenseOps, Memory};
+
+    /// A row's output is bit-identical whether it is multiplied alone or inside a larger batch.
+    #[test]
+    fn rows_do_not_depend_on_their_batch() {
+        let cpu = CpuBackend::new();
+        let (k, n) = (70, 45);
+        let w: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+        let x: Vec<f32> = (0..30 * k).map(|i| ((i * 53 % 97) as f32 - 48.0) / 48.0).collect();
+        let weight = cpu.load_weight(&w, n, k).unwrap();
+        let mut all = cpu.zeros(30 * n).unwrap();
+        cpu.matmul(&cpu.upload_f32(&x).unwrap(), &weight, None, &mut all, 30).unwrap();
+        let all = cpu.download_f32(&all).unwrap();
+        if !packed::available() {
+            return;
+        }
+        for r in [0, 13, 29] {
+            let mut one = cpu.zeros(n).unwrap();
+            cpu.matmul(&cpu.upload_f32(&x[r * k..(r + 1) * k]).unwrap(), &weight, None, &mut one, 1).unwrap();
+            assert_eq!(cpu.download_f32(&one).unwrap(), all[r * n..(r + 1) * n].to_vec(), "row {r}");
+        }
     }
 }

@@ -4,6 +4,8 @@
 mod attention;
 mod matmul;
 mod ops;
+mod packed;
+pub mod probe;
 
 use crate::{DType, KernelError, Memory, Result};
 

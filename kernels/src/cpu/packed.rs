@@ -1,0 +1,158 @@
+//! A matmul for decode-shaped products (few activation rows, a large weight), on AVX-512.
+//!
+//! The weight `[n, k]` is packed once, at load, into panels of [`NR`] output features:
+//! `panel[p][kk][j] = W[p * NR + j][kk]` (zero beyond `n`). A panel is read front to back, which
+//! streams memory at full bandwidth when one row is multiplied, and stays in L2 while blocks of
+//! [`MR`] activation rows reuse it when many are. Each microkernel call computes an `MR x NR`
+//! tile in 24 zmm accumulators: per `kk`, two loads of the panel, one broadcast per row, and two
+//! FMAs per row.
+//!
+//! Every output element is accumulated in the same order (bias, then `kk = 0, 1, ..`) whatever
+//! the tile height, so a row's result does not depend on which other rows share its batch.
+
+use std::arch::x86_64::*;
+
+use rayon::prelude::*;
+
+/// Output features per panel: two zmm registers.
+pub const NR: usize = 32;
+/// Activation rows per microkernel tile.
+pub const MR: usize = 12;
+/// Activation rows kept hot in L2 while every panel passes over them.
+const ROW_CHUNK: usize = 96;
+
+/// Whether this CPU can run the packed kernels.
+pub fn available() -> bool {
+    is_x86_feature_detected!("avx512f")
+}
+
+/// Packs `w` (`[n, k]`, row-major) into `NR`-wide panels.
+pub fn pack(w: &[f32], n: usize, k: usize) -> Vec<f32> {
+    let panels = n.div_ceil(NR);
+    let mut out = vec![0f32; panels * k * NR];
+    out.par_chunks_mut(k * NR).enumerate().for_each(|(p, panel)| {
+        for j in 0..NR.min(n - p * NR) {
+            let row = &w[(p * NR + j) * k..(p * NR + j + 1) * k];
+            for (kk, &v) in row.iter().enumerate() {
+                panel[kk * NR + j] = v;
+            }
+        }
+    });
+    out
+}
+
+/// Destination pointer shared by the tasks of one matmul; each task writes only the columns of
+/// its own panels.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint column ranges of the output (one panel each), never the same
+// element, and the pointer outlives the parallel loop that uses it (see `matmul`).
+unsafe impl Send for OutPtr {}
+// SAFETY: as above; the pointer itself is only copied, never written through concurrently at
+// the same address.
+unsafe impl Sync for OutPtr {}
+
+/// `out[rows, n] = x[rows, k] · Wᵀ (+ bias)` with `packed` from [`pack`]. The caller has checked
+/// every length: `x.len() >= rows * k`, `out.len() >= rows * n`, `packed.len() == panels * k * NR`,
+/// `bias.len() >= n`; and [`available`] returned true.
+pub fn matmul(x: &[f32], packed: &[f32], bias: Option<&[f32]>, out: &mut [f32], rows: usize, k: usize, n: usize) {
+    assert!(x.len() >= rows * k && out.len() >= rows * n && packed.len() == n.div_ceil(NR) * k * NR);
+    assert!(bias.is_none_or(|b| b.len() >= n) && available());
+    let dst = OutPtr(out.as_mut_ptr());
+    let panels = n.div_ceil(NR);
+    for r0 in (0..rows).step_by(ROW_CHUNK) {
+        let chunk_rows = ROW_CHUNK.min(rows - r0);
+        (0..panels).into_par_iter().for_each(|p| {
+            let dst = dst;
+            let panel = &packed[p * k * NR..(p + 1) * k * NR];
+            let cols = NR.min(n - p * NR);
+            let bias = bias.map(|b| &b[p * NR..p * NR + cols]);
+            let mut r = r0;
+            while r < r0 + chunk_rows {
+                let mr = MR.min(r0 + chunk_rows - r);
+                // SAFETY: rows r..r+mr of x are within x (rows * k checked above); the tile
+                // r..r+mr x p*NR..p*NR+cols lies inside out (rows * n) and belongs to this
+                // panel's task only; AVX-512 availability was checked above.
+                unsafe {
+                    let xp = x.as_ptr().add(r * k);
+                    let op = dst.0.add(r * n + p * NR);
+                    tile(mr, k, xp, panel.as_ptr(), op, n, cols, bias);
+                }
+                r += mr;
+            }
+        });
+    }
+}
+
+/// Dispatches a tile of `mr` rows to the kernel compiled for that row count.
+///
+/// # Safety
+/// `x` points at `mr` rows of `k` floats with stride `k`; `w` at a `k x NR` panel; `out` at `mr`
+/// rows of at least `cols` floats with stride `out_rs`; AVX-512F is available.
+#[inline]
+unsafe fn tile(mr: usize, k: usize, x: *const f32, w: *const f32, out: *mut f32, out_rs: usize, cols: usize, bias: Option<&[f32]>) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        match mr {
+            1 => kernel::<1>(k, x, w, out, out_rs, cols, bias),
+            2 => kernel::<2>(k, x, w, out, out_rs, cols, bias),
+            3 => kernel::<3>(k, x, w, out, out_rs, cols, bias),
+            4 => kernel::<4>(k, x, w, out, out_rs, cols, bias),
+            5 => kernel::<5>(k, x, w, out, out_rs, cols, bias),
+            6 => kernel::<6>(k, x, w, out, out_rs, cols, bias),
+            7 => kernel::<7>(k, x, w, out, out_rs, cols, bias),
+            8 => kernel::<8>(k, x, w, out, out_rs, cols, bias),
+            9 => kernel::<9>(k, x, w, out, out_rs, cols, bias),
+            10 => kernel::<10>(k, x, w, out, out_rs, cols, bias),
+            11 => kernel::<11>(k, x, w, out, out_rs, cols, bias),
+            _ => kernel::<12>(k, x, w, out, out_rs, cols, bias),
+        }
+    }
+}
+
+/// Initial accumulators of one tile row: the bias, or zero.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn init(bias: Option<&[f32]>, mask_lo: __mmask16, mask_hi: __mmask16) -> [__m512; 2] {
+    match bias {
+        // SAFETY: the masks cover only the first `cols <= bias.len()` elements.
+        Some(b) => unsafe { [_mm512_maskz_loadu_ps(mask_lo, b.as_ptr()), _mm512_maskz_loadu_ps(mask_hi, b.as_ptr().add(16))] },
+        None => [_mm512_setzero_ps(); 2],
+    }
+}
+
+/// Lane masks for the first `cols` of the two halves of a panel.
+#[inline]
+fn masks(cols: usize) -> (__mmask16, __mmask16) {
+    let lo = if cols >= 16 { 0xFFFF } else { (1u32 << cols) as u16 - 1 };
+    let hi = if cols >= 32 { 0xFFFF } else if cols > 16 { (1u32 << (cols - 16)) as u16 - 1 } else { 0 };
+    (lo, hi)
+}
+
+/// `MR`-row tile.
+///
+/// # Safety
+/// See [`tile`].
+#[target_feature(enable = "avx512f")]
+unsafe fn kernel<const M: usize>(k: usize, x: *const f32, w: *const f32, out: *mut f32, out_rs: usize, cols: usize, bias: Option<&[f32]>) {
+    let (mlo, mhi) = masks(cols);
+    // SAFETY: all reads are x[i * k + kk] for i < M, kk < k and w[kk * NR .. kk * NR + 32];
+    // all writes are masked to the first `cols` columns of the M output rows (see `tile`).
+    unsafe {
+        let start = init(bias, mlo, mhi);
+        let mut acc = [start; M];
+        for kk in 0..k {
+            let w0 = _mm512_loadu_ps(w.add(kk * NR));
+            let w1 = _mm512_loadu_ps(w.add(kk * NR + 16));
+            for (i, a) in acc.iter_mut().enumerate() {
+                let xv = _mm512_set1_ps(*x.add(i * k + kk));
+                a[0] = _mm512_fmadd_ps(xv, w0, a[0]);
+                a[1] = _mm512_fmadd_ps(xv, w1, a[1]);
+            }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            _mm512_mask_storeu_ps(out.add(i * out_rs), mlo, a[0]);
+            _mm512_mask_storeu_ps(out.add(i * out_rs + 16), mhi, a[1]);
+        }
+    }
+}

@@ -1,0 +1,53 @@
+//! Measurements of this machine's limits, taken by the benchmarks in the same run as the
+//! figures they are compared against.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use super::CpuBackend;
+use crate::{DenseOps, Memory, Result};
+
+/// Read bandwidth of main memory in bytes/s: the best of `reps` parallel passes summing a buffer
+/// of `bytes` (make it several times the last-level cache).
+pub fn read_bandwidth(bytes: usize, reps: usize) -> f64 {
+    let len = bytes / 4;
+    let data: Vec<f32> = (0..len).into_par_iter().map(|i| (i % 7) as f32).collect();
+    let chunk = len.div_ceil(rayon::current_num_threads().max(1) * 4).max(1 << 16);
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        let s: f32 = data.par_chunks(chunk).map(sum_lanes).sum();
+        let dt = t.elapsed().as_secs_f64();
+        std::hint::black_box(s);
+        best = best.min(dt);
+    }
+    (len * 4) as f64 / best
+}
+
+fn sum_lanes(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for i in 0..16 {
+            acc[i] += c[i];
+        }
+    }
+    acc.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
+}
+
+/// The backend's matmul throughput in FLOP/s on a large square product (`n`×`n`×`n`), the best
+/// of `reps` runs.
+pub fn matmul_peak(cpu: &CpuBackend, n: usize, reps: usize) -> Result<f64> {
+    let x = cpu.upload_f32(&vec![0.5; n * n])?;
+    let w = cpu.load_weight(&vec![0.25; n * n], n, n)?;
+    let mut out = cpu.zeros(n * n)?;
+    cpu.matmul(&x, &w, None, &mut out, n)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        cpu.matmul(&x, &w, None, &mut out, n)?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(2.0 * (n * n * n) as f64 / best)
+}

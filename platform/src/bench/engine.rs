@@ -1,0 +1,245 @@
+//! `loraplex bench engine`: decode throughput at several batch sizes and prefill throughput of
+//! the base model, each as model FLOP utilization (MFU, against the matmul peak) and model
+//! bandwidth utilization (MBU, against the memory read bandwidth), both measured in this run.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use loraplex_kernels::Backend;
+use loraplex_kernels::cpu::{CpuBackend, probe};
+use serde::Serialize;
+
+use crate::config::BenchEngineArgs;
+use crate::engine::{Engine, EngineConfig};
+use crate::model::{self, Model, ModelConfig};
+use crate::request::{GenerationRequest, StopConditions};
+use crate::sampling::SamplingParams;
+use crate::synth;
+use crate::tokenizer::Tokenizer;
+
+/// MFU target at the largest decode batch and MBU target at batch 1.
+const MFU_TARGET: f64 = 0.5;
+const MBU_TARGET: f64 = 0.6;
+
+#[derive(Debug, Serialize)]
+struct Machine {
+    threads: usize,
+    matmul_peak_gflops: f64,
+    read_bandwidth_gbs: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct ModelInfo {
+    source: String,
+    parameters: u64,
+    weight_bytes: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct Row {
+    phase: &'static str,
+    batch: usize,
+    context: usize,
+    tokens_per_s: f64,
+    step_ms: f64,
+    gflops: f64,
+    mfu: f64,
+    gbs: f64,
+    mbu: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    machine: Machine,
+    model: ModelInfo,
+    rows: Vec<Row>,
+    mfu_target_at_largest_batch: f64,
+    mbu_target_at_batch_1: f64,
+}
+
+/// FLOPs and bytes of the model, for utilization figures.
+struct Costs {
+    /// Matmul FLOPs of one token through every layer (without the LM head).
+    layer_flops_per_token: f64,
+    head_flops: f64,
+    /// Weight bytes read by one forward (every linear layer, the LM head, the norms).
+    weight_bytes: f64,
+    /// Attention FLOPs per (query, key) pair summed over layers.
+    attn_flops_per_pair: f64,
+    /// KV bytes per cached token summed over layers.
+    kv_bytes_per_token: f64,
+}
+
+impl Costs {
+    fn of(c: &ModelConfig) -> Self {
+        let (h, i) = (c.hidden_size as f64, c.intermediate_size as f64);
+        let (q, kv) = ((c.num_heads * c.head_dim) as f64, (c.num_kv_heads * c.head_dim) as f64);
+        let per_layer = h * q + 2.0 * h * kv + q * h + 3.0 * h * i;
+        let layers = c.num_layers as f64;
+        let head = h * c.vocab_size as f64;
+        Costs {
+            layer_flops_per_token: 2.0 * per_layer * layers,
+            head_flops: 2.0 * head,
+            weight_bytes: 4.0 * (per_layer * layers + head + (2.0 * layers + 1.0) * h),
+            attn_flops_per_pair: 4.0 * q * layers,
+            kv_bytes_per_token: 4.0 * 2.0 * kv * layers,
+        }
+    }
+}
+
+pub fn run(args: &BenchEngineArgs) -> anyhow::Result<()> {
+    crate::cli::init_threads(args.threads)?;
+    let tmp;
+    let (dir, source) = match &args.model {
+        Some(dir) => (dir.clone(), dir.display().to_string()),
+        None => {
+            tmp = tempfile::tempdir().context("creating a directory for the synthesized model")?;
+            eprintln!("synthesizing the {:?} model ...", args.preset);
+            synth::synthesize_model(&synth::SynthOptions { out: tmp.path().to_path_buf(), preset: args.preset, seed: 0 })?;
+            (tmp.path().to_path_buf(), format!("synth {:?}", args.preset).to_lowercase())
+        }
+    };
+    let backend = Arc::new(CpuBackend::new());
+    eprintln!("measuring the machine ...");
+    let machine = Machine {
+        threads: rayon::current_num_threads(),
+        matmul_peak_gflops: probe::matmul_peak(&backend, 2048, 5)? / 1e9,
+        read_bandwidth_gbs: probe::read_bandwidth(1 << 30, 5) / 1e9,
+    };
+    let model = Arc::new(model::load(backend, &dir)?);
+    let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);
+    let c = model.config().clone();
+    let costs = Costs::of(&c);
+    let info = ModelInfo {
+        source,
+        parameters: (costs.weight_bytes / 4.0 + if c.tie_word_embeddings { 0.0 } else { (c.vocab_size * c.hidden_size) as f64 }) as u64,
+        weight_bytes: costs.weight_bytes as u64,
+    };
+    let mut rows = Vec::new();
+    for &batch in &args.batches {
+        eprintln!("decode, batch {batch} ...");
+        rows.push(decode_row(&model, &tokenizer, &costs, &machine, batch, args)?);
+    }
+    eprintln!("prefill, {} tokens ...", args.prefill_tokens);
+    rows.push(prefill_row(&model, &tokenizer, &costs, &machine, args)?);
+    let report = Report { machine, model: info, rows, mfu_target_at_largest_batch: MFU_TARGET, mbu_target_at_batch_1: MBU_TARGET };
+    print_table(&report);
+    std::fs::write(&args.out, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", args.out.display()))?;
+    println!("report written to {}", args.out.display());
+    Ok(())
+}
+
+fn prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
+    // Deterministic, varied ids; id 0..5 are special tokens in synthesized vocabularies.
+    (0..len).map(|i| (5 + (i * 7919 + salt * 104_729) % (vocab - 5)) as u32).collect()
+}
+
+fn engine_for<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, seqs: usize, tokens: usize, batch_tokens: usize) -> anyhow::Result<Engine<B>> {
+    let layout = model.kv_layout(16);
+    let pages = seqs * tokens.div_ceil(16) + 1;
+    let config = EngineConfig { block_size: 16, pool_bytes: pages * layout.page_elems() * 4, max_batch_tokens: batch_tokens, max_running: seqs };
+    Ok(Engine::new(model.clone(), tok.clone(), config)?)
+}
+
+fn request<B: Backend>(model: &Model<B>, prompt: Vec<u32>, new_tokens: usize) -> anyhow::Result<crate::request::ValidRequest> {
+    let stop = StopConditions { max_new_tokens: new_tokens, ignore_eos: true, ..Default::default() };
+    Ok(GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop }.validate(model.config())?)
+}
+
+fn decode_row<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, costs: &Costs, m: &Machine, batch: usize, args: &BenchEngineArgs) -> anyhow::Result<Row> {
+    let (ctx, steps) = (args.context, args.steps.max(1));
+    let warmup = 2;
+    let mut engine = engine_for(model, tok, batch, ctx + warmup + steps + 1, ctx * batch.min(16))?;
+    for s in 0..batch {
+        engine.add(request(model, prompt(ctx, model.config().vocab_size, s), warmup + steps + 1)?)?;
+    }
+    // Prefill every prompt and take a couple of untimed decode steps.
+    let mut first_tokens = 0;
+    while first_tokens < batch {
+        first_tokens += engine.step()?.len();
+    }
+    for _ in 0..warmup {
+        engine.step()?;
+    }
+    let t = Instant::now();
+    let mut produced = 0;
+    for _ in 0..steps {
+        produced += engine.step()?.len();
+    }
+    let dt = t.elapsed().as_secs_f64();
+    anyhow::ensure!(produced == batch * steps, "expected {} tokens, the engine produced {produced}", batch * steps);
+    let avg_ctx = (ctx + warmup + 1) as f64 + steps as f64 / 2.0;
+    let step_s = dt / steps as f64;
+    let flops = batch as f64 * (costs.layer_flops_per_token + costs.head_flops + costs.attn_flops_per_pair * avg_ctx);
+    let bytes = costs.weight_bytes + batch as f64 * avg_ctx * costs.kv_bytes_per_token;
+    Ok(Measured { phase: "decode", batch, context: ctx, tokens: batch, seconds: step_s, flops, bytes }.row(m))
+}
+
+fn prefill_row<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, costs: &Costs, m: &Machine, args: &BenchEngineArgs) -> anyhow::Result<Row> {
+    let n = args.prefill_tokens.min(model.config().max_position_embeddings - 1);
+    let mut best = f64::INFINITY;
+    for rep in 0..3 {
+        let mut engine = engine_for(model, tok, 1, n + 1, n)?;
+        engine.add(request(model, prompt(n, model.config().vocab_size, rep), 1)?)?;
+        let t = Instant::now();
+        let events = engine.step()?;
+        best = best.min(t.elapsed().as_secs_f64());
+        anyhow::ensure!(events.len() == 1, "the prefill step produced {} tokens", events.len());
+    }
+    let pairs = (n * (n + 1) / 2) as f64;
+    let flops = n as f64 * costs.layer_flops_per_token + costs.head_flops + costs.attn_flops_per_pair * pairs;
+    let bytes = costs.weight_bytes + n as f64 * costs.kv_bytes_per_token;
+    Ok(Measured { phase: "prefill", batch: 1, context: n, tokens: n, seconds: best, flops, bytes }.row(m))
+}
+
+/// One timed step and the work it did.
+struct Measured {
+    phase: &'static str,
+    batch: usize,
+    context: usize,
+    /// Tokens the step processed.
+    tokens: usize,
+    seconds: f64,
+    flops: f64,
+    bytes: f64,
+}
+
+impl Measured {
+    fn row(&self, m: &Machine) -> Row {
+        let (gflops, gbs) = (self.flops / self.seconds / 1e9, self.bytes / self.seconds / 1e9);
+        Row {
+            phase: self.phase,
+            batch: self.batch,
+            context: self.context,
+            tokens_per_s: self.tokens as f64 / self.seconds,
+            step_ms: self.seconds * 1e3,
+            gflops,
+            mfu: gflops / m.matmul_peak_gflops,
+            gbs,
+            mbu: gbs / m.read_bandwidth_gbs,
+        }
+    }
+}
+
+fn print_table(r: &Report) {
+    println!(
+        "machine: {} threads, matmul peak {:.1} GFLOP/s, read bandwidth {:.1} GB/s",
+        r.machine.threads, r.machine.matmul_peak_gflops, r.machine.read_bandwidth_gbs
+    );
+    println!("model: {} ({:.1} M parameters, {:.0} MB of weights read per step)", r.model.source, r.model.parameters as f64 / 1e6, r.model.weight_bytes as f64 / 1e6);
+    println!("{:<8} {:>5} {:>7} {:>10} {:>9} {:>8} {:>6} {:>7} {:>6}", "phase", "batch", "context", "tokens/s", "step ms", "GFLOP/s", "MFU", "GB/s", "MBU");
+    for row in &r.rows {
+        println!(
+            "{:<8} {:>5} {:>7} {:>10.1} {:>9.2} {:>8.1} {:>5.1}% {:>7.1} {:>5.1}%",
+            row.phase, row.batch, row.context, row.tokens_per_s, row.step_ms, row.gflops, row.mfu * 100.0, row.gbs, row.mbu * 100.0
+        );
+    }
+    let decode: Vec<&Row> = r.rows.iter().filter(|x| x.phase == "decode").collect();
+    if let Some(largest) = decode.iter().max_by_key(|x| x.batch) {
+        println!("target: MFU >= {:.0}% at batch {}: {:.1}%", MFU_TARGET * 100.0, largest.batch, largest.mfu * 100.0);
+    }
+    if let Some(one) = decode.iter().find(|x| x.batch == 1) {
+        println!("target: MBU >= {:.0}% at batch 1: {:.1}%", MBU_TARGET * 100.0, one.mbu * 100.0);
+    }
+}

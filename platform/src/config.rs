@@ -1,0 +1,187 @@
+//! The command line: one typed tree of options, parsed once (flags or `LORAPLEX_*` environment
+//! variables) and handed down as sub-structs. Library code never reads the environment.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::engine::EngineConfig;
+use crate::sampling::SamplingParams;
+use crate::synth::Preset;
+
+#[derive(Debug, Parser)]
+#[command(name = "loraplex", version, about = "Serve one base LLM with many LoRA adapters")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Generate a continuation of one prompt.
+    Generate(GenerateArgs),
+    /// Write a random model in the HuggingFace layout.
+    Synth(SynthArgs),
+    /// Measure performance.
+    Bench {
+        #[command(subcommand)]
+        which: BenchCommand,
+    },
+}
+
+/// Options of the compute device and the engine's memory and batching.
+#[derive(Debug, Clone, Args)]
+pub struct EngineArgs {
+    /// Device memory for the KV page pool, in MiB.
+    #[arg(long, env = "LORAPLEX_POOL_MB", default_value_t = 1024)]
+    pub pool_mb: usize,
+    /// Tokens per KV block.
+    #[arg(long, env = "LORAPLEX_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: usize,
+    /// Most tokens in one forward step (prompt chunks plus decodes).
+    #[arg(long, env = "LORAPLEX_MAX_BATCH_TOKENS", default_value_t = 2048)]
+    pub max_batch_tokens: usize,
+    /// Most sequences generating at once.
+    #[arg(long, env = "LORAPLEX_MAX_RUNNING", default_value_t = 256)]
+    pub max_running: usize,
+    /// CPU threads (default: all cores).
+    #[arg(long, env = "LORAPLEX_THREADS")]
+    pub threads: Option<usize>,
+}
+
+impl EngineArgs {
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            block_size: self.block_size,
+            pool_bytes: self.pool_mb.saturating_mul(1 << 20),
+            max_batch_tokens: self.max_batch_tokens,
+            max_running: self.max_running,
+        }
+    }
+}
+
+/// How tokens are chosen.
+#[derive(Debug, Clone, Args)]
+pub struct SamplingArgs {
+    /// 0 means greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// 0 means off.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
+    /// Makes sampling reproducible.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Also report the top-N alternatives' log-probabilities of each token.
+    #[arg(long)]
+    pub logprobs: Option<usize>,
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            seed: self.seed,
+            logprobs: self.logprobs,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Args)]
+#[group(id = "input", required = true, multiple = false)]
+pub struct PromptArgs {
+    /// Prompt text (tokenized with the model's tokenizer, BOS added as it specifies).
+    #[arg(long, group = "input")]
+    pub prompt: Option<String>,
+    /// Prompt token ids, comma-separated.
+    #[arg(long, group = "input", value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Chat messages as JSON, `[{"role": "user", "content": "..."}]`, rendered with the model's
+    /// chat template.
+    #[arg(long, group = "input")]
+    pub chat: Option<String>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct GenerateArgs {
+    /// A HuggingFace model directory (config.json, safetensors, tokenizer.json).
+    #[arg(long, env = "LORAPLEX_MODEL")]
+    pub model: PathBuf,
+    #[command(flatten)]
+    pub input: PromptArgs,
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: usize,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Stop strings (repeatable); the output ends before the first one.
+    #[arg(long = "stop")]
+    pub stop: Vec<String>,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct SynthArgs {
+    /// Directory to write (created if missing).
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long, value_enum, default_value_t = Preset::Tiny)]
+    pub preset: Preset,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Decode and prefill throughput of the base model, with MFU and MBU.
+    Engine(BenchEngineArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchEngineArgs {
+    /// Synthesized model size to measure (ignored with --model).
+    #[arg(long, value_enum, default_value_t = Preset::Bench)]
+    pub preset: Preset,
+    /// Measure this model directory instead of a synthesized one.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Decode batch sizes to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    pub batches: Vec<usize>,
+    /// Context length of each sequence when decoding is measured.
+    #[arg(long, default_value_t = 128)]
+    pub context: usize,
+    /// Decode steps timed per batch size.
+    #[arg(long, default_value_t = 16)]
+    pub steps: usize,
+    /// Prompt tokens per prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    pub prefill_tokens: usize,
+    /// Where the JSON report goes.
+    #[arg(long, default_value = "bench-engine.json")]
+    pub out: PathBuf,
+    #[arg(long, env = "LORAPLEX_THREADS")]
+    pub threads: Option<usize>,
+}

@@ -1,0 +1,189 @@
+//! The Llama-family forward pass.
+
+use loraplex_adapters::TargetModule;
+use loraplex_kernels::{AttentionParams, Backend, BatchMeta, KernelError, KvLayout};
+
+use super::weights::Checkpoint;
+use super::{Linear, ModelConfig, ModelError, SharedBackend, rope};
+
+struct Layer<B: Backend> {
+    input_norm: B::Buffer,
+    q: Linear<B>,
+    k: Linear<B>,
+    v: Linear<B>,
+    o: Linear<B>,
+    post_norm: B::Buffer,
+    gate: Linear<B>,
+    up: Linear<B>,
+    down: Linear<B>,
+    sliding_window: Option<usize>,
+}
+
+/// A loaded model on one device.
+pub struct Model<B: Backend> {
+    backend: SharedBackend<B>,
+    config: ModelConfig,
+    embed: B::Buffer,
+    layers: Vec<Layer<B>>,
+    norm: B::Buffer,
+    lm_head: Linear<B>,
+    /// `[max_position_embeddings, head_dim]` cos/sin table for rotary embeddings.
+    rope: B::Buffer,
+}
+
+/// One forward batch, already uploaded: the tokens of every sequence flattened without padding.
+pub struct ForwardBatch<B: Backend> {
+    /// `[num_tokens]` u32 token ids.
+    pub token_ids: B::Buffer,
+    pub meta: BatchMeta<B::Buffer>,
+    /// Indices of the tokens whose next-token logits are wanted (usually each sequence's last).
+    pub logit_rows: B::Buffer,
+    pub num_logit_rows: usize,
+}
+
+/// Scratch activations of one forward, sized for its token count.
+struct Activations<B: Backend> {
+    x: B::Buffer,
+    normed: B::Buffer,
+    q: B::Buffer,
+    k: B::Buffer,
+    v: B::Buffer,
+    attn: B::Buffer,
+    proj: B::Buffer,
+    gate: B::Buffer,
+    up: B::Buffer,
+    act: B::Buffer,
+}
+
+impl<B: Backend> Model<B> {
+    pub fn load(backend: SharedBackend<B>, config: ModelConfig, ck: &Checkpoint) -> Result<Self, ModelError> {
+        let c = &config;
+        let b = backend.as_ref();
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        let norm = |name: &str| -> Result<B::Buffer, ModelError> { Ok(b.upload_f32(&ck.tensor_f32(name, &[h])?)?) };
+        let embed_data = ck.tensor_f32("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for l in 0..c.num_layers {
+            let p = format!("model.layers.{l}");
+            let lin = |name: &str, inf: usize, outf: usize, bias: bool, m: TargetModule| {
+                Linear::load(b, ck, &format!("{p}.{name}"), inf, outf, bias, Some(m))
+            };
+            layers.push(Layer {
+                input_norm: norm(&format!("{p}.input_layernorm.weight"))?,
+                q: lin("self_attn.q_proj", h, qd, c.biases.qkv, TargetModule::Q)?,
+                k: lin("self_attn.k_proj", h, kvd, c.biases.qkv, TargetModule::K)?,
+                v: lin("self_attn.v_proj", h, kvd, c.biases.qkv, TargetModule::V)?,
+                o: lin("self_attn.o_proj", qd, h, c.biases.o, TargetModule::O)?,
+                post_norm: norm(&format!("{p}.post_attention_layernorm.weight"))?,
+                gate: lin("mlp.gate_proj", h, i, c.biases.mlp, TargetModule::Gate)?,
+                up: lin("mlp.up_proj", h, i, c.biases.mlp, TargetModule::Up)?,
+                down: lin("mlp.down_proj", i, h, c.biases.mlp, TargetModule::Down)?,
+                sliding_window: c.sliding_windows[l],
+            });
+        }
+        let lm_head = if c.tie_word_embeddings {
+            Linear::from_host(b, &embed_data, c.vocab_size, h, None)?
+        } else {
+            Linear::load(b, ck, "lm_head", h, c.vocab_size, false, None)?
+        };
+        Ok(Self {
+            embed: b.upload_f32(&embed_data)?,
+            norm: norm("model.norm.weight")?,
+            rope: b.upload_f32(&rope::cos_sin_table(c))?,
+            layers,
+            lm_head,
+            config,
+            backend,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn backend(&self) -> &SharedBackend<B> {
+        &self.backend
+    }
+
+    /// The layout of one KV page for this model.
+    pub fn kv_layout(&self, block_size: usize) -> KvLayout {
+        KvLayout {
+            num_layers: self.config.num_layers,
+            num_kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+            block_size,
+        }
+    }
+
+    /// Runs the batch through the model, writing its K/V into `cache`, and returns the logits
+    /// of the requested rows, `[num_logit_rows, vocab_size]`.
+    pub fn forward(&self, batch: &ForwardBatch<B>, cache: &mut B::Buffer, layout: &KvLayout) -> Result<B::Buffer, KernelError> {
+        let b = self.backend.as_ref();
+        let c = &self.config;
+        let t = batch.meta.num_tokens;
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let mut a = Activations::<B> {
+            x: b.zeros(t * h)?,
+            normed: b.zeros(t * h)?,
+            q: b.zeros(t * c.num_heads * hd)?,
+            k: b.zeros(t * c.num_kv_heads * hd)?,
+            v: b.zeros(t * c.num_kv_heads * hd)?,
+            attn: b.zeros(t * c.num_heads * hd)?,
+            proj: b.zeros(t * h)?,
+            gate: b.zeros(t * c.intermediate_size)?,
+            up: b.zeros(t * c.intermediate_size)?,
+            act: b.zeros(t * c.intermediate_size)?,
+        };
+        b.embedding(&self.embed, &batch.token_ids, &mut a.x, h)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            self.layer_forward(l, layer, batch, cache, layout, &mut a)?;
+        }
+        let r = batch.num_logit_rows;
+        let mut last = b.zeros(r * h)?;
+        b.gather_rows(&a.x, &batch.logit_rows, &mut last, h)?;
+        let mut normed = b.zeros(r * h)?;
+        b.rms_norm(&last, &self.norm, &mut normed, c.rms_norm_eps)?;
+        let mut logits = b.zeros(r * c.vocab_size)?;
+        self.lm_head.forward(b, &normed, &mut logits, r)?;
+        Ok(logits)
+    }
+
+    fn layer_forward(
+        &self,
+        l: usize,
+        layer: &Layer<B>,
+        batch: &ForwardBatch<B>,
+        cache: &mut B::Buffer,
+        layout: &KvLayout,
+        a: &mut Activations<B>,
+    ) -> Result<(), KernelError> {
+        let b = self.backend.as_ref();
+        let c = &self.config;
+        let t = batch.meta.num_tokens;
+        b.rms_norm(&a.x, &layer.input_norm, &mut a.normed, c.rms_norm_eps)?;
+        layer.q.forward(b, &a.normed, &mut a.q, t)?;
+        layer.k.forward(b, &a.normed, &mut a.k, t)?;
+        layer.v.forward(b, &a.normed, &mut a.v, t)?;
+        b.rope(&mut a.q, &batch.meta.positions, &self.rope, c.num_heads, c.head_dim)?;
+        b.rope(&mut a.k, &batch.meta.positions, &self.rope, c.num_kv_heads, c.head_dim)?;
+        b.write_kv(&a.k, &a.v, cache, &batch.meta, layout, l)?;
+        let params = AttentionParams {
+            layer: l,
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+            sliding_window: layer.sliding_window,
+        };
+        b.attention(&a.q, cache, &mut a.attn, &batch.meta, layout, &params)?;
+        layer.o.forward(b, &a.attn, &mut a.proj, t)?;
+        b.add_assign(&mut a.x, &a.proj)?;
+        b.rms_norm(&a.x, &layer.post_norm, &mut a.normed, c.rms_norm_eps)?;
+        layer.gate.forward(b, &a.normed, &mut a.gate, t)?;
+        layer.up.forward(b, &a.normed, &mut a.up, t)?;
+        b.silu_mul(&a.gate, &a.up, &mut a.act)?;
+        layer.down.forward(b, &a.act, &mut a.proj, t)?;
+        b.add_assign(&mut a.x, &a.proj)
+    }
+}

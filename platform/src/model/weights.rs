@@ -1,0 +1,180 @@
+//! Safetensors checkpoints: one file or sharded behind `model.safetensors.index.json`,
+//! memory-mapped, with f32, f16 and bf16 tensors converted to f32 on read.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use loraplex_kernels::mmap::MappedFile;
+use rayon::prelude::*;
+use safetensors::{Dtype, SafeTensors, tensor::Metadata};
+use serde::Deserialize;
+
+use super::ModelError;
+
+const SINGLE_FILE: &str = "model.safetensors";
+const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// One mapped safetensors file with its parsed header.
+struct Shard {
+    path: PathBuf,
+    map: MappedFile,
+    /// Where the tensor data starts in the file (after the length prefix and the header).
+    data_start: usize,
+    metadata: Metadata,
+}
+
+/// The tensors of a checkpoint directory, read lazily from memory-mapped files.
+pub struct Checkpoint {
+    shards: Vec<Shard>,
+    /// Tensor name -> index into `shards`.
+    index: HashMap<String, usize>,
+}
+
+#[derive(Deserialize)]
+struct IndexFile {
+    weight_map: HashMap<String, String>,
+}
+
+impl Checkpoint {
+    /// Opens `dir/model.safetensors`, or the shards listed by `dir/model.safetensors.index.json`.
+    pub fn open(dir: &Path) -> Result<Self, ModelError> {
+        let index_path = dir.join(INDEX_FILE);
+        let single = dir.join(SINGLE_FILE);
+        if index_path.is_file() {
+            let text = std::fs::read_to_string(&index_path).map_err(|source| ModelError::Io { path: index_path.clone(), source })?;
+            let idx: IndexFile = serde_json::from_str(&text)
+                .map_err(|e| ModelError::Checkpoint { path: index_path.clone(), detail: format!("invalid index: {e}") })?;
+            let mut files: Vec<String> = idx.weight_map.values().cloned().collect();
+            files.sort();
+            files.dedup();
+            let mut shards = Vec::with_capacity(files.len());
+            for f in &files {
+                if f.contains('/') || f.contains('\\') || f.starts_with('.') {
+                    return Err(ModelError::Checkpoint { path: index_path.clone(), detail: format!("shard name `{f}` is not a plain file name") });
+                }
+                shards.push(Shard::open(dir.join(f))?);
+            }
+            let mut index = HashMap::new();
+            for (name, file) in idx.weight_map {
+                let i = files.binary_search(&file).unwrap_or_default();
+                if shards[i].metadata.info(&name).is_none() {
+                    return Err(ModelError::Checkpoint {
+                        path: shards[i].path.clone(),
+                        detail: format!("tensor `{name}` is listed in {INDEX_FILE} but missing from this shard"),
+                    });
+                }
+                index.insert(name, i);
+            }
+            Ok(Self { shards, index })
+        } else if single.is_file() {
+            let shard = Shard::open(single)?;
+            let index = shard.metadata.tensors().into_keys().map(|k| (k, 0)).collect();
+            Ok(Self { shards: vec![shard], index })
+        } else {
+            Err(ModelError::Checkpoint {
+                path: dir.to_path_buf(),
+                detail: format!("no {SINGLE_FILE} or {INDEX_FILE} in this directory (only safetensors checkpoints are read)"),
+            })
+        }
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// Reads tensor `name`, checks its shape, and converts it to f32.
+    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        let shard = self.index.get(name).map(|&i| &self.shards[i]).ok_or_else(|| ModelError::MissingTensor {
+            name: name.to_string(),
+            path: self.describe(),
+        })?;
+        let info = shard.metadata.info(name).ok_or_else(|| ModelError::MissingTensor { name: name.to_string(), path: shard.path.clone() })?;
+        if info.shape != shape {
+            return Err(ModelError::TensorShape { name: name.to_string(), path: shard.path.clone(), expected: shape.to_vec(), actual: info.shape.clone() });
+        }
+        let (start, end) = info.data_offsets;
+        let bytes = &shard.map.bytes()[shard.data_start + start..shard.data_start + end];
+        let convert = |width: usize, f: fn(&[u8]) -> f32| -> Vec<f32> { bytes.par_chunks_exact(width).with_min_len(1 << 16).map(f).collect() };
+        Ok(match info.dtype {
+            Dtype::F32 => convert(4, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            Dtype::F16 => convert(2, |b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+            Dtype::BF16 => convert(2, |b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+            other => {
+                return Err(ModelError::TensorDType { name: name.to_string(), path: shard.path.clone(), dtype: format!("{other:?}") });
+            }
+        })
+    }
+
+    fn describe(&self) -> PathBuf {
+        match self.shards.as_slice() {
+            [one] => one.path.clone(),
+            many => many.first().and_then(|s| s.path.parent()).map(|d| d.join(INDEX_FILE)).unwrap_or_default(),
+        }
+    }
+}
+
+impl Shard {
+    fn open(path: PathBuf) -> Result<Self, ModelError> {
+        let map = MappedFile::open(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
+        let (header_len, metadata) = SafeTensors::read_metadata(map.bytes()).map_err(|e| ModelError::Checkpoint {
+            path: path.clone(),
+            detail: format!("not a valid safetensors file (truncated or corrupt?): {e}"),
+        })?;
+        Ok(Self { path, map, data_start: 8 + header_len, metadata })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write_tensors(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
+        let views: Vec<_> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.to_string(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, path).unwrap();
+    }
+
+    #[test]
+    fn reads_every_dtype_and_shards() {
+        let dir = tempfile::tempdir().unwrap();
+        let vals = [1.5f32, -2.0, 0.25];
+        let f32b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let f16b: Vec<u8> = vals.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+        let bf16b: Vec<u8> = vals.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
+        write_tensors(&dir.path().join("a.safetensors"), &[("x", Dtype::F32, vec![3], f32b), ("y", Dtype::F16, vec![1, 3], f16b)]);
+        write_tensors(&dir.path().join("b.safetensors"), &[("z", Dtype::BF16, vec![3], bf16b), ("i", Dtype::I64, vec![1], vec![0; 8])]);
+        std::fs::write(
+            dir.path().join(INDEX_FILE),
+            r#"{"metadata": {}, "weight_map": {"x": "a.safetensors", "y": "a.safetensors", "z": "b.safetensors", "i": "b.safetensors"}}"#,
+        )
+        .unwrap();
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        assert_eq!(ck.tensor_f32("x", &[3]).unwrap(), vals);
+        assert_eq!(ck.tensor_f32("y", &[1, 3]).unwrap(), vals);
+        assert_eq!(ck.tensor_f32("z", &[3]).unwrap(), vals);
+        let e = ck.tensor_f32("y", &[3]).unwrap_err().to_string();
+        assert!(e.contains("`y`") && e.contains("a.safetensors") && e.contains("[3]") && e.contains("[1, 3]"), "{e}");
+        let e = ck.tensor_f32("i", &[1]).unwrap_err().to_string();
+        assert!(e.contains("`i`") && e.contains("I64"), "{e}");
+        let e = ck.tensor_f32("w", &[1]).unwrap_err().to_string();
+        assert!(e.contains("`w`"), "{e}");
+    }
+
+    #[test]
+    fn truncated_and_missing_files_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Checkpoint::open(dir.path()).err().unwrap().to_string();
+        assert!(e.contains("model.safetensors"), "{e}");
+        let path = dir.path().join(SINGLE_FILE);
+        write_tensors(&path, &[("x", Dtype::F32, vec![4], vec![0; 16])]);
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
+        let e = Checkpoint::open(dir.path()).err().unwrap().to_string();
+        assert!(e.contains(&path.display().to_string()) && e.contains("truncated"), "{e}");
+        std::fs::write(dir.path().join(INDEX_FILE), r#"{"weight_map": {"x": "gone.safetensors"}}"#).unwrap();
+        let e = Checkpoint::open(dir.path()).err().unwrap().to_string();
+        assert!(e.contains("gone.safetensors"), "{e}");
+    }
+}
