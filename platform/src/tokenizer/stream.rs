@@ -240,4 +240,63 @@ mod tests {
         );
         assert_eq!(stream.ids(), &[40]);
     }
+
+    /// A SentencePiece-style tokenizer (Llama 2 layout): `▁` for spaces, `<0xNN>` byte-fallback
+    /// tokens, and a decoder that strips the leading space of whatever it decodes first.
+    fn sentencepiece_style_tokenizer() -> (tempfile::TempDir, Tokenizer) {
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [
+                {"id": 1, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
+            ],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0}
+            ]},
+            "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
+                "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+                "vocab": {"<unk>": 0, "<s>": 1, "▁Hello": 2, "▁world": 3, "<0xE4>": 4, "<0xBD>": 5, "<0xA0>": 6, "!": 7},
+                "merges": []}
+        });
+        let dir = tempfile::tempdir().expect("temp dir");
+        std::fs::write(dir.path().join("tokenizer.json"), json.to_string()).expect("write");
+        let tok = Tokenizer::from_dir(dir.path()).unwrap_or_else(|e| panic!("{e}"));
+        (dir, tok)
+    }
+
+    #[test]
+    fn context_dependent_decoders_stream_like_full_decode() {
+        let (_dir, tok) = sentencepiece_style_tokenizer();
+        let ids = [1, 2, 3, 4, 5, 6, 7, 3, 4, 5];
+        // Decoding token by token would lose the spaces ("Helloworld") that the Strip decoder
+        // removes from the first token of every decode call.
+        assert_eq!(
+            tok.decode(&ids[..8], true).ok().as_deref(),
+            Some("Hello world你! world")
+        );
+        assert_eq!(tok.decode(&[3], true).ok().as_deref(), Some("world"));
+        for skip in [true, false] {
+            for end in 0..=ids.len() {
+                stream_all(&tok, &ids[..end], skip);
+            }
+        }
+        let mut stream = tok.decode_stream(true);
+        let chunks: Vec<Option<String>> = ids[..8]
+            .iter()
+            .map(|&id| stream.push(id).ok().flatten())
+            .collect();
+        let expected = [
+            None,
+            Some("Hello"),
+            Some(" world"),
+            None,
+            None,
+            Some("你"),
+            Some("!"),
+            Some(" world"),
+        ];
+        assert_eq!(chunks, expected.map(|c| c.map(str::to_owned)));
+    }
 }
