@@ -1,7 +1,7 @@
 //! Chat templates: compiled once with minijinja and rendered the way transformers renders them
 //! with jinja2 (`trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`,
 //! `strftime_now`, a Python `json.dumps`-style `tojson`, Python string methods, and Python's way
-//! of printing `None`, booleans, lists and dicts).
+//! of printing `None`, booleans, lists and dicts; those Python pieces live in `pycompat`).
 
 use std::collections::BTreeMap;
 
@@ -24,7 +24,7 @@ pub struct ChatTemplateOptions<'a> {
     /// Passed to the template as `documents` (`None` when absent).
     pub documents: Option<&'a serde_json::Value>,
     /// Further template variables (for example `enable_thinking`); they override special token
-    /// variables but not `messages` or `add_generation_prompt`.
+    /// variables but not `messages`, `tools`, `documents` or `add_generation_prompt`.
     pub extra_context: Option<&'a serde_json::Map<String, serde_json::Value>>,
 }
 
