@@ -2,3 +2,6 @@
 //!
 //! This crate holds the engine (model, memory, sampling) and the command-line front end.
 #![forbid(unsafe_code)]
+
+pub mod sampling;
+pub mod synth;
