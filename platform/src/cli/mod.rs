@@ -20,6 +20,12 @@ pub fn synth(args: &crate::config::SynthArgs) -> anyhow::Result<()> {
         preset: args.preset,
         seed: args.seed,
     })?;
-    println!("{summary}");
+    println!(
+        "wrote a {:?} model ({:.1} M parameters, {:.1} MB) to {}",
+        args.preset,
+        summary.parameters as f64 / 1e6,
+        summary.bytes as f64 / 1e6,
+        args.out.display()
+    );
     Ok(())
 }

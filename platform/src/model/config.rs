@@ -152,7 +152,7 @@ impl Parser {
     }
 
     fn parse(&self, raw: RawConfig) -> Result<ModelConfig, ModelError> {
-        let names = raw.architectures.unwrap_or_default();
+        let names = raw.architectures.clone().unwrap_or_default();
         let architecture = names
             .iter()
             .find_map(|n| Architecture::KNOWN.iter().find(|(k, _)| k == n).map(|(_, a)| *a))
@@ -180,6 +180,7 @@ impl Parser {
             return Err(self.err(format!("unsupported hidden_act `{act}` (only silu)")));
         }
         let num_layers = self.required(raw.num_hidden_layers, "num_hidden_layers")?;
+        let sliding_windows = self.sliding_windows(architecture, &raw, num_layers)?;
         let (rope_theta, rope_scaling) = self.rope(raw.rope_parameters, raw.rope_scaling, raw.rope_theta)?;
         let biases = match architecture {
             Architecture::Llama => {
@@ -189,7 +190,6 @@ impl Parser {
             Architecture::Mistral => Biases { qkv: false, o: false, mlp: false },
             Architecture::Qwen2 => Biases { qkv: true, o: false, mlp: false },
         };
-        let sliding_windows = self.sliding_windows(architecture, &raw, num_layers)?;
         let eos_token_ids = match raw.eos_token_id {
             Some(OneOrMany::One(id)) => vec![id],
             Some(OneOrMany::Many(ids)) => ids,
