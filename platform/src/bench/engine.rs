@@ -150,17 +150,25 @@ fn request<B: Backend>(model: &Model<B>, prompt: Vec<u32>, new_tokens: usize) ->
 fn decode_row<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, costs: &Costs, m: &Machine, batch: usize, args: &BenchEngineArgs) -> anyhow::Result<Row> {
     let (ctx, steps) = (args.context, args.steps.max(1));
     let warmup = 2;
-    let mut engine = engine_for(model, tok, batch, ctx + warmup + steps + 1, ctx * batch.min(16))?;
+    // Prompts are prefilled a few per step while earlier ones already decode; every sequence
+    // gets enough headroom to still be running through the timed steps.
+    let new_tokens = warmup + steps + batch + 1;
+    let mut engine = engine_for(model, tok, batch, ctx + new_tokens, ctx * batch.min(16))?;
     for s in 0..batch {
-        engine.add(request(model, prompt(ctx, model.config().vocab_size, s), warmup + steps + 1)?)?;
+        engine.add(request(model, prompt(ctx, model.config().vocab_size, s), new_tokens)?)?;
     }
-    // Prefill every prompt and take a couple of untimed decode steps.
-    let mut first_tokens = 0;
-    while first_tokens < batch {
-        first_tokens += engine.step()?.len();
+    // Prefill every prompt and take a couple of untimed decode steps, counting what each
+    // sequence generated so far to know the contexts of the timed steps.
+    let mut generated: std::collections::HashMap<crate::engine::SeqId, usize> = Default::default();
+    while generated.len() < batch {
+        for e in engine.step()? {
+            *generated.entry(e.seq).or_default() += 1;
+        }
     }
     for _ in 0..warmup {
-        engine.step()?;
+        for e in engine.step()? {
+            *generated.entry(e.seq).or_default() += 1;
+        }
     }
     let t = Instant::now();
     let mut produced = 0;
@@ -169,7 +177,7 @@ fn decode_row<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, costs: &C
     }
     let dt = t.elapsed().as_secs_f64();
     anyhow::ensure!(produced == batch * steps, "expected {} tokens, the engine produced {produced}", batch * steps);
-    let avg_ctx = (ctx + warmup + 1) as f64 + steps as f64 / 2.0;
+    let avg_ctx = ctx as f64 + generated.values().sum::<usize>() as f64 / batch as f64 + steps as f64 / 2.0;
     let step_s = dt / steps as f64;
     let flops = batch as f64 * (costs.layer_flops_per_token + costs.head_flops + costs.attn_flops_per_pair * avg_ctx);
     let bytes = costs.weight_bytes + batch as f64 * avg_ctx * costs.kv_bytes_per_token;
