@@ -10,6 +10,7 @@
 //!
 //! Stop strings live in [`stop`].
 
+mod math;
 mod rng;
 mod sampler;
 pub mod stop;

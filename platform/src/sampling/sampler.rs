@@ -1,9 +1,9 @@
 //! The per-sequence sampler: penalties, temperature, min-p / top-k / top-p, one seeded draw.
 
 use std::cmp::Ordering;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BinaryHeap, HashMap, HashSet};
 
-use super::{SamplingParams, Xoshiro256};
+use super::{SamplingParams, Xoshiro256, math};
 
 /// One sampled token with its logprobs under the model's raw distribution.
 #[derive(Clone, Debug, PartialEq)]
@@ -29,12 +29,53 @@ pub struct Sampler {
     counts: HashMap<u32, u32>,
     /// (id, logit before penalties) of the entries the penalties changed this step.
     saved: Vec<(u32, f32)>,
-    /// Candidate (logit, id) pairs, kept between steps so the buffer is allocated once.
-    cands: Vec<(f32, u32)>,
+    /// Scratch kept between steps so that vocabulary-sized buffers are allocated once.
+    scratch: Scratch,
 }
 
-/// Initial window of the top-p search; most distributions reach `top_p` well within it.
-const TOP_P_FIRST_WINDOW: usize = 256;
+#[derive(Clone, Debug, Default)]
+struct Scratch {
+    /// Candidate (logit, id) pairs.
+    cands: Vec<(f32, u32)>,
+    /// Unnormalized probabilities, parallel to the logits or to `cands`.
+    weights: Vec<f32>,
+    /// Probability mass per top-p bin.
+    bins: Vec<f64>,
+    /// (logit, id, weight) of the candidates in the bin where top-p's cut falls.
+    boundary: Vec<(f32, u32, f32)>,
+    /// Storage of the top-k heap.
+    heap: Vec<WorstFirst>,
+}
+
+/// A candidate ordered so that a max-heap keeps the worst-ranked one on top.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct WorstFirst(f32, u32);
+
+impl Eq for WorstFirst {}
+
+impl PartialOrd for WorstFirst {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for WorstFirst {
+    fn cmp(&self, other: &Self) -> Ordering {
+        by_rank(&(self.0, self.1), &(other.0, other.1))
+    }
+}
+
+/// Up to this `top_k` the best tokens are found with a heap in one pass over the logits;
+/// larger values select among all candidates instead.
+const TOP_K_HEAP_MAX: usize = 4096;
+
+/// Below this many candidates top-p simply sorts them.
+const TOP_P_SORT_MAX: usize = 2048;
+/// Top-p bins per unit of scaled logit (`(x - max) / temperature`): the weights in one bin are
+/// within a factor e^(1/32) of each other.
+const TOP_P_BINS_PER_UNIT: f32 = 32.0;
+/// Bins cover scaled logits down to -88 (weights below e^-87 are 0); one more takes the rest.
+const TOP_P_BINS: usize = 88 * 32 + 1;
 
 /// Descending logit, then ascending id: the total order every filter uses, so that ties are
 /// resolved the same way regardless of how the candidates happen to be arranged. Logits are
@@ -45,36 +86,22 @@ pub(super) fn by_rank(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
         .then(a.1.cmp(&b.1))
 }
 
-/// Unnormalized probability of logit `x` given the maximum `m` and 1/temperature.
-#[inline]
-fn weight(x: f32, m: f32, inv_t: f32) -> f32 {
-    let d = x - m;
-    if d == f32::NEG_INFINITY {
-        0.0
-    } else {
-        (d * inv_t).exp()
-    }
-}
-
 /// Replaces NaN by -inf and +inf by `f32::MAX`, so every later comparison and subtraction is
-/// well defined. Returns the maximum.
-fn sanitize(logits: &mut [f32]) -> f32 {
-    let mut max = f32::NEG_INFINITY;
+/// well defined.
+fn sanitize(logits: &mut [f32]) {
     for x in logits.iter_mut() {
-        if x.is_nan() {
-            *x = f32::NEG_INFINITY;
-        } else if *x == f32::INFINITY {
-            *x = f32::MAX;
-        }
-        max = max.max(*x);
+        *x = clean(*x);
     }
-    max
 }
 
-/// `ln(sum(exp(x - max)))`, accumulated in f64.
-fn log_sum_exp_shifted(logits: &[f32], max: f32) -> f64 {
-    let sum: f64 = logits.iter().map(|&x| weight(x, max, 1.0) as f64).sum();
-    sum.ln()
+/// NaN becomes -inf and +inf (or an overflow) becomes `f32::MAX`.
+#[inline]
+fn clean(x: f32) -> f32 {
+    if x.is_nan() {
+        f32::NEG_INFINITY
+    } else {
+        x.min(f32::MAX)
+    }
 }
 
 /// The `n` largest logits as (logit, id), largest first, lower id first among equals.
@@ -126,7 +153,7 @@ impl Sampler {
             seen,
             counts: HashMap::new(),
             saved: Vec::new(),
-            cands: Vec::new(),
+            scratch: Scratch::default(),
         }
     }
 
@@ -142,22 +169,25 @@ impl Sampler {
     /// `f32::MAX`, and the penalized entries hold their penalized values. Temperature is not
     /// applied in place. If no logit is finite the result is token 0 with logprob -inf.
     pub fn sample(&mut self, logits: &mut [f32]) -> Sample {
-        if logits.is_empty() {
+        sanitize(logits);
+        let raw_max = math::max(logits);
+        if raw_max == f32::NEG_INFINITY {
+            // Nothing to choose from (or an empty vocabulary): a fixed answer.
+            self.record(0);
             return Sample {
                 token: 0,
                 logprob: f32::NEG_INFINITY,
-                top_logprobs: Vec::new(),
+                top_logprobs: self.params.logprobs.map_or_else(Vec::new, |n| {
+                    (0..n.min(logits.len()) as u32)
+                        .map(|id| (id, f32::NEG_INFINITY))
+                        .collect()
+                }),
             };
         }
-        let raw_max = sanitize(logits);
-        let ln_z = log_sum_exp_shifted(logits, raw_max);
-        let raw_logprob = |x: f32| -> f32 {
-            if raw_max == f32::NEG_INFINITY {
-                f32::NEG_INFINITY
-            } else {
-                ((x - raw_max) as f64 - ln_z) as f32
-            }
-        };
+        let weights = &mut self.scratch.weights;
+        math::fill_weights(weights, logits, raw_max, 1.0);
+        let ln_z = libm::log(math::sum(weights));
+        let raw_logprob = |x: f32| ((x - raw_max) as f64 - ln_z) as f32;
         let top_logprobs = match self.params.logprobs {
             Some(n) => top_n(logits, n)
                 .into_iter()
@@ -204,8 +234,7 @@ impl Sampler {
             for &id in &self.seen {
                 if let Some(x) = logits.get_mut(id as usize) {
                     self.saved.push((id, *x));
-                    *x = if *x > 0.0 { *x / rep } else { *x * rep };
-                    *x = clean(*x);
+                    *x = clean(if *x > 0.0 { *x / rep } else { *x * rep });
                 }
             }
         }
@@ -228,10 +257,18 @@ impl Sampler {
     ///
     /// The result depends only on the set of tokens the filters keep and on one uniform
     /// number: the draw walks the kept tokens in id order whatever order the selection
-    /// algorithms left them in, so results do not depend on the standard library's sorting.
+    /// algorithms left them in, and all arithmetic is fixed by this module, so results do not
+    /// depend on the standard library's sorting or the platform's math library.
     fn draw(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
-        let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let Scratch {
+            cands,
+            weights,
+            bins,
+            boundary,
+            heap,
+        } = &mut self.scratch;
+        let m = math::max(logits);
         if m == f32::NEG_INFINITY {
             return 0;
         }
@@ -242,113 +279,172 @@ impl Sampler {
         let u = self.rng.next_f64();
 
         if top_k.is_none() && !top_p && !min_p {
-            let it = logits.iter().enumerate().map(|(i, &x)| (x, i as u32));
-            let z: f64 = it.clone().map(|(x, _)| weight(x, m, inv_t) as f64).sum();
-            return pick(it, u * z, m, inv_t).unwrap_or_else(|| argmax(logits));
+            math::fill_weights(weights, logits, m, inv_t);
+            let i = math::pick(weights, u * math::sum(weights));
+            return i.map_or_else(|| argmax(logits), |i| i as u32);
         }
 
-        let cands = &mut self.cands;
-        cands.clear();
         let ln_min_p = if min_p {
-            p.min_p.ln()
+            libm::logf(p.min_p)
         } else {
             f32::NEG_INFINITY
         };
-        cands.extend(
-            logits
-                .iter()
-                .enumerate()
-                .filter(|&(_, &x)| x > f32::NEG_INFINITY && (x - m) * inv_t >= ln_min_p)
-                .map(|(i, &x)| (x, i as u32)),
-        );
-        // `cands` is in id order here and stays so unless a filter below reorders it.
-        let mut reordered = false;
-        if let Some(k) = top_k
-            && k < cands.len()
-        {
-            cands.select_nth_unstable_by(k - 1, by_rank);
-            cands.truncate(k);
+        let passes = |x: f32| x > f32::NEG_INFINITY && (x - m) * inv_t >= ln_min_p;
+        cands.clear();
+        if let Some(k) = top_k {
+            if k <= TOP_K_HEAP_MAX {
+                best_k(logits, k, passes, heap, cands);
+            } else {
+                cands.extend(ids_where(logits, passes));
+                if k < cands.len() {
+                    cands.select_nth_unstable_by(k - 1, by_rank);
+                    cands.truncate(k);
+                }
+            }
             cands.sort_unstable_by(by_rank);
-            reordered = true;
-        }
-        if top_p && cands.len() > 1 {
-            // Total mass, summed in a canonical order (by id, or by rank after top-k).
-            let z: f64 = cands.iter().map(|c| weight(c.0, m, inv_t) as f64).sum();
-            let keep = top_p_prefix(cands, p.top_p as f64 * z, m, inv_t, reordered);
-            cands.truncate(keep);
-            reordered = true;
-        }
-        if reordered {
+            if top_p {
+                // The top-k candidates are sorted by rank: the cut is a walk down them.
+                math::fill_weights_of(weights, cands, m, inv_t);
+                let target = p.top_p as f64 * math::sum(weights);
+                let mut cum = 0.0f64;
+                let keep = weights
+                    .iter()
+                    .position(|&w| {
+                        cum += w as f64;
+                        cum >= target
+                    })
+                    .map_or(cands.len(), |j| j + 1);
+                cands.truncate(keep);
+            }
+            // The draw walks the candidates in id order.
             cands.sort_unstable_by_key(|c| c.1);
+        } else {
+            cands.extend(ids_where(logits, passes));
         }
-        let z: f64 = cands.iter().map(|c| weight(c.0, m, inv_t) as f64).sum();
-        pick(cands.iter().copied(), u * z, m, inv_t).unwrap_or_else(|| argmax(logits))
-    }
-}
-
-/// NaN (from out-of-range parameters) becomes -inf and overflow is clamped, as in `sanitize`.
-fn clean(x: f32) -> f32 {
-    if x.is_nan() {
-        f32::NEG_INFINITY
-    } else {
-        x.min(f32::MAX)
-    }
-}
-
-/// The first candidate at which the running weight exceeds `target`; if rounding leaves the
-/// target unreached, the last candidate with positive weight. `None` when all weights are 0.
-fn pick(cands: impl Iterator<Item = (f32, u32)>, target: f64, m: f32, inv_t: f32) -> Option<u32> {
-    let mut cum = 0.0f64;
-    let mut last = None;
-    for (x, id) in cands {
-        let w = weight(x, m, inv_t);
-        if w > 0.0 {
-            cum += w as f64;
-            last = Some(id);
-            if cum > target {
-                return last;
+        math::fill_weights_of(weights, cands, m, inv_t);
+        if top_p
+            && top_k.is_none()
+            && let Some(cut) = top_p_cut(cands, weights, p.top_p as f64, m, inv_t, bins, boundary)
+        {
+            // Drop what ranks below the cut (the same test as `by_rank`, spelled out for speed).
+            for (w, c) in weights.iter_mut().zip(cands.iter()) {
+                if c.0 < cut.0 || (c.0 == cut.0 && c.1 > cut.1) {
+                    *w = 0.0;
+                }
             }
         }
+        match math::pick(weights, u * math::sum(weights)) {
+            Some(i) => cands[i].1,
+            None => argmax(logits),
+        }
     }
-    last
 }
 
-/// How many of the best-ranked candidates top-p keeps: the shortest prefix (in rank order)
-/// whose mass reaches `target`, at least one. Leaves that prefix sorted by rank at the front.
+/// (logit, id) of the logits that pass `keep`, in id order.
+fn ids_where(logits: &[f32], keep: impl Fn(f32) -> bool) -> impl Iterator<Item = (f32, u32)> {
+    logits
+        .iter()
+        .enumerate()
+        .filter(move |&(_, &x)| keep(x))
+        .map(|(i, &x)| (x, i as u32))
+}
+
+/// Appends to `out` the best `k` (by rank) logits that pass `keep`, in no particular order.
+/// One pass with a bounded heap: most logits are rejected by a single comparison.
+pub(super) fn best_k(
+    logits: &[f32],
+    k: usize,
+    keep: impl Fn(f32) -> bool,
+    storage: &mut Vec<WorstFirst>,
+    out: &mut Vec<(f32, u32)>,
+) {
+    storage.clear();
+    let mut heap = BinaryHeap::from(std::mem::take(storage));
+    for (i, &x) in logits.iter().enumerate() {
+        let full = heap.len() == k;
+        // Ids only grow, so an equal logit would rank below everything already kept.
+        if (full && heap.peek().is_some_and(|w| x <= w.0)) || !keep(x) {
+            continue;
+        }
+        let entry = WorstFirst(x, i as u32);
+        if full {
+            if let Some(mut worst) = heap.peek_mut() {
+                *worst = entry;
+            }
+        } else {
+            heap.push(entry);
+        }
+    }
+    out.extend(heap.iter().map(|w| (w.0, w.1)));
+    *storage = heap.into_vec();
+}
+
+/// The bin of scaled logit `(x - m) * inv_t`: bins are ordered like the ranks.
+#[inline]
+fn top_p_bin(x: f32, m: f32, inv_t: f32) -> usize {
+    let k = (m - x) * inv_t * TOP_P_BINS_PER_UNIT;
+    if k < (TOP_P_BINS - 1) as f32 {
+        k as usize
+    } else {
+        TOP_P_BINS - 1
+    }
+}
+
+/// Top-p's cut: the worst-ranked candidate it keeps, so that it keeps the shortest prefix (in
+/// rank order) whose mass reaches `top_p` of the total, at least one token. `None`: keep all.
+/// `cands` (in id order) and their `weights` are parallel.
 ///
-/// Avoids a full sort: the best `window` candidates are selected in linear time and only they
-/// are sorted; the window grows until it holds enough mass. Prefix sums are always taken in
-/// rank order, so the answer does not depend on the window sizes tried.
-pub(super) fn top_p_prefix(
-    cands: &mut [(f32, u32)],
-    target: f64,
+/// Avoids sorting the whole vocabulary, which a flat distribution would need: the mass is
+/// first gathered into narrow bins of scaled logit (each summed in id order), the bin where the
+/// cut falls is found by walking down the bins, and only that bin's candidates are sorted.
+pub(super) fn top_p_cut(
+    cands: &[(f32, u32)],
+    weights: &[f32],
+    top_p: f64,
     m: f32,
     inv_t: f32,
-    sorted: bool,
-) -> usize {
-    let len = cands.len();
-    let mut window = if sorted {
-        len
+    bins: &mut Vec<f64>,
+    boundary: &mut Vec<(f32, u32, f32)>,
+) -> Option<(f32, u32)> {
+    let target = top_p * math::sum(weights);
+    let small = cands.len() <= TOP_P_SORT_MAX;
+    let (bin, mut cum) = if small {
+        (None, 0.0)
     } else {
-        TOP_P_FIRST_WINDOW.min(len)
+        bins.clear();
+        bins.resize(TOP_P_BINS, 0.0);
+        for (c, &w) in cands.iter().zip(weights) {
+            bins[top_p_bin(c.0, m, inv_t)] += w as f64;
+        }
+        let mut cum = 0.0;
+        let mut at = None;
+        for (b, &mass) in bins.iter().enumerate() {
+            if cum + mass >= target {
+                at = Some(b);
+                break;
+            }
+            cum += mass;
+        }
+        (Some(at?), cum)
     };
-    loop {
-        if !sorted {
-            if window < len {
-                cands.select_nth_unstable_by(window - 1, by_rank);
-            }
-            cands[..window].sort_unstable_by(by_rank);
+    boundary.clear();
+    boundary.extend(
+        cands
+            .iter()
+            .zip(weights)
+            .filter(|(c, _)| bin.is_none_or(|b| top_p_bin(c.0, m, inv_t) == b))
+            .map(|(c, &w)| (c.0, c.1, w)),
+    );
+    boundary.sort_unstable_by(|a, b| by_rank(&(a.0, a.1), &(b.0, b.1)));
+    for &(x, id, w) in boundary.iter() {
+        cum += w as f64;
+        if cum >= target {
+            return Some((x, id));
         }
-        let mut cum = 0.0f64;
-        for (j, c) in cands[..window].iter().enumerate() {
-            cum += weight(c.0, m, inv_t) as f64;
-            if cum >= target {
-                return j + 1;
-            }
-        }
-        if window == len {
-            return len;
-        }
-        window = window.saturating_mul(8).min(len);
     }
+    // Rounding left the target unreached within the bin: keep the whole bin.
+    boundary
+        .last()
+        .map(|&(x, id, _)| (x, id))
+        .filter(|_| bin.is_some())
 }

@@ -1,4 +1,4 @@
-use super::sampler::{by_rank, top_p_prefix};
+use super::sampler::{best_k, by_rank, top_p_cut};
 use super::*;
 
 fn seeded(seed: u64) -> SamplingParams {
@@ -442,37 +442,79 @@ fn nan_and_infinite_logits_do_not_panic() {
 }
 
 #[test]
-fn top_p_window_search_matches_a_full_sort() {
-    for (seed, temperature) in [(1u64, 1.0f32), (2, 0.3), (3, 3.0)] {
-        let logits = random_logits(100_000, seed);
+fn top_p_cut_matches_a_full_sort() {
+    let (mut bins, mut boundary, mut weights) = (Vec::new(), Vec::new(), Vec::new());
+    for (vocab, seed, temperature) in [
+        (1000, 1u64, 1.0f32),
+        (100_000, 2, 1.0),
+        (100_000, 3, 0.3),
+        (100_000, 4, 3.0),
+    ] {
+        let logits = random_logits(vocab, seed);
         let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let inv_t = 1.0 / temperature;
-        let w = |x: f32| ((x - m) * inv_t).exp() as f64;
         let cands: Vec<(f32, u32)> = logits
             .iter()
             .enumerate()
             .map(|(i, &x)| (x, i as u32))
             .collect();
-        let z: f64 = cands.iter().map(|c| w(c.0)).sum();
-        let mut sorted = cands.clone();
-        sorted.sort_by(by_rank);
-        for top_p in [1e-9, 0.3, 0.9, 0.999, 1.0] {
-            let target = top_p * z;
+        math::fill_weights(&mut weights, &logits, m, inv_t);
+        let z: f64 = weights.iter().map(|&w| w as f64).sum();
+        let mut sorted: Vec<(f32, u32, f32)> = cands
+            .iter()
+            .zip(&weights)
+            .map(|(c, &w)| (c.0, c.1, w))
+            .collect();
+        sorted.sort_by(|a, b| by_rank(&(a.0, a.1), &(b.0, b.1)));
+        for top_p in [1e-9, 0.3, 0.9, 0.999] {
             let mut cum = 0.0;
             let expected = sorted
                 .iter()
                 .position(|c| {
-                    cum += w(c.0);
-                    cum >= target
+                    cum += c.2 as f64;
+                    cum >= top_p * z
                 })
-                .map_or(sorted.len(), |j| j + 1);
-            let mut work = cands.clone();
-            let keep = top_p_prefix(&mut work, target, m, inv_t, false);
-            // Same prefix sums in the same order: exactly the same answer.
-            assert_eq!(keep, expected, "t={temperature} p={top_p}");
-            assert_eq!(&work[..keep], &sorted[..keep]);
+                .map_or(vocab, |j| j + 1);
+            let cut = top_p_cut(&cands, &weights, top_p, m, inv_t, &mut bins, &mut boundary);
+            let kept = cut.map_or(vocab, |cut| {
+                cands
+                    .iter()
+                    .filter(|c| by_rank(c, &cut) != std::cmp::Ordering::Greater)
+                    .count()
+            });
+            // Sums in another order may round differently right at the boundary.
+            let msg = format!("vocab {vocab} t={temperature} p={top_p}: {kept} vs {expected}");
+            assert!(kept.abs_diff(expected) <= 1, "{msg}");
         }
     }
+}
+
+#[test]
+fn best_k_matches_a_full_sort() {
+    // Coarse values, so there are many ties to break by id.
+    let logits: Vec<f32> = random_logits(20_000, 9)
+        .iter()
+        .map(|x| (x * 4.0).round())
+        .collect();
+    let mut sorted: Vec<(f32, u32)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| (x, i as u32))
+        .collect();
+    sorted.sort_by(by_rank);
+    let (mut storage, mut out) = (Vec::new(), Vec::new());
+    for k in [1, 2, 7, 50, 4096, 20_000, 30_000] {
+        out.clear();
+        best_k(&logits, k, |_| true, &mut storage, &mut out);
+        out.sort_by(by_rank);
+        assert_eq!(out, sorted[..k.min(sorted.len())], "k={k}");
+    }
+    // With a filter: only logits above 0 may be kept.
+    out.clear();
+    best_k(&logits, 100_000, |x| x > 0.0, &mut storage, &mut out);
+    out.sort_by(by_rank);
+    let positive: Vec<(f32, u32)> = sorted.iter().copied().filter(|c| c.0 > 0.0).collect();
+    assert_eq!(out, positive);
 }
 
 #[test]
