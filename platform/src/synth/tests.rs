@@ -350,23 +350,3 @@ fn unwritable_output_is_an_io_error() {
     .unwrap_err();
     assert!(matches!(err, SynthError::Io { .. }), "{err}");
 }
-
-/// Times the bench preset: `cargo test --release -p loraplex --lib bench_preset -- --ignored --nocapture`.
-#[test]
-#[ignore = "writes about 620 MB"]
-fn bench_preset_synthesis_time() {
-    let dir = tempfile::tempdir().unwrap();
-    let opts = SynthOptions {
-        out: dir.path().to_path_buf(),
-        preset: Preset::Bench,
-        seed: 1,
-    };
-    let start = std::time::Instant::now();
-    let summary = synthesize_model(&opts).unwrap();
-    let secs = start.elapsed().as_secs_f64();
-    println!(
-        "bench preset: {} parameters, {:.1} MB in {secs:.2} s",
-        summary.parameters,
-        summary.bytes as f64 / 1e6
-    );
-}
