@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use super::{CpuBackend, CpuBuffer, ensure_len, rows_of};
+use super::{CpuBackend, CpuBuffer, ensure_len, rows_of, simd};
 use crate::{AttentionOps, AttentionParams, BatchMeta, KernelError, KvLayout, Result};
 
 /// The batch layout read back as host slices, checked once for consistency.
@@ -183,40 +183,19 @@ impl AttentionOps for CpuBackend {
                     let sc = &mut scores[g * n..(g + 1) * n];
                     for (j, key_pos) in (first..=last).enumerate() {
                         let off = layout.offset(table[key_pos / bs] as usize, p.layer, 0, kvh, key_pos % bs);
-                        sc[j] = dot(qh, &cache[off..off + hd]) * p.scale;
+                        sc[j] = simd::dot(qh, &cache[off..off + hd]) * p.scale;
                     }
                     softmax_in_place(sc);
                     let oh = &mut o[g * hd..(g + 1) * hd];
                     oh.fill(0.0);
                     for (j, key_pos) in (first..=last).enumerate() {
                         let off = layout.offset(table[key_pos / bs] as usize, p.layer, 1, kvh, key_pos % bs);
-                        let w = sc[j];
-                        for (a, &b) in oh.iter_mut().zip(&cache[off..off + hd]) {
-                            *a += w * b;
-                        }
+                        simd::axpy(oh, sc[j], &cache[off..off + hd]);
                     }
                 }
             });
         Ok(())
     }
-}
-
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent partial sums let the compiler vectorize without reassociating.
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut tail = 0f32;
-    for (x, y) in ra.iter().zip(rb) {
-        tail += x * y;
-    }
-    acc.iter().sum::<f32>() + tail
 }
 
 fn softmax_in_place(x: &mut [f32]) {

@@ -3,13 +3,20 @@
 use super::{CpuBackend, CpuBuffer, ensure_len, packed};
 use crate::{KernelError, Result};
 
+#[derive(Debug, Clone)]
+enum Layout {
+    /// AVX-512 panels.
+    Packed(packed::Panels),
+    /// Row-major `[out, in]` for the `gemm` crate.
+    Plain(Vec<f32>),
+}
+
 /// A linear layer's weight. On CPUs with AVX-512 it is packed into panels for the kernels of
 /// [`super::packed`]; elsewhere it stays `[out_features, in_features]` row-major, as in HF
 /// checkpoints, for the `gemm` crate.
 #[derive(Debug, Clone)]
 pub struct CpuWeight {
-    data: Vec<f32>,
-    packed: bool,
+    layout: Layout,
     out_features: usize,
     in_features: usize,
 }
@@ -27,8 +34,8 @@ impl CpuWeight {
                 detail: format!("{} elements for a [{out_features}, {in_features}] weight", data.len()),
             });
         }
-        let data = if packed { packed::pack(data, out_features, in_features) } else { data.to_vec() };
-        Ok(Self { data, packed, out_features, in_features })
+        let layout = if packed { Layout::Packed(packed::pack(data, out_features, in_features)) } else { Layout::Plain(data.to_vec()) };
+        Ok(Self { layout, out_features, in_features })
     }
 
     pub fn out_features(&self) -> usize {
@@ -63,10 +70,13 @@ impl CpuBackend {
             return Ok(());
         }
         let out = &mut out[..rows * n];
-        if w.packed {
-            packed::matmul(x, &w.data, bias, out, rows, k, n);
-            return Ok(());
-        }
+        let plain = match &w.layout {
+            Layout::Packed(panels) => {
+                packed::matmul(x, panels.as_slice(), bias, out, rows, k, n);
+                return Ok(());
+            }
+            Layout::Plain(data) => data,
+        };
         if let Some(b) = bias {
             for row in out.chunks_exact_mut(n) {
                 row.copy_from_slice(&b[..n]);
@@ -75,7 +85,7 @@ impl CpuBackend {
         let threads = rayon::current_num_threads();
         let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
         // SAFETY: `out` holds rows*n elements (row stride n, column stride 1), `x` at least
-        // rows*k (row stride k), and `w.data` exactly n*k laid out [n, k], which read as the
+        // rows*k (row stride k), and `plain` exactly n*k laid out [n, k], which read as the
         // [k, n] right-hand side has row stride 1 and column stride k. All three are distinct
         // allocations, so the written range does not alias the read ones.
         unsafe {
@@ -90,7 +100,7 @@ impl CpuBackend {
                 x.as_ptr(),
                 1,
                 k as isize,
-                w.data.as_ptr(),
+                plain.as_ptr(),
                 k as isize,
                 1,
                 1.0,
@@ -155,7 +165,7 @@ mod tests {
                 let got = cpu.download_f32(&out).unwrap();
                 let want = reference(&x, &w, with_bias.then_some(&b[..]), rows, k, n);
                 for (g, w) in got.iter().zip(&want) {
-                    assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "rows={rows} k={k} n={n} packed={}: {g} vs {w}", weight.packed);
+                    assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "rows={rows} k={k} n={n} {:?}: {g} vs {w}", std::mem::discriminant(&weight.layout));
                 }
             }
         }

@@ -6,6 +6,7 @@ mod matmul;
 mod ops;
 mod packed;
 pub mod probe;
+mod simd;
 
 use crate::{DType, KernelError, Memory, Result};
 

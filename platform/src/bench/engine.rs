@@ -22,11 +22,23 @@ use crate::tokenizer::Tokenizer;
 const MFU_TARGET: f64 = 0.5;
 const MBU_TARGET: f64 = 0.6;
 
+/// The machine's limits, measured right before each row: on shared machines they drift over
+/// minutes, so each figure is compared with limits taken under the same conditions.
 #[derive(Debug, Serialize)]
 struct Machine {
     threads: usize,
     matmul_peak_gflops: f64,
     read_bandwidth_gbs: f64,
+}
+
+impl Machine {
+    fn measure(backend: &CpuBackend) -> anyhow::Result<Self> {
+        Ok(Machine {
+            threads: rayon::current_num_threads(),
+            matmul_peak_gflops: probe::matmul_peak(backend, 2048, 3)? / 1e9,
+            read_bandwidth_gbs: probe::read_bandwidth(1 << 30, 3) / 1e9,
+        })
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -43,6 +55,7 @@ struct Row {
     context: usize,
     tokens_per_s: f64,
     step_ms: f64,
+    machine: Machine,
     gflops: f64,
     mfu: f64,
     gbs: f64,
@@ -51,7 +64,6 @@ struct Row {
 
 #[derive(Debug, Serialize)]
 struct Report {
-    machine: Machine,
     model: ModelInfo,
     rows: Vec<Row>,
     mfu_target_at_largest_batch: f64,
@@ -101,13 +113,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<()> {
         }
     };
     let backend = Arc::new(CpuBackend::new());
-    eprintln!("measuring the machine ...");
-    let machine = Machine {
-        threads: rayon::current_num_threads(),
-        matmul_peak_gflops: probe::matmul_peak(&backend, 2048, 5)? / 1e9,
-        read_bandwidth_gbs: probe::read_bandwidth(1 << 30, 5) / 1e9,
-    };
-    let model = Arc::new(model::load(backend, &dir)?);
+    let model = Arc::new(model::load(backend.clone(), &dir)?);
     let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);
     let c = model.config().clone();
     let costs = Costs::of(&c);
@@ -119,11 +125,11 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for &batch in &args.batches {
         eprintln!("decode, batch {batch} ...");
-        rows.push(decode_row(&model, &tokenizer, &costs, &machine, batch, args)?);
+        rows.push(decode_row(&model, &tokenizer, &costs, Machine::measure(&backend)?, batch, args)?);
     }
     eprintln!("prefill, {} tokens ...", args.prefill_tokens);
-    rows.push(prefill_row(&model, &tokenizer, &costs, &machine, args)?);
-    let report = Report { machine, model: info, rows, mfu_target_at_largest_batch: MFU_TARGET, mbu_target_at_batch_1: MBU_TARGET };
+    rows.push(prefill_row(&model, &tokenizer, &costs, Machine::measure(&backend)?, args)?);
+    let report = Report { model: info, rows, mfu_target_at_largest_batch: MFU_TARGET, mbu_target_at_batch_1: MBU_TARGET };
     print_table(&report);
     std::fs::write(&args.out, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", args.out.display()))?;
     println!("report written to {}", args.out.display());
@@ -147,7 +153,7 @@ fn request<B: Backend>(model: &Model<B>, prompt: Vec<u32>, new_tokens: usize) ->
     Ok(GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop }.validate(model.config())?)
 }
 
-fn decode_row<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, costs: &Costs, m: &Machine, batch: usize, args: &BenchEngineArgs) -> anyhow::Result<Row> {
+fn decode_row<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, costs: &Costs, m: Machine, batch: usize, args: &BenchEngineArgs) -> anyhow::Result<Row> {
     let (ctx, steps) = (args.context, args.steps.max(1));
     let warmup = 2;
     // Prompts are prefilled a few per step while earlier ones already decode; every sequence
@@ -170,21 +176,23 @@ fn decode_row<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, costs: &C
             *generated.entry(e.seq).or_default() += 1;
         }
     }
-    let t = Instant::now();
+    let mut times = Vec::with_capacity(steps);
     let mut produced = 0;
     for _ in 0..steps {
+        let t = Instant::now();
         produced += engine.step()?.len();
+        times.push(t.elapsed().as_secs_f64());
     }
-    let dt = t.elapsed().as_secs_f64();
     anyhow::ensure!(produced == batch * steps, "expected {} tokens, the engine produced {produced}", batch * steps);
+    times.sort_by(f64::total_cmp);
     let avg_ctx = ctx as f64 + generated.values().sum::<usize>() as f64 / batch as f64 + steps as f64 / 2.0;
-    let step_s = dt / steps as f64;
+    let step_s = times[times.len() / 2];
     let flops = batch as f64 * (costs.layer_flops_per_token + costs.head_flops + costs.attn_flops_per_pair * avg_ctx);
     let bytes = costs.weight_bytes + batch as f64 * avg_ctx * costs.kv_bytes_per_token;
     Ok(Measured { phase: "decode", batch, context: ctx, tokens: batch, seconds: step_s, flops, bytes }.row(m))
 }
 
-fn prefill_row<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, costs: &Costs, m: &Machine, args: &BenchEngineArgs) -> anyhow::Result<Row> {
+fn prefill_row<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, costs: &Costs, m: Machine, args: &BenchEngineArgs) -> anyhow::Result<Row> {
     let n = args.prefill_tokens.min(model.config().max_position_embeddings - 1);
     let mut best = f64::INFINITY;
     for rep in 0..3 {
@@ -214,7 +222,7 @@ struct Measured {
 }
 
 impl Measured {
-    fn row(&self, m: &Machine) -> Row {
+    fn row(&self, m: Machine) -> Row {
         let (gflops, gbs) = (self.flops / self.seconds / 1e9, self.bytes / self.seconds / 1e9);
         Row {
             phase: self.phase,
@@ -226,23 +234,34 @@ impl Measured {
             mfu: gflops / m.matmul_peak_gflops,
             gbs,
             mbu: gbs / m.read_bandwidth_gbs,
+            machine: m,
         }
     }
 }
 
 fn print_table(r: &Report) {
-    println!(
-        "machine: {} threads, matmul peak {:.1} GFLOP/s, read bandwidth {:.1} GB/s",
-        r.machine.threads, r.machine.matmul_peak_gflops, r.machine.read_bandwidth_gbs
-    );
     println!("model: {} ({:.1} M parameters, {:.0} MB of weights read per step)", r.model.source, r.model.parameters as f64 / 1e6, r.model.weight_bytes as f64 / 1e6);
-    println!("{:<8} {:>5} {:>7} {:>10} {:>9} {:>8} {:>6} {:>7} {:>6}", "phase", "batch", "context", "tokens/s", "step ms", "GFLOP/s", "MFU", "GB/s", "MBU");
+    println!(
+        "{:<8} {:>5} {:>7} {:>10} {:>9} {:>8} {:>6} {:>7} {:>6} {:>6} {:>6}",
+        "phase", "batch", "context", "tokens/s", "step ms", "GFLOP/s", "MFU", "GB/s", "MBU", "peak", "bw"
+    );
     for row in &r.rows {
         println!(
-            "{:<8} {:>5} {:>7} {:>10.1} {:>9.2} {:>8.1} {:>5.1}% {:>7.1} {:>5.1}%",
-            row.phase, row.batch, row.context, row.tokens_per_s, row.step_ms, row.gflops, row.mfu * 100.0, row.gbs, row.mbu * 100.0
+            "{:<8} {:>5} {:>7} {:>10.1} {:>9.2} {:>8.1} {:>5.1}% {:>7.1} {:>5.1}% {:>6.0} {:>6.1}",
+            row.phase,
+            row.batch,
+            row.context,
+            row.tokens_per_s,
+            row.step_ms,
+            row.gflops,
+            row.mfu * 100.0,
+            row.gbs,
+            row.mbu * 100.0,
+            row.machine.matmul_peak_gflops,
+            row.machine.read_bandwidth_gbs
         );
     }
+    println!("(peak: matmul GFLOP/s and bw: read GB/s, measured right before each row on {} threads)", r.rows.first().map_or(0, |x| x.machine.threads));
     let decode: Vec<&Row> = r.rows.iter().filter(|x| x.phase == "decode").collect();
     if let Some(largest) = decode.iter().max_by_key(|x| x.batch) {
         println!("target: MFU >= {:.0}% at batch {}: {:.1}%", MFU_TARGET * 100.0, largest.batch, largest.mfu * 100.0);
