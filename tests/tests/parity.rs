@@ -138,3 +138,26 @@ fn late_arrivals_join_a_running_batch() {
     }
     assert_eq!(engine.pool_stats().free, engine.pool_stats().total, "every page returned");
 }
+
+/// Asking for logprobs takes the host sampler instead of the device argmax: same tokens, and
+/// each token is the most likely entry of its own top logprobs.
+#[test]
+fn greedy_with_logprobs_agrees_with_device_argmax() {
+    let v = &VARIANTS[2];
+    let (model, tok) = load(v);
+    let reference = common::reference(v.arch);
+    for (i, p) in reference["prompts"].as_array().unwrap().iter().enumerate() {
+        let mut req = greedy_request(&model, common::ids(&p["token_ids"]), 16).into_inner();
+        req.sampling.logprobs = Some(3);
+        let mut engine = Engine::new(model.clone(), tok.clone(), EngineConfig::default()).unwrap();
+        engine.add(req.validate(model.config()).unwrap()).unwrap();
+        let done = engine.run_to_completion().unwrap();
+        let expected = common::ids(&reference["variants"]["base"]["results"][i]["greedy_new_tokens"]);
+        assert_eq!(done[0].tokens, expected, "prompt {i}");
+        for (token, (logprob, top)) in done[0].tokens.iter().zip(&done[0].logprobs) {
+            assert_eq!(top.len(), 3);
+            assert_eq!(top[0].0, *token);
+            assert_eq!(Some(top[0].1), *logprob);
+        }
+    }
+}

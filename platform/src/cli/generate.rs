@@ -26,7 +26,7 @@ struct JsonOutput<'a> {
 #[derive(Serialize)]
 struct TokenLogprobs {
     token: u32,
-    logprob: f32,
+    logprob: Option<f32>,
     top: Vec<(u32, f32)>,
 }
 

@@ -52,6 +52,8 @@ pub enum EngineError {
     TooLargeForPool { needed: usize, total: usize },
     #[error("invalid engine configuration: {0}")]
     Config(String),
+    #[error("the device returned {got} sampled tokens for {expected} sequences")]
+    DeviceOutput { expected: usize, got: usize },
     #[error(transparent)]
     Kernel(#[from] KernelError),
     #[error(transparent)]
@@ -66,8 +68,8 @@ pub struct Completion {
     pub tokens: Vec<u32>,
     pub text: String,
     pub finish_reason: FinishReason,
-    /// Per generated token: its logprob and the top alternatives, when asked for.
-    pub logprobs: Vec<(f32, Vec<(u32, f32)>)>,
+    /// Per generated token: its logprob (when known) and the top alternatives, when asked for.
+    pub logprobs: Vec<(Option<f32>, Vec<(u32, f32)>)>,
 }
 
 pub struct Engine<B: Backend> {
@@ -171,17 +173,34 @@ impl<B: Backend> Engine<B> {
         let backend = self.model.backend().clone();
         let batch = host.upload(backend.as_ref())?;
         let logits = self.model.forward(&batch, &mut self.kv.buffer, &self.kv.layout)?;
-        let logits = backend.download_f32(&logits)?;
         let vocab = self.model.config().vocab_size;
-        let mut rows = logits.chunks_exact(vocab);
+        // When every sequence wants the plain argmax, only the chosen ids leave the device.
+        let argmax_only = plan.iter().all(|&(i, n)| {
+            let s = &self.running[i];
+            s.computed + n < s.tokens.len() || s.wants_argmax_only()
+        });
+        let chosen = if argmax_only { backend.argmax_rows(&logits, vocab)? } else { Vec::new() };
+        if argmax_only && chosen.len() != host.logit_rows.len() {
+            return Err(EngineError::DeviceOutput { expected: host.logit_rows.len(), got: chosen.len() });
+        }
+        let mut chosen = chosen.into_iter();
+        let host_logits = if argmax_only { Vec::new() } else { backend.download_f32(&logits)? };
+        let mut rows = host_logits.chunks_exact(vocab);
         let mut events = Vec::with_capacity(host.logit_rows.len());
         for &(i, n) in &plan {
             let s = &mut self.running[i];
             s.computed += n;
-            if s.computed == s.tokens.len() {
-                let mut row = rows.next().map(<[f32]>::to_vec).unwrap_or_default();
-                events.push(s.accept(&mut row, &self.tokenizer)?);
+            if s.computed < s.tokens.len() {
+                continue;
             }
+            let event = if argmax_only {
+                let token = chosen.next().unwrap_or_default();
+                s.take_argmax(token, &self.tokenizer)?
+            } else {
+                let mut row = rows.next().map(<[f32]>::to_vec).unwrap_or_default();
+                s.sample(&mut row, &self.tokenizer)?
+            };
+            events.push(event);
         }
         let finished: Vec<SeqId> = events.iter().filter(|e| e.finish.is_some()).map(|e| e.seq).collect();
         self.running.retain(|s| !finished.contains(&s.id));

@@ -16,7 +16,9 @@ pub struct TokenEvent {
     pub token: u32,
     /// Text this token completed (empty while a character or a possible stop string is pending).
     pub text: String,
-    pub logprob: f32,
+    /// The token's logprob under the model's raw distribution; `None` when the token was picked
+    /// by a device argmax (plain greedy without logprobs asked for).
+    pub logprob: Option<f32>,
     pub top_logprobs: Vec<(u32, f32)>,
     pub finish: Option<FinishReason>,
 }
@@ -62,9 +64,25 @@ impl Sequence {
         self.prompt_len + self.stop.max_new_tokens
     }
 
+    /// Whether the next token is the plain argmax of the logits (see [`Sampler::is_plain_argmax`]).
+    pub fn wants_argmax_only(&self) -> bool {
+        self.sampler.is_plain_argmax()
+    }
+
     /// Samples the next token from this sequence's logits and applies the stop conditions.
-    pub fn accept(&mut self, logits: &mut [f32], tokenizer: &Tokenizer) -> Result<TokenEvent, TokenizerError> {
+    pub fn sample(&mut self, logits: &mut [f32], tokenizer: &Tokenizer) -> Result<TokenEvent, TokenizerError> {
         let Sample { token, logprob, top_logprobs } = self.sampler.sample(logits);
+        self.accept(token, Some(logprob), top_logprobs, tokenizer)
+    }
+
+    /// Takes a token a device argmax chose (only when [`Sequence::wants_argmax_only`]).
+    pub fn take_argmax(&mut self, token: u32, tokenizer: &Tokenizer) -> Result<TokenEvent, TokenizerError> {
+        self.sampler.record_argmax(token);
+        self.accept(token, None, Vec::new(), tokenizer)
+    }
+
+    /// Appends the chosen token and applies the stop conditions.
+    fn accept(&mut self, token: u32, logprob: Option<f32>, top_logprobs: Vec<(u32, f32)>, tokenizer: &Tokenizer) -> Result<TokenEvent, TokenizerError> {
         self.tokens.push(token);
         let mut finish = None;
         let mut text = String::new();

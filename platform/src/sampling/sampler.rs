@@ -162,6 +162,19 @@ impl Sampler {
         &self.params
     }
 
+    /// Whether the next token is exactly the argmax of the raw logits (greedy, no penalties, no
+    /// logprobs asked for). A device's argmax may then stand in for [`Sampler::sample`],
+    /// followed by [`Sampler::record_argmax`]; both pick the first maximum and ignore NaN.
+    pub fn is_plain_argmax(&self) -> bool {
+        let p = &self.params;
+        p.is_greedy() && p.logprobs.is_none() && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+    }
+
+    /// Records a token chosen outside [`Sampler::sample`] (see [`Sampler::is_plain_argmax`]).
+    pub fn record_argmax(&mut self, token: u32) {
+        self.record(token);
+    }
+
     /// Chooses the next token from `logits` (one value per vocabulary entry) and records it as
     /// generated, for the penalties of later steps.
     ///
