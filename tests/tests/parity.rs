@@ -154,10 +154,10 @@ fn greedy_with_logprobs_agrees_with_device_argmax() {
         let done = engine.run_to_completion().unwrap();
         let expected = common::ids(&reference["variants"]["base"]["results"][i]["greedy_new_tokens"]);
         assert_eq!(done[0].tokens, expected, "prompt {i}");
-        for (token, (logprob, top)) in done[0].tokens.iter().zip(&done[0].logprobs) {
-            assert_eq!(top.len(), 3);
-            assert_eq!(top[0].0, *token);
-            assert_eq!(Some(top[0].1), *logprob);
+        for lp in &done[0].logprobs {
+            assert_eq!(lp.top.len(), 3);
+            assert_eq!(lp.top[0].0, lp.token);
+            assert_eq!(Some(lp.top[0].1), lp.logprob);
         }
     }
 }

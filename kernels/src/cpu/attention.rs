@@ -50,7 +50,7 @@ impl<'a> Meta<'a> {
 impl AttentionOps for CpuBackend {
     fn rope(&self, x: &mut CpuBuffer, positions: &CpuBuffer, cos_sin: &CpuBuffer, heads: usize, head_dim: usize) -> Result<()> {
         const OP: &str = "rope";
-        if head_dim % 2 != 0 {
+        if !head_dim.is_multiple_of(2) {
             return Err(KernelError::Shape { op: OP, detail: format!("head_dim {head_dim} is odd") });
         }
         let positions = positions.u32(OP)?;
@@ -128,7 +128,7 @@ impl AttentionOps for CpuBackend {
     ) -> Result<()> {
         const OP: &str = "attention";
         let m = Meta::read(OP, meta)?;
-        if p.num_kv_heads == 0 || p.num_heads % p.num_kv_heads != 0 || p.num_kv_heads != layout.num_kv_heads
+        if p.num_kv_heads == 0 || !p.num_heads.is_multiple_of(p.num_kv_heads) || p.num_kv_heads != layout.num_kv_heads
             || p.head_dim != layout.head_dim || p.layer >= layout.num_layers
         {
             return Err(KernelError::Shape { op: OP, detail: format!("attention params {p:?} do not fit the KV layout {layout:?}") });

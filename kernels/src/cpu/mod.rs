@@ -81,7 +81,7 @@ pub(crate) fn ensure_len(op: &'static str, what: &str, len: usize, need: usize) 
 
 /// Fails with a shape error unless `len` is a whole number of `dim`-long rows.
 pub(crate) fn rows_of(op: &'static str, what: &str, len: usize, dim: usize) -> Result<usize> {
-    if dim == 0 || len % dim != 0 {
+    if dim == 0 || !len.is_multiple_of(dim) {
         return Err(KernelError::Shape { op, detail: format!("{what} holds {len} elements, not a multiple of the row length {dim}") });
     }
     Ok(len / dim)

@@ -63,6 +63,18 @@ pub fn pack(w: &[f32], n: usize, k: usize) -> Panels {
 /// its own panels.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
+impl OutPtr {
+    /// The element `offset` past the start. Taking `self` whole keeps closures capturing the
+    /// `Send` wrapper rather than the bare pointer.
+    ///
+    /// # Safety
+    /// `offset` must lie within the output buffer.
+    unsafe fn at(self, offset: usize) -> *mut f32 {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.0.add(offset) }
+    }
+}
+
 // SAFETY: tasks write disjoint column ranges of the output (one panel each), never the same
 // element, and the pointer outlives the parallel loop that uses it (see `matmul`).
 unsafe impl Send for OutPtr {}
@@ -83,7 +95,6 @@ pub fn matmul(x: &[f32], packed: &[f32], bias: Option<&[f32]>, out: &mut [f32], 
         let chunk_rows = ROW_CHUNK.min(rows - r0);
         pack_rows(&x[r0 * k..(r0 + chunk_rows) * k], k, &mut xp);
         (0..panels).into_par_iter().for_each(|p| {
-            let dst = dst;
             let panel = &packed[p * k * NR..(p + 1) * k * NR];
             let cols = NR.min(n - p * NR);
             let bias = bias.map(|b| &b[p * NR..p * NR + cols]);
@@ -100,7 +111,7 @@ pub fn matmul(x: &[f32], packed: &[f32], bias: Option<&[f32]>, out: &mut [f32], 
                 // panel's task only; the prefetched range lies within `next`; AVX-512
                 // availability was checked above.
                 unsafe {
-                    let op = dst.0.add(r * n + p * NR);
+                    let op = dst.at(r * n + p * NR);
                     tile(mr, k, block.as_ptr(), panel.as_ptr(), op, n, cols, bias, prefetch);
                 }
             }

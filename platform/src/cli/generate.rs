@@ -8,7 +8,7 @@ use loraplex_kernels::cpu::CpuBackend;
 use serde::Serialize;
 
 use crate::config::{GenerateArgs, PromptArgs};
-use crate::engine::Engine;
+use crate::engine::{Engine, TokenLogprobs};
 use crate::model;
 use crate::request::{GenerationRequest, StopConditions};
 use crate::tokenizer::{ChatMessage, Tokenizer};
@@ -20,14 +20,7 @@ struct JsonOutput<'a> {
     text: &'a str,
     finish_reason: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
-    logprobs: Option<Vec<TokenLogprobs>>,
-}
-
-#[derive(Serialize)]
-struct TokenLogprobs {
-    token: u32,
-    logprob: Option<f32>,
-    top: Vec<(u32, f32)>,
+    logprobs: Option<&'a [TokenLogprobs]>,
 }
 
 /// The prompt's token ids, from whichever form the user gave.
@@ -68,13 +61,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     if args.json {
         let done = engine.run_to_completion()?;
         let c = done.first().context("the engine returned no completion")?;
-        let logprobs = args.sampling.logprobs.map(|_| {
-            c.tokens
-                .iter()
-                .zip(&c.logprobs)
-                .map(|(&token, (logprob, top))| TokenLogprobs { token, logprob: *logprob, top: top.clone() })
-                .collect()
-        });
+        let logprobs = args.sampling.logprobs.map(|_| c.logprobs.as_slice());
         let out = JsonOutput {
             prompt_tokens: c.prompt_tokens,
             tokens: &c.tokens,

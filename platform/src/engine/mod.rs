@@ -69,7 +69,17 @@ pub struct Completion {
     pub text: String,
     pub finish_reason: FinishReason,
     /// Per generated token: its logprob (when known) and the top alternatives, when asked for.
-    pub logprobs: Vec<(Option<f32>, Vec<(u32, f32)>)>,
+    pub logprobs: Vec<TokenLogprobs>,
+}
+
+/// The logprobs reported with one generated token.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    /// `None` when the token came from a device argmax (no logprobs were asked for).
+    pub logprob: Option<f32>,
+    /// The most likely alternatives with their logprobs, most likely first.
+    pub top: Vec<(u32, f32)>,
 }
 
 pub struct Engine<B: Backend> {
@@ -240,7 +250,7 @@ impl<B: Backend> Engine<B> {
                 let Some(c) = open.get_mut(&e.seq) else { continue };
                 c.tokens.push(e.token);
                 c.text.push_str(&e.text);
-                c.logprobs.push((e.logprob, e.top_logprobs));
+                c.logprobs.push(TokenLogprobs { token: e.token, logprob: e.logprob, top: e.top_logprobs });
                 if let Some(reason) = e.finish {
                     c.finish_reason = reason;
                     if let Some(c) = open.remove(&e.seq) {

@@ -108,7 +108,7 @@ mod tests {
         let mut stream = tok.decode_stream(skip);
         let mut out = String::new();
         for &id in ids {
-            match stream.push(&tok, id) {
+            match stream.push(tok, id) {
                 Ok(Some(chunk)) => {
                     assert!(!chunk.is_empty());
                     if !full.contains(REPLACEMENT) {
@@ -124,7 +124,7 @@ mod tests {
             }
         }
         if let Some(rest) = stream
-            .finish(&tok)
+            .finish(tok)
             .unwrap_or_else(|e| panic!("finish failed: {e}"))
         {
             out.push_str(&rest);

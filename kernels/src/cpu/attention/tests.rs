@@ -12,8 +12,15 @@ fn rand_vec(len: usize, seed: &mut u64) -> Vec<f32> {
         .collect()
 }
 
+struct Heads {
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+}
+
 /// Dense causal attention of the last `new` positions of one sequence over all `len` of them.
-fn dense_attention(q: &[f32], k: &[f32], v: &[f32], len: usize, new: usize, heads: usize, kv_heads: usize, hd: usize, window: Option<usize>) -> Vec<f32> {
+fn dense_attention(q: &[f32], k: &[f32], v: &[f32], len: usize, new: usize, shape: &Heads, window: Option<usize>) -> Vec<f32> {
+    let Heads { heads, kv_heads, hd } = *shape;
     let group = heads / kv_heads;
     let mut out = vec![0f32; new * heads * hd];
     for t in 0..new {
@@ -61,8 +68,8 @@ fn paged_attention_matches_dense_for_mixed_prefill_and_decode() {
         let mut vs = vec![];
         for &(len, new) in &seqs {
             let mut table = vec![0u32; max_blocks];
-            for b in 0..len.div_ceil(layout.block_size) {
-                table[b] = next_page;
+            for entry in table.iter_mut().take(len.div_ceil(layout.block_size)) {
+                *entry = next_page;
                 next_page -= 3;
             }
             let k = rand_vec(len * kv_heads * hd, &mut seed);
@@ -95,7 +102,7 @@ fn paged_attention_matches_dense_for_mixed_prefill_and_decode() {
             ctx.push(len as u32);
             tables.extend_from_slice(&table);
             all_q.extend_from_slice(&q);
-            dense.extend(dense_attention(&q, &k, &v, len, new, heads, kv_heads, hd, window));
+            dense.extend(dense_attention(&q, &k, &v, len, new, &Heads { heads, kv_heads, hd }, window));
         }
         let tokens = positions.len();
         let meta = BatchMeta {
