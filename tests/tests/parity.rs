@@ -161,3 +161,37 @@ fn greedy_with_logprobs_agrees_with_device_argmax() {
         }
     }
 }
+
+/// Stop strings cut the text before the match; stop tokens end the sequence without text.
+#[test]
+fn stop_strings_and_stop_tokens_end_generation() {
+    let v = &VARIANTS[0];
+    let (model, tok) = load(v);
+    let reference = common::reference(v.arch);
+    let prompt = common::ids(&reference["prompts"][0]["token_ids"]);
+    let expected_tokens = common::ids(&reference["variants"]["base"]["results"][0]["greedy_new_tokens"]);
+    let full_text = reference["variants"]["base"]["results"][0]["greedy_text"].as_str().unwrap().to_string();
+    let run = |stop: StopConditions| {
+        let req = GenerationRequest { prompt: prompt.clone(), sampling: SamplingParams::greedy(), stop };
+        let mut engine = Engine::new(model.clone(), tok.clone(), EngineConfig::default()).unwrap();
+        engine.add(req.validate(model.config()).unwrap()).unwrap();
+        engine.run_to_completion().unwrap().remove(0)
+    };
+    let all = run(StopConditions { max_new_tokens: 16, ignore_eos: true, ..Default::default() });
+    assert_eq!(all.text, full_text);
+    assert_eq!(all.finish_reason.as_str(), "length");
+
+    let cut = full_text.find("them").unwrap();
+    let stopped = run(StopConditions { max_new_tokens: 16, stop_strings: vec!["them".into()], ..Default::default() });
+    assert_eq!(stopped.text, full_text[..cut]);
+    assert_eq!(stopped.finish_reason.as_str(), "stop");
+    assert!(stopped.tokens.len() < 16);
+
+    // The fourth generated token as a stop token: three tokens of text, four tokens generated.
+    let stop_id = expected_tokens[3];
+    let first = expected_tokens.iter().position(|&t| t == stop_id).unwrap();
+    let by_token = run(StopConditions { max_new_tokens: 16, stop_token_ids: vec![stop_id], ..Default::default() });
+    assert_eq!(by_token.tokens, expected_tokens[..=first]);
+    assert_eq!(by_token.text, tok.decode(&expected_tokens[..first], true).unwrap());
+    assert_eq!(by_token.finish_reason.as_str(), "stop");
+}
