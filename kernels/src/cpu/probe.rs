@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use super::CpuBackend;
+use super::{CpuBackend, simd};
 use crate::{DenseOps, Memory, Result};
 
 /// Read bandwidth of main memory in bytes/s: the best of `reps` parallel passes summing a buffer
@@ -17,23 +17,12 @@ pub fn read_bandwidth(bytes: usize, reps: usize) -> f64 {
     let mut best = f64::INFINITY;
     for _ in 0..reps.max(1) {
         let t = Instant::now();
-        let s: f32 = data.par_chunks(chunk).map(sum_lanes).sum();
+        let s: f32 = data.par_chunks(chunk).map(simd::sum).sum();
         let dt = t.elapsed().as_secs_f64();
         std::hint::black_box(s);
         best = best.min(dt);
     }
     (len * 4) as f64 / best
-}
-
-fn sum_lanes(x: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let mut chunks = x.chunks_exact(16);
-    for c in &mut chunks {
-        for i in 0..16 {
-            acc[i] += c[i];
-        }
-    }
-    acc.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
 }
 
 /// The matmul peak of this machine in FLOP/s: the better of the backend's own matmul and the

@@ -31,6 +31,47 @@ pub fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
     }
 }
 
+/// `Σ x[i]`, read as fast as the CPU can (the memory-bandwidth probe's inner loop).
+pub fn sum(x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F is present (checked above).
+        return unsafe { sum_avx512(x) };
+    }
+    let mut acc = [0f32; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for i in 0..16 {
+            acc[i] += c[i];
+        }
+    }
+    acc.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
+}
+
+/// # Safety
+/// AVX-512F must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn sum_avx512(x: &[f32]) -> f32 {
+    let n = x.len();
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut i = 0;
+    // SAFETY: full loads cover i..i+64 <= n; the masked tail loads stay below n.
+    unsafe {
+        while i + 64 <= n {
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_add_ps(*a, _mm512_loadu_ps(x.as_ptr().add(i + 16 * j)));
+            }
+            i += 64;
+        }
+        while i < n {
+            acc[0] = _mm512_add_ps(acc[0], _mm512_maskz_loadu_ps(lanes(n - i), x.as_ptr().add(i)));
+            i += 16;
+        }
+    }
+    _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])))
+}
+
 fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     // Eight independent partial sums let the compiler vectorize without reassociating.
     let mut acc = [0f32; 8];
@@ -104,6 +145,7 @@ mod tests {
             let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
             assert!((dot(&a, &b) as f64 - exact).abs() < 1e-5, "n={n}");
             assert!((dot_portable(&a, &b) as f64 - exact).abs() < 1e-5, "n={n}");
+            assert!((sum(&a) as f64 - a.iter().map(|v| *v as f64).sum::<f64>()).abs() < 1e-5, "n={n}");
             let mut y = b.clone();
             axpy(&mut y, 0.5, &a);
             for i in 0..n {
