@@ -195,3 +195,33 @@ fn stop_strings_and_stop_tokens_end_generation() {
     assert_eq!(by_token.text, tok.decode(&expected_tokens[..first], true).unwrap());
     assert_eq!(by_token.finish_reason.as_str(), "stop");
 }
+
+/// A cancelled sequence leaves at once, its pages return to the pool, and the others go on
+/// with exactly their one-by-one tokens.
+#[test]
+fn cancel_frees_pages_and_leaves_the_others_untouched() {
+    let v = &VARIANTS[0];
+    let (model, tok) = load(v);
+    let reference = common::reference(v.arch);
+    let prompts: Vec<Vec<u32>> = reference["prompts"].as_array().unwrap().iter().map(|p| common::ids(&p["token_ids"])).collect();
+    let mut engine = Engine::new(model.clone(), tok, EngineConfig::default()).unwrap();
+    let total = engine.pool_stats().total;
+    let keep = engine.add(greedy_request(&model, prompts[0].clone(), 16)).unwrap();
+    let gone = engine.add(greedy_request(&model, prompts[1].clone(), 16)).unwrap();
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.extend(engine.step().unwrap().into_iter().filter(|e| e.seq == keep).map(|e| e.token));
+    }
+    let before = engine.pool_stats().free;
+    assert!(engine.cancel(gone));
+    assert!(!engine.cancel(gone), "already gone");
+    assert!(engine.pool_stats().free > before, "its pages came back at once");
+    while engine.has_work() {
+        for e in engine.step().unwrap() {
+            assert_ne!(e.seq, gone);
+            got.push(e.token);
+        }
+    }
+    assert_eq!(got, common::ids(&reference["variants"]["base"]["results"][0]["greedy_new_tokens"]));
+    assert_eq!(engine.pool_stats().free, total);
+}
