@@ -177,3 +177,19 @@ fn synth_writes_a_model_that_generates() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["tokens"].as_array().unwrap().len(), 8);
 }
+
+#[test]
+fn eos_comes_from_config_json_without_generation_config() {
+    // The reference continuation of prompt "fox" starts 449, 449, 449, 272: make 272 the only
+    // end-of-sequence id, declared in config.json alone.
+    let dir = model_copy();
+    std::fs::remove_file(dir.path().join("generation_config.json")).unwrap();
+    let path = dir.path().join("config.json");
+    let text = std::fs::read_to_string(&path).unwrap().replace("\"eos_token_id\": 2", "\"eos_token_id\": 272");
+    std::fs::write(&path, text).unwrap();
+    let o = generate_ids(dir.path(), &["--max-new-tokens", "16", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["tokens"], serde_json::json!([449, 449, 449, 272]));
+    assert_eq!(v["finish_reason"], "stop");
+}

@@ -130,9 +130,21 @@ impl<B: Backend> Engine<B> {
         let id = SeqId(self.next_id);
         self.next_id += 1;
         let sampler = Sampler::new(req.sampling, &req.prompt);
-        let eos = self.tokenizer.eos_token_ids().to_vec();
+        let eos = self.eos_ids();
         self.waiting.push_back(Sequence::new(id, req.prompt, sampler, req.stop, eos, blocks));
         Ok(id)
+    }
+
+    /// End-of-sequence ids: the tokenizer's (its config and generation_config.json) and the
+    /// model config's, which is where they live when generation_config.json is absent.
+    fn eos_ids(&self) -> Vec<u32> {
+        let mut ids = self.tokenizer.eos_token_ids().to_vec();
+        for &id in &self.model.config().eos_token_ids {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+        ids
     }
 
     /// Removes a sequence wherever it is; its pages are freed at once. False if unknown.
