@@ -8,8 +8,9 @@
 //! - f32, f16 and bf16 data, converted to f32; values must be finite;
 //! - `target_modules` as a list (exact name or dot-suffix), a regex string (full match), or
 //!   `"all-linear"`; `exclude_modules`; `layers_to_transform` with `layers_pattern`;
-//! - `rank_pattern`/`alpha_pattern`: the first key in file order whose `(.*\.)?KEY$` matches the
-//!   full module name (`model.layers.3.self_attn.q_proj`) gives its rank/alpha;
+//! - `rank_pattern`/`alpha_pattern`: the first key in file order whose regex
+//!   `^(?:.*\.)?(?:KEY)$` matches the full module name (`model.layers.3.self_attn.q_proj`)
+//!   gives its rank/alpha (the key is grouped, so `q_proj|v_proj` means either module);
 //! - unknown config keys are ignored.
 //!
 //! Ranks are read from the lora_A shape. A matching `rank_pattern` entry must agree with it; the
