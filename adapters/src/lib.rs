@@ -1,9 +1,22 @@
 //! LoRA adapters as artifacts.
 //!
-//! This crate will hold PEFT parsing, validation against a base model, rank/alpha patterns,
-//! packing into the page pool's row layout and the blob store. For now it only names the
-//! projections an adapter can target, which the model already uses to label its linear layers.
+//! - [`TargetModule`]: the projections of a decoder layer an adapter can target.
+//! - [`BaseShape`]: the base model's layer count and projection shapes, to validate against.
+//! - [`LoraAdapter::load`]: reads a HuggingFace PEFT adapter directory (`adapter_config.json` +
+//!   `adapter_model.safetensors`), resolves ranks, alphas and scalings with PEFT's rules and
+//!   checks every tensor against the base shape (see [`peft`]).
+//! - [`LoraAdapter::content_hash`]: SHA-256 over the canonical weights (see [`hash`]).
 #![forbid(unsafe_code)]
+
+mod adapter;
+mod error;
+pub mod hash;
+pub mod peft;
+mod shape;
+
+pub use adapter::{AdapterLimits, LoraAdapter, LoraModule};
+pub use error::AdapterError;
+pub use shape::BaseShape;
 
 /// A linear projection of a Llama-family decoder layer: the places a LoRA delta can be added.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -41,6 +54,19 @@ impl TargetModule {
         }
     }
 
+    /// Position in [`Self::ALL`]: `Q` is 0, `Down` is 6.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The submodule of a decoder layer that holds this projection (`self_attn` or `mlp`).
+    pub fn hf_parent(self) -> &'static str {
+        match self {
+            TargetModule::Q | TargetModule::K | TargetModule::V | TargetModule::O => "self_attn",
+            TargetModule::Gate | TargetModule::Up | TargetModule::Down => "mlp",
+        }
+    }
+
     /// Parses an HF module name; `None` for anything that is not one of the seven projections.
     pub fn from_hf_name(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|m| m.hf_name() == name)
@@ -57,5 +83,8 @@ mod tests {
             assert_eq!(TargetModule::from_hf_name(m.hf_name()), Some(m));
         }
         assert_eq!(TargetModule::from_hf_name("lm_head"), None);
+        for (i, m) in TargetModule::ALL.into_iter().enumerate() {
+            assert_eq!(m.index(), i);
+        }
     }
 }
