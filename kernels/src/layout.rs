@@ -65,3 +65,73 @@ pub struct BatchMeta<Buf> {
     /// `[num_seqs, max_blocks_per_seq]`: the pages of each sequence, in order (padding unused).
     pub block_tables: Buf,
 }
+
+/// Unit of row offsets into the pool: rows start on 16-element (64-byte) boundaries.
+pub const LORA_ROW_ALIGN: usize = 16;
+
+/// Projections of a decoder layer an adapter may target: q, k, v, o, gate, up, down, in that order.
+/// The caller names a module by its index in this list.
+pub const NUM_MODULES: usize = 7;
+
+/// The slot of a segment or row that uses no adapter: those tokens cost nothing.
+pub const NO_ADAPTER: u32 = u32::MAX;
+
+/// Where the rank rows of the adapters used by one batch live in the pool. All u32 buffers.
+///
+/// For every (layer, module) it targets, an adapter owns `rank` A rows of `in_features` elements
+/// and `rank` B rows of `out_features` elements. B is stored transposed (row `r` holds column `r`
+/// of B) with the LoRA scaling already multiplied in. Rows sit anywhere in the pool, each whole
+/// and starting on a [`LORA_ROW_ALIGN`] boundary; ranks are not padded in storage.
+#[derive(Debug)]
+pub struct LoraRows<Buf> {
+    /// Adapters in this batch; segments and rows name them by slot `0..num_slots`.
+    pub num_slots: usize,
+    pub num_layers: usize,
+    /// `[num_slots * num_layers * NUM_MODULES * 2]`: for (slot, layer, module), at
+    /// [`LoraRows::entry`], the first index into `a_rows`/`b_rows` and the rank; rank 0 means the
+    /// adapter does not target that module (its first index is then ignored).
+    pub directory: Buf,
+    /// `[total rows]`: the pool offset of each A row, in units of [`LORA_ROW_ALIGN`] elements.
+    pub a_rows: Buf,
+    /// `[total rows]`: the same for the B rows (Bᵀ rows, scaling folded in).
+    pub b_rows: Buf,
+}
+
+impl<Buf> LoraRows<Buf> {
+    /// Index in `directory` of the (first row, rank) pair of `slot` for `layer`, `module`.
+    #[inline]
+    pub fn entry(&self, slot: usize, layer: usize, module: usize) -> usize {
+        ((slot * self.num_layers + layer) * NUM_MODULES + module) * 2
+    }
+
+    /// Elements `directory` must hold.
+    pub fn directory_len(&self) -> usize {
+        self.num_slots * self.num_layers * NUM_MODULES * 2
+    }
+}
+
+/// Which adapter each part of the batch uses: consecutive runs of tokens (segments) sharing one
+/// adapter, as in prefill. All u32 buffers.
+#[derive(Debug)]
+pub struct LoraSegments<Buf> {
+    pub num_segments: usize,
+    /// `[num_segments + 1]`: prefix sums of tokens per segment, from 0 to the batch's token count
+    /// (like [`BatchMeta::seq_starts`]); empty segments are allowed.
+    pub seg_starts: Buf,
+    /// `[num_segments]`: the adapter slot of each segment, or [`NO_ADAPTER`].
+    pub seg_slots: Buf,
+}
+
+/// The projection a LoRA op applies to: which (layer, module) and its shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoraTarget {
+    pub layer: usize,
+    /// Index into q, k, v, o, gate, up, down (see [`NUM_MODULES`]).
+    pub module: usize,
+    /// Length of an input row and of an A row.
+    pub in_features: usize,
+    /// Length of an output row and of a B row.
+    pub out_features: usize,
+    /// Row length of the intermediate `v`: no adapter of the batch may exceed it for this target.
+    pub max_rank: usize,
+}

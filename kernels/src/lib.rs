@@ -2,10 +2,10 @@
 //!
 //! A backend owns device memory and runs the ops of a Llama-family forward pass over it. The
 //! contract is split into a few small traits ([`Memory`], [`DenseOps`], [`AttentionOps`],
-//! [`SamplingOps`]) that together form [`Backend`]. Buffers are opaque: the engine allocates them,
-//! fills them by upload, passes them between ops and reads results back by download. Shapes travel
-//! with each call as small descriptor structs, so every op checks its arguments and reports a
-//! [`KernelError`] instead of reading out of bounds.
+//! [`SamplingOps`], [`LoraOps`]) that together form [`Backend`]. Buffers are opaque: the engine
+//! allocates them, fills them by upload, passes them between ops and reads results back by
+//! download. Shapes travel with each call as small descriptor structs, so every op checks its
+//! arguments and reports a [`KernelError`] instead of reading out of bounds.
 //!
 //! The CPU backend ([`cpu::CpuBackend`]) is the reference implementation: f32 arithmetic, matmuls
 //! on packed weights, rayon for parallelism. Every other backend is tested against it.
@@ -14,7 +14,9 @@ pub mod cpu;
 mod layout;
 pub mod mmap;
 
-pub use layout::{AttentionParams, BatchMeta, KvLayout};
+pub use layout::{
+    AttentionParams, BatchMeta, KvLayout, LORA_ROW_ALIGN, LoraRows, LoraSegments, LoraTarget, NO_ADAPTER, NUM_MODULES,
+};
 
 /// Errors from a backend. Each names the op and what was wrong with its arguments.
 #[derive(Debug, thiserror::Error)]
@@ -106,7 +108,53 @@ pub trait SamplingOps: Memory {
     fn argmax_rows(&self, logits: &Self::Buffer, vocab: usize) -> Result<Vec<u32>>;
 }
 
-/// Everything the model needs from a device.
-pub trait Backend: Memory + DenseOps + AttentionOps + SamplingOps + Send + Sync + 'static {}
+/// Batched LoRA over adapters whose rank rows live in the pool (see [`LoraRows`]), many adapters
+/// per batch, each token paying only for its own adapter's rank.
+///
+/// The low-rank update of a projection `y = x · Wᵀ` is `y += (x · Aᵀ) · Bᵀ`, applied after the
+/// base matmul. `x` is `[tokens, target.in_features]`, `y` is `[tokens, target.out_features]`;
+/// buffers may be longer than needed. Every index (slots, directory ranges, row offsets, segment
+/// bounds) is checked before any output is written, so an error leaves the outputs as they were.
+/// The directory entries of every slot for the target are checked, used in this call or not.
+/// A token's result does not depend on which op computes it or how tokens are grouped.
+pub trait LoraOps: Memory {
+    /// SGMV shrink (prefill segments): `v[t, r] = x[t, :] · A_slot(t)[r, :]` for
+    /// `r < rank(slot(t), target)`, `v[t, r] = 0` beyond it; `v` is `[tokens, target.max_rank]`.
+    /// Segments without an adapter write zeros.
+    fn sgmv_shrink(
+        &self,
+        x: &Self::Buffer,
+        pool: &Self::Buffer,
+        rows: &LoraRows<Self::Buffer>,
+        segs: &LoraSegments<Self::Buffer>,
+        target: &LoraTarget,
+        v: &mut Self::Buffer,
+    ) -> Result<()>;
+    /// SGMV expand: `y[t, :] += Σ_r v[t, r] · Bᵀ_slot(t)[r, :]` over `r < rank(slot(t), target)`;
+    /// tokens of [`NO_ADAPTER`] segments are left untouched.
+    fn sgmv_expand(
+        &self,
+        v: &Self::Buffer,
+        pool: &Self::Buffer,
+        rows: &LoraRows<Self::Buffer>,
+        segs: &LoraSegments<Self::Buffer>,
+        target: &LoraTarget,
+        y: &mut Self::Buffer,
+    ) -> Result<()>;
+    /// BGMV (decode): one adapter slot per row (`slots`: `[rows]` u32, [`NO_ADAPTER`] allowed);
+    /// `y[t] += (x[t] · A_slot(t)ᵀ) · Bᵀ_slot(t)`, shrink and expand fused per row.
+    fn bgmv(
+        &self,
+        x: &Self::Buffer,
+        pool: &Self::Buffer,
+        rows: &LoraRows<Self::Buffer>,
+        slots: &Self::Buffer,
+        target: &LoraTarget,
+        y: &mut Self::Buffer,
+    ) -> Result<()>;
+}
 
-impl<T> Backend for T where T: Memory + DenseOps + AttentionOps + SamplingOps + Send + Sync + 'static {}
+/// Everything the model needs from a device.
+pub trait Backend: Memory + DenseOps + AttentionOps + SamplingOps + LoraOps + Send + Sync + 'static {}
+
+impl<T> Backend for T where T: Memory + DenseOps + AttentionOps + SamplingOps + LoraOps + Send + Sync + 'static {}

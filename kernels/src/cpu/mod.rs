@@ -2,6 +2,7 @@
 //! row-parallel ops. It is the reference every other backend is compared against.
 
 mod attention;
+mod lora;
 mod matmul;
 mod ops;
 mod packed;

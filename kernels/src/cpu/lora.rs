@@ -1,0 +1,280 @@
+//! Batched LoRA on the CPU: SGMV over segments of tokens sharing an adapter, BGMV with one adapter
+//! per row.
+//!
+//! Every token gets the same arithmetic whichever op serves it: `v[t, r]` is one `simd::dot` of
+//! the token's input with A row `r`, stored as f32, and the output row receives one `simd::axpy`
+//! per B row in rank order. Segments only decide which tokens share a loop (so that a block of
+//! tokens reads each rank row once), never the order of any element's sums, so SGMV under any
+//! grouping and BGMV agree bit for bit.
+
+use rayon::prelude::*;
+
+use super::{CpuBackend, CpuBuffer, ensure_len, simd};
+use crate::{KernelError, LORA_ROW_ALIGN, LoraOps, LoraRows, LoraSegments, LoraTarget, NO_ADAPTER, NUM_MODULES, Result};
+
+/// Tokens of one segment handled by one rayon task in SGMV.
+const TOKEN_BLOCK: usize = 16;
+
+/// The rows of every slot for one target, checked against the pool.
+struct Adapters<'a> {
+    pool: &'a [f32],
+    /// Per slot: offsets of its A rows and of its B rows (equally many, the rank; none when the
+    /// slot does not target the module), in units of `LORA_ROW_ALIGN` elements.
+    slots: Vec<(&'a [u32], &'a [u32])>,
+    in_features: usize,
+    out_features: usize,
+    max_rank: usize,
+}
+
+impl<'a> Adapters<'a> {
+    fn read(op: &'static str, pool: &'a CpuBuffer, rows: &'a LoraRows<CpuBuffer>, target: &LoraTarget) -> Result<Self> {
+        let pool = pool.f32(op)?;
+        let directory = rows.directory.u32(op)?;
+        let a_rows = rows.a_rows.u32(op)?;
+        let b_rows = rows.b_rows.u32(op)?;
+        let LoraTarget { layer, module, in_features, out_features, max_rank } = *target;
+        if in_features == 0 || out_features == 0 || max_rank == 0 {
+            return Err(KernelError::Shape { op, detail: format!("LoRA target {target:?} has a zero dimension") });
+        }
+        if layer >= rows.num_layers {
+            return Err(KernelError::Index { op, index: layer, limit: rows.num_layers });
+        }
+        if module >= NUM_MODULES {
+            return Err(KernelError::Index { op, index: module, limit: NUM_MODULES });
+        }
+        let entries = rows
+            .num_slots
+            .checked_mul(rows.num_layers)
+            .and_then(|n| n.checked_mul(NUM_MODULES * 2))
+            .ok_or_else(|| KernelError::Shape { op, detail: format!("{} slots × {} layers overflow", rows.num_slots, rows.num_layers) })?;
+        ensure_len(op, "directory", directory.len(), entries)?;
+        let mut slots = Vec::with_capacity(rows.num_slots);
+        for slot in 0..rows.num_slots {
+            let e = rows.entry(slot, layer, module);
+            let (first, rank) = (directory[e] as usize, directory[e + 1] as usize);
+            if rank == 0 {
+                slots.push((&a_rows[..0], &b_rows[..0]));
+                continue;
+            }
+            if rank > max_rank {
+                return Err(KernelError::Shape {
+                    op,
+                    detail: format!("slot {slot} has rank {rank} at layer {layer} module {module}, more than max_rank {max_rank}"),
+                });
+            }
+            let end = first.saturating_add(rank);
+            if end > a_rows.len() || end > b_rows.len() {
+                return Err(KernelError::Shape {
+                    op,
+                    detail: format!(
+                        "slot {slot} names rows {first}..{end} at layer {layer} module {module}; a_rows holds {}, b_rows {}",
+                        a_rows.len(),
+                        b_rows.len()
+                    ),
+                });
+            }
+            let (a, b) = (&a_rows[first..end], &b_rows[first..end]);
+            check_offsets(op, a, in_features, pool.len())?;
+            check_offsets(op, b, out_features, pool.len())?;
+            slots.push((a, b));
+        }
+        Ok(Adapters { pool, slots, in_features, out_features, max_rank })
+    }
+
+    /// A row of `len` elements at `offset` (in `LORA_ROW_ALIGN` units); checked by `read`.
+    #[inline]
+    fn row(&self, offset: u32, len: usize) -> &'a [f32] {
+        let start = offset as usize * LORA_ROW_ALIGN;
+        &self.pool[start..start + len]
+    }
+
+    /// `v[t, r] = x[t] · A[r]` for each token of a block and `r < rank`, zeros up to `max_rank`.
+    /// `x` holds the block's input rows, `v` its `max_rank`-long rows.
+    fn shrink(&self, slot: u32, x: &[f32], v: &mut [f32]) {
+        let a = self.slots.get(slot as usize).map_or(&[][..], |s| s.0);
+        for vt in v.chunks_exact_mut(self.max_rank) {
+            vt[a.len()..].fill(0.0);
+        }
+        // Rank row outermost: each A row is read once per block.
+        for (r, &off) in a.iter().enumerate() {
+            let ar = self.row(off, self.in_features);
+            for (vt, xt) in v.chunks_exact_mut(self.max_rank).zip(x.chunks_exact(self.in_features)) {
+                vt[r] = simd::dot(xt, ar);
+            }
+        }
+    }
+
+    /// `y[t] += Σ_r v[t, r] · Bᵀ[r]` for each token of a block, `r` ascending.
+    fn expand(&self, slot: u32, v: &[f32], y: &mut [f32]) {
+        let b = self.slots.get(slot as usize).map_or(&[][..], |s| s.1);
+        for (r, &off) in b.iter().enumerate() {
+            let br = self.row(off, self.out_features);
+            for (yt, vt) in y.chunks_exact_mut(self.out_features).zip(v.chunks_exact(self.max_rank)) {
+                simd::axpy(yt, vt[r], br);
+            }
+        }
+    }
+
+    /// Whether `slot` changes anything for this target.
+    fn active(&self, slot: u32) -> bool {
+        self.slots.get(slot as usize).is_some_and(|s| !s.0.is_empty())
+    }
+}
+
+/// Fails unless every row at `offsets` (in `LORA_ROW_ALIGN` units) lies wholly inside the pool.
+fn check_offsets(op: &'static str, offsets: &[u32], len: usize, pool_len: usize) -> Result<()> {
+    // Offsets 0..limit are the ones whose `len` elements fit.
+    let limit = if pool_len >= len { (pool_len - len) / LORA_ROW_ALIGN + 1 } else { 0 };
+    match offsets.iter().find(|&&off| off as usize >= limit) {
+        Some(&off) => Err(KernelError::Index { op, index: off as usize, limit }),
+        None => Ok(()),
+    }
+}
+
+/// Fails unless a buffer of `len` elements holds `rows` rows of `dim` (overflow included).
+fn ensure_rows(op: &'static str, what: &str, len: usize, rows: usize, dim: usize) -> Result<()> {
+    let need = rows
+        .checked_mul(dim)
+        .ok_or_else(|| KernelError::Shape { op, detail: format!("{what}: {rows} rows of {dim} overflow") })?;
+    ensure_len(op, what, len, need)
+}
+
+/// The segment table read back as host slices and checked.
+struct Segments<'a> {
+    starts: &'a [u32],
+    slots: &'a [u32],
+    tokens: usize,
+}
+
+impl<'a> Segments<'a> {
+    fn read(op: &'static str, segs: &'a LoraSegments<CpuBuffer>, num_slots: usize) -> Result<Self> {
+        let n = segs.num_segments;
+        let starts = segs.seg_starts.u32(op)?;
+        let slots = segs.seg_slots.u32(op)?;
+        ensure_len(op, "seg_starts", starts.len(), n.saturating_add(1))?;
+        ensure_len(op, "seg_slots", slots.len(), n)?;
+        if starts[0] != 0 {
+            return Err(KernelError::Shape { op, detail: format!("seg_starts begins at {}, not 0", starts[0]) });
+        }
+        for s in 0..n {
+            if starts[s + 1] < starts[s] {
+                return Err(KernelError::Shape {
+                    op,
+                    detail: format!("segment {s} runs from token {} back to {}", starts[s], starts[s + 1]),
+                });
+            }
+            let slot = slots[s];
+            if slot != NO_ADAPTER && slot as usize >= num_slots {
+                return Err(KernelError::Index { op, index: slot as usize, limit: num_slots });
+            }
+        }
+        Ok(Segments { starts: &starts[..n + 1], slots: &slots[..n], tokens: starts[n] as usize })
+    }
+
+    /// Splits `out` (`row`-long rows, one per token) into blocks of at most `TOKEN_BLOCK` tokens
+    /// of one segment each, keeping those whose slot passes `keep`: (slot, first token, rows).
+    fn blocks<'o>(&self, out: &'o mut [f32], row: usize, keep: impl Fn(u32) -> bool) -> Vec<(u32, usize, &'o mut [f32])> {
+        let mut blocks = Vec::new();
+        let mut rest = &mut out[..self.tokens * row];
+        for (s, &slot) in self.slots.iter().enumerate() {
+            let (first, len) = (self.starts[s] as usize, (self.starts[s + 1] - self.starts[s]) as usize);
+            let (seg, tail) = std::mem::take(&mut rest).split_at_mut(len * row);
+            rest = tail;
+            if keep(slot) {
+                for (i, rows) in seg.chunks_mut(TOKEN_BLOCK * row).enumerate() {
+                    blocks.push((slot, first + i * TOKEN_BLOCK, rows));
+                }
+            }
+        }
+        blocks
+    }
+}
+
+impl LoraOps for CpuBackend {
+    fn sgmv_shrink(
+        &self,
+        x: &CpuBuffer,
+        pool: &CpuBuffer,
+        rows: &LoraRows<CpuBuffer>,
+        segs: &LoraSegments<CpuBuffer>,
+        target: &LoraTarget,
+        v: &mut CpuBuffer,
+    ) -> Result<()> {
+        const OP: &str = "sgmv_shrink";
+        let ad = Adapters::read(OP, pool, rows, target)?;
+        let segs = Segments::read(OP, segs, rows.num_slots)?;
+        let x = x.f32(OP)?;
+        ensure_rows(OP, "x", x.len(), segs.tokens, ad.in_features)?;
+        let v = v.f32_mut(OP)?;
+        ensure_rows(OP, "v", v.len(), segs.tokens, ad.max_rank)?;
+        // Every token's row of v is written, zeros where there is no adapter.
+        segs.blocks(v, ad.max_rank, |_| true).into_par_iter().for_each(|(slot, t0, vb)| {
+            let n = vb.len() / ad.max_rank;
+            ad.shrink(slot, &x[t0 * ad.in_features..(t0 + n) * ad.in_features], vb);
+        });
+        Ok(())
+    }
+
+    fn sgmv_expand(
+        &self,
+        v: &CpuBuffer,
+        pool: &CpuBuffer,
+        rows: &LoraRows<CpuBuffer>,
+        segs: &LoraSegments<CpuBuffer>,
+        target: &LoraTarget,
+        y: &mut CpuBuffer,
+    ) -> Result<()> {
+        const OP: &str = "sgmv_expand";
+        let ad = Adapters::read(OP, pool, rows, target)?;
+        let segs = Segments::read(OP, segs, rows.num_slots)?;
+        let v = v.f32(OP)?;
+        ensure_rows(OP, "v", v.len(), segs.tokens, ad.max_rank)?;
+        let y = y.f32_mut(OP)?;
+        ensure_rows(OP, "y", y.len(), segs.tokens, ad.out_features)?;
+        segs.blocks(y, ad.out_features, |slot| ad.active(slot)).into_par_iter().for_each(|(slot, t0, yb)| {
+            let n = yb.len() / ad.out_features;
+            ad.expand(slot, &v[t0 * ad.max_rank..(t0 + n) * ad.max_rank], yb);
+        });
+        Ok(())
+    }
+
+    fn bgmv(
+        &self,
+        x: &CpuBuffer,
+        pool: &CpuBuffer,
+        rows: &LoraRows<CpuBuffer>,
+        slots: &CpuBuffer,
+        target: &LoraTarget,
+        y: &mut CpuBuffer,
+    ) -> Result<()> {
+        const OP: &str = "bgmv";
+        let ad = Adapters::read(OP, pool, rows, target)?;
+        let slots = slots.u32(OP)?;
+        if let Some(&bad) = slots.iter().find(|&&s| s != NO_ADAPTER && s as usize >= rows.num_slots) {
+            return Err(KernelError::Index { op: OP, index: bad as usize, limit: rows.num_slots });
+        }
+        let n = slots.len();
+        let x = x.f32(OP)?;
+        ensure_rows(OP, "x", x.len(), n, ad.in_features)?;
+        let y = y.f32_mut(OP)?;
+        ensure_rows(OP, "y", y.len(), n, ad.out_features)?;
+        y[..n * ad.out_features]
+            .par_chunks_mut(ad.out_features)
+            .zip(x[..n * ad.in_features].par_chunks(ad.in_features))
+            .zip(slots.par_iter())
+            .for_each_init(
+                || vec![0f32; ad.max_rank],
+                |v, ((yt, xt), &slot)| {
+                    if ad.active(slot) {
+                        // The same shrink and expand as SGMV, on a block of one token.
+                        ad.shrink(slot, xt, v);
+                        ad.expand(slot, v, yt);
+                    }
+                },
+            );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;
