@@ -291,18 +291,25 @@ fn results_do_not_depend_on_segmentation() {
         MIXED.iter().flat_map(|&(s, n)| (0..n).step_by(3).map(move |i| (s, 3.min(n - i)))).collect();
     assert_eq!(token_slots(&pieces), slots);
     let mut rng = Rng(1234);
-    let bits = |v: &[f32]| v.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
     for t in all_targets(&fx) {
         let x = rng.vec(slots.len() * t.in_features);
         let (v_grouped, y_grouped) = run_sgmv(&cpu, &fx, &MIXED, &t, &x);
         let (v_single, y_single) = run_sgmv(&cpu, &fx, &per_token, &t, &x);
         let (v_pieces, y_pieces) = run_sgmv(&cpu, &fx, &pieces, &t, &x);
         let y_bgmv = run_bgmv(&cpu, &fx, &slots, &t, &x);
-        assert_eq!(bits(&v_grouped), bits(&v_single), "{t:?}: v, grouped vs one segment per token");
-        assert_eq!(bits(&v_grouped), bits(&v_pieces), "{t:?}: v, grouped vs pieces");
-        assert_eq!(bits(&y_grouped), bits(&y_single), "{t:?}: y, grouped vs one segment per token");
-        assert_eq!(bits(&y_grouped), bits(&y_pieces), "{t:?}: y, grouped vs pieces");
-        assert_eq!(bits(&y_grouped), bits(&y_bgmv), "{t:?}: y, SGMV vs BGMV");
+        assert_same_bits(&v_grouped, &v_single, &format!("{t:?}: v, grouped vs one segment per token"));
+        assert_same_bits(&v_grouped, &v_pieces, &format!("{t:?}: v, grouped vs pieces"));
+        assert_same_bits(&y_grouped, &y_single, &format!("{t:?}: y, grouped vs one segment per token"));
+        assert_same_bits(&y_grouped, &y_pieces, &format!("{t:?}: y, grouped vs pieces"));
+        assert_same_bits(&y_grouped, &y_bgmv, &format!("{t:?}: y, SGMV vs BGMV"));
+    }
+}
+
+/// Fails at the first element whose bits differ.
+fn assert_same_bits(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+        panic!("{what}: element {i} is {} vs {}", a[i], b[i]);
     }
 }
 
