@@ -12,7 +12,7 @@ enum Layout {
 }
 
 /// A linear layer's weight. On CPUs with AVX-512 it is packed into panels for the kernels of
-/// [`super::packed`]; elsewhere it stays `[out_features, in_features]` row-major, as in HF
+/// the `packed` module; elsewhere it stays `[out_features, in_features]` row-major, as in HF
 /// checkpoints, for the `gemm` crate.
 #[derive(Debug, Clone)]
 pub struct CpuWeight {
