@@ -19,6 +19,11 @@ impl KvLayout {
         self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim
     }
 
+    /// Bytes in one page (f32 elements).
+    pub fn page_bytes(&self) -> usize {
+        self.page_elems() * std::mem::size_of::<f32>()
+    }
+
     /// Element offset of token `slot_in_block` of `kv_head`, layer `layer`, K (`which = 0`) or
     /// V (`which = 1`), within page `page`.
     #[inline]

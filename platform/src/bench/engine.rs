@@ -144,7 +144,7 @@ fn prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
 fn engine_for<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, seqs: usize, tokens: usize, batch_tokens: usize) -> anyhow::Result<Engine<B>> {
     let layout = model.kv_layout(16);
     let pages = seqs * tokens.div_ceil(16) + 1;
-    let config = EngineConfig { block_size: 16, pool_bytes: pages * layout.page_elems() * 4, max_batch_tokens: batch_tokens, max_running: seqs };
+    let config = EngineConfig { block_size: 16, pool_bytes: pages * layout.page_bytes(), max_batch_tokens: batch_tokens, max_running: seqs };
     Ok(Engine::new(model.clone(), tok.clone(), config)?)
 }
 

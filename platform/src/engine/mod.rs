@@ -102,14 +102,6 @@ impl<B: Backend> Engine<B> {
         Ok(Self { model, tokenizer, kv, config, waiting: VecDeque::new(), running: Vec::new(), next_id: 0 })
     }
 
-    pub fn model(&self) -> &Model<B> {
-        &self.model
-    }
-
-    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
-        &self.tokenizer
-    }
-
     pub fn pool_stats(&self) -> PoolStats {
         self.kv.pool.stats()
     }

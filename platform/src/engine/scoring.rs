@@ -14,7 +14,7 @@ pub fn greedy_logits<B: Backend>(model: &Model<B>, prompt: &[u32], n: usize, blo
     let layout = model.kv_layout(block_size);
     let total = prompt.len() + n;
     let pages = total.div_ceil(block_size);
-    let mut kv = KvCache::with_bytes(model.backend().as_ref(), layout, pages * layout.page_elems() * 4)?;
+    let mut kv = KvCache::with_bytes(model.backend().as_ref(), layout, pages * layout.page_bytes())?;
     let mut table = BlockTable::new(&kv.pool, block_size);
     if !table.reserve(total) {
         return Err(EngineError::TooLargeForPool { needed: pages, total: kv.pool.stats().total });
@@ -33,14 +33,10 @@ pub fn greedy_logits<B: Backend>(model: &Model<B>, prompt: &[u32], n: usize, blo
         };
         let batch = HostBatch::build(&[chunk]).upload(model.backend().as_ref())?;
         let logits = model.forward(&batch, &mut kv.buffer, &kv.layout)?;
-        let row = model.backend().download_f32(&logits)?;
+        let next = model.backend().argmax_rows(&logits, vocab)?;
         computed = tokens.len();
-        let next = row[..vocab]
-            .iter()
-            .enumerate()
-            .fold((0usize, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best });
-        tokens.push(next.0 as u32);
-        rows.push(row);
+        tokens.extend_from_slice(&next);
+        rows.push(model.backend().download_f32(&logits)?);
     }
     Ok(rows)
 }

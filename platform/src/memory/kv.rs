@@ -14,19 +14,8 @@ pub struct KvCache<B: Backend> {
 impl<B: Backend> KvCache<B> {
     /// Allocates as many pages as fit in `bytes` (at least one).
     pub fn with_bytes(backend: &B, layout: KvLayout, bytes: usize) -> Result<Self, KernelError> {
-        let page_bytes = layout.page_elems() * std::mem::size_of::<f32>();
-        let pages = (bytes / page_bytes).max(1);
+        let pages = (bytes / layout.page_bytes()).max(1);
         Ok(Self { buffer: backend.zeros(pages * layout.page_elems())?, layout, pool: PagePool::new(pages) })
-    }
-
-    /// Bytes of one page.
-    pub fn page_bytes(&self) -> usize {
-        self.layout.page_elems() * std::mem::size_of::<f32>()
-    }
-
-    /// Tokens that `pages` pages hold.
-    pub fn tokens_per_pages(&self, pages: usize) -> usize {
-        pages * self.layout.block_size
     }
 }
 
