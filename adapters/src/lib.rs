@@ -6,16 +6,19 @@
 //!   `adapter_model.safetensors`), resolves ranks, alphas and scalings with PEFT's rules and
 //!   checks every tensor against the base shape (see [`peft`]).
 //! - [`LoraAdapter::content_hash`]: SHA-256 over the canonical weights (see [`hash`]).
+//! - [`PackedAdapter::pack`]: the adapter as rank rows in page images, for the device pool.
 #![forbid(unsafe_code)]
 
 mod adapter;
 mod error;
 pub mod hash;
+mod pack;
 pub mod peft;
 mod shape;
 
 pub use adapter::{AdapterLimits, LoraAdapter, LoraModule};
 pub use error::AdapterError;
+pub use pack::{PackError, PackedAdapter, PackedEntry};
 pub use shape::BaseShape;
 
 /// A linear projection of a Llama-family decoder layer: the places a LoRA delta can be added.

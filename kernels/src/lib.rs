@@ -69,6 +69,8 @@ pub trait Memory {
     fn upload_u32(&self, data: &[u32]) -> Result<Self::Buffer>;
     /// Copies an f32 buffer back to the host.
     fn download_f32(&self, buf: &Self::Buffer) -> Result<Vec<f32>>;
+    /// Overwrites `buf[offset .. offset + data.len()]` with host data (filling pool pages).
+    fn write_f32(&self, buf: &mut Self::Buffer, offset: usize, data: &[f32]) -> Result<()>;
     /// Prepares a weight from host data laid out `[out_features, in_features]`, row-major.
     fn load_weight(&self, data: &[f32], out_features: usize, in_features: usize) -> Result<Self::Weight>;
 }

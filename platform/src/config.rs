@@ -5,7 +5,10 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use loraplex_adapters::AdapterLimits;
+
 use crate::engine::EngineConfig;
+use crate::memory::LoaderConfig;
 use crate::sampling::SamplingParams;
 use crate::synth::Preset;
 
@@ -32,9 +35,18 @@ pub enum Command {
 /// Options of the compute device and the engine's memory and batching.
 #[derive(Debug, Clone, Args)]
 pub struct EngineArgs {
-    /// Device memory for the KV page pool, in MiB.
+    /// Device memory for the page pool (KV blocks and adapter weights), in MiB.
     #[arg(long, env = "LORAPLEX_POOL_MB", default_value_t = 1024)]
     pub pool_mb: usize,
+    /// Host memory for loaded adapters waiting to enter (or re-enter) the pool, in MiB.
+    #[arg(long, env = "LORAPLEX_HOST_CACHE_MB", default_value_t = 4096)]
+    pub host_cache_mb: u64,
+    /// Threads that read and validate adapters from disk.
+    #[arg(long, env = "LORAPLEX_ADAPTER_LOADERS", default_value_t = 2)]
+    pub adapter_loaders: usize,
+    /// Highest LoRA rank accepted.
+    #[arg(long, env = "LORAPLEX_MAX_LORA_RANK", default_value_t = 256)]
+    pub max_lora_rank: usize,
     /// Tokens per KV block.
     #[arg(long, env = "LORAPLEX_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: usize,
@@ -56,6 +68,11 @@ impl EngineArgs {
             pool_bytes: self.pool_mb.saturating_mul(1 << 20),
             max_batch_tokens: self.max_batch_tokens,
             max_running: self.max_running,
+            adapters: LoaderConfig {
+                host_cache_bytes: self.host_cache_mb.saturating_mul(1 << 20),
+                threads: self.adapter_loaders,
+                limits: AdapterLimits { max_rank: self.max_lora_rank, ..AdapterLimits::default() },
+            },
         }
     }
 }
@@ -116,6 +133,12 @@ pub struct PromptArgs {
     /// chat template.
     #[arg(long, group = "input")]
     pub chat: Option<String>,
+    /// A JSON-lines file of requests, all run together in one continuous batch; one output line
+    /// per input line, in input order. Each line: `{"id", "prompt" | "prompt_ids", "adapter",
+    /// "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}` (only
+    /// `id` and a prompt are required; the rest default to the command-line values).
+    #[arg(long, group = "input")]
+    pub batch: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -125,6 +148,9 @@ pub struct GenerateArgs {
     pub model: PathBuf,
     #[command(flatten)]
     pub input: PromptArgs,
+    /// A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) to apply.
+    #[arg(long, conflicts_with = "batch")]
+    pub adapter: Option<PathBuf>,
     #[arg(long, default_value_t = 64)]
     pub max_new_tokens: usize,
     /// Keep generating past end-of-sequence tokens.

@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::memory::AdapterRef;
 use crate::model::ModelConfig;
 use crate::sampling::{SamplingError, SamplingParams};
 
@@ -24,12 +25,16 @@ impl Default for StopConditions {
     }
 }
 
-/// A request to continue one prompt.
+/// A request to continue one prompt, with the base model or one LoRA adapter.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GenerationRequest {
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
     pub stop: StopConditions,
+    /// The adapter to apply; `None` runs the base model. Resolved by the caller (a path, or a
+    /// tenant's adapter version), so it is not part of the wire form.
+    #[serde(skip)]
+    pub adapter: Option<AdapterRef>,
 }
 
 /// Why the sequence ended, with OpenAI's names.

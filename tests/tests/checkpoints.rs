@@ -44,7 +44,7 @@ fn write(path: &Path, tensors: &[(String, safetensors::Dtype, Vec<usize>, Vec<u8
 
 fn logits(dir: &Path, prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {
     let model = model::load(Arc::new(CpuBackend::new()), dir).unwrap();
-    scoring::greedy_logits(&model, prompt, steps, 16).unwrap()
+    scoring::greedy_logits(&model, prompt, steps, 16, None).unwrap()
 }
 
 fn fixture_logits(prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {

@@ -34,7 +34,7 @@ fn load(v: &Variant) -> (Arc<Model<CpuBackend>>, Arc<Tokenizer>) {
 
 fn greedy_request(model: &Model<CpuBackend>, prompt: Vec<u32>, n: usize) -> loraplex::request::ValidRequest {
     let stop = StopConditions { max_new_tokens: n, ignore_eos: true, ..Default::default() };
-    GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop }.validate(model.config()).unwrap()
+    GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop, adapter: None }.validate(model.config()).unwrap()
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -55,7 +55,7 @@ fn logits_match_reference_at_prefill_and_every_decode_step() {
             let dir = common::fixtures().join(v.arch).join("logits").join(v.name);
             let (_, last) = common::read_npy(&dir.join(format!("p{i}_last.npy")));
             let (shape, decode) = common::read_npy(&dir.join(format!("p{i}_decode.npy")));
-            let rows = scoring::greedy_logits(&model, &prompt, shape[0], 16).unwrap();
+            let rows = scoring::greedy_logits(&model, &prompt, shape[0], 16, None).unwrap();
             let err = max_abs_diff(&rows[0], &last);
             assert!(err <= LOGIT_TOL, "{} {} prompt {i}: last-position logits differ by {err}", v.arch, v.name);
             for (k, row) in rows.iter().enumerate() {
@@ -172,7 +172,7 @@ fn stop_strings_and_stop_tokens_end_generation() {
     let expected_tokens = common::ids(&reference["variants"]["base"]["results"][0]["greedy_new_tokens"]);
     let full_text = reference["variants"]["base"]["results"][0]["greedy_text"].as_str().unwrap().to_string();
     let run = |stop: StopConditions| {
-        let req = GenerationRequest { prompt: prompt.clone(), sampling: SamplingParams::greedy(), stop };
+        let req = GenerationRequest { prompt: prompt.clone(), sampling: SamplingParams::greedy(), stop, adapter: None };
         let mut engine = Engine::new(model.clone(), tok.clone(), EngineConfig::default()).unwrap();
         engine.add(req.validate(model.config()).unwrap()).unwrap();
         engine.run_to_completion().unwrap().remove(0)

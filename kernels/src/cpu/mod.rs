@@ -116,6 +116,17 @@ impl Memory for CpuBackend {
         Ok(buf.f32("download_f32")?.to_vec())
     }
 
+    fn write_f32(&self, buf: &mut CpuBuffer, offset: usize, data: &[f32]) -> Result<()> {
+        const OP: &str = "write_f32";
+        let dst = buf.f32_mut(OP)?;
+        let end = offset.checked_add(data.len()).filter(|&end| end <= dst.len());
+        let Some(end) = end else {
+            return Err(KernelError::Index { op: OP, index: offset.saturating_add(data.len()), limit: dst.len() });
+        };
+        dst[offset..end].copy_from_slice(data);
+        Ok(())
+    }
+
     fn load_weight(&self, data: &[f32], out_features: usize, in_features: usize) -> Result<CpuWeight> {
         CpuWeight::pack(data, out_features, in_features)
     }

@@ -144,13 +144,13 @@ fn prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
 fn engine_for<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, seqs: usize, tokens: usize, batch_tokens: usize) -> anyhow::Result<Engine<B>> {
     let layout = model.kv_layout(16);
     let pages = seqs * tokens.div_ceil(16) + 1;
-    let config = EngineConfig { block_size: 16, pool_bytes: pages * layout.page_bytes(), max_batch_tokens: batch_tokens, max_running: seqs };
+    let config = EngineConfig { block_size: 16, pool_bytes: pages * layout.page_bytes(), max_batch_tokens: batch_tokens, max_running: seqs, ..EngineConfig::default() };
     Ok(Engine::new(model.clone(), tok.clone(), config)?)
 }
 
 fn request<B: Backend>(model: &Model<B>, prompt: Vec<u32>, new_tokens: usize) -> anyhow::Result<crate::request::ValidRequest> {
     let stop = StopConditions { max_new_tokens: new_tokens, ignore_eos: true, ..Default::default() };
-    Ok(GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop }.validate(model.config())?)
+    Ok(GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop, adapter: None }.validate(model.config())?)
 }
 
 fn decode_row<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, costs: &Costs, m: Machine, batch: usize, args: &BenchEngineArgs) -> anyhow::Result<Row> {

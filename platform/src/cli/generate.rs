@@ -1,16 +1,19 @@
-//! `loraplex generate`: one prompt through the engine, streamed or as one JSON object.
+//! `loraplex generate`: one prompt through the engine (streamed or as one JSON object), or a
+//! JSON-lines file of requests run together in one continuous batch.
 
 use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use loraplex_kernels::cpu::CpuBackend;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::config::{GenerateArgs, PromptArgs};
-use crate::engine::{Engine, TokenLogprobs};
-use crate::model;
-use crate::request::{GenerationRequest, StopConditions};
+use crate::engine::{Engine, EngineError, TokenLogprobs};
+use crate::memory::AdapterRef;
+use crate::model::{self, Model};
+use crate::request::{GenerationRequest, StopConditions, ValidRequest};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 
 #[derive(Serialize)]
@@ -36,17 +39,31 @@ pub fn prompt_ids(input: &PromptArgs, tokenizer: &Tokenizer) -> anyhow::Result<V
             serde_json::from_str(chat).context("--chat must be a JSON array of {\"role\", \"content\"} messages")?;
         return Ok(tokenizer.encode_chat(&messages, true)?);
     }
-    anyhow::bail!("give one of --prompt, --prompt-ids or --chat")
+    bail!("give one of --prompt, --prompt-ids, --chat or --batch")
+}
+
+/// An adapter named on the command line: keyed by its canonical path, so two spellings of one
+/// directory are one adapter.
+pub fn adapter_ref(dir: &Path) -> anyhow::Result<AdapterRef> {
+    let canonical = dir.canonicalize().with_context(|| format!("adapter directory {}", dir.display()))?;
+    Ok(AdapterRef::new(canonical.display().to_string(), canonical))
 }
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     super::init_threads(args.engine.threads)?;
     let backend = Arc::new(CpuBackend::new());
-    let model = model::load(backend, &args.model)?;
-    let tokenizer = Tokenizer::from_dir(&args.model)?;
-    let prompt = prompt_ids(&args.input, &tokenizer)?;
+    let model = Arc::new(model::load(backend, &args.model)?);
+    let tokenizer = Arc::new(Tokenizer::from_dir(&args.model)?);
+    let mut engine = Engine::new(model.clone(), tokenizer.clone(), args.engine.engine_config())?;
+    if let Some(path) = &args.input.batch {
+        return run_batch(args, path, &model, &tokenizer, &mut engine);
+    }
+    let adapter = args.adapter.as_deref().map(adapter_ref).transpose()?;
+    if let Some(a) = &adapter {
+        engine.load_adapter(a)?;
+    }
     let request = GenerationRequest {
-        prompt,
+        prompt: prompt_ids(&args.input, &tokenizer)?,
         sampling: args.sampling.params(),
         stop: StopConditions {
             max_new_tokens: args.max_new_tokens,
@@ -54,9 +71,9 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
             stop_strings: args.stop.clone(),
             ignore_eos: args.ignore_eos,
         },
+        adapter,
     }
     .validate(model.config())?;
-    let mut engine = Engine::new(Arc::new(model), Arc::new(tokenizer), args.engine.engine_config())?;
     engine.add(request)?;
     if args.json {
         let done = engine.run_to_completion()?;
@@ -73,12 +90,107 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     } else {
         let mut stdout = std::io::stdout().lock();
         while engine.has_work() {
-            for event in engine.step()? {
+            let events = engine.step()?;
+            if let Some(f) = engine.take_failures().into_iter().next() {
+                return Err(EngineError::Failed { seq: f.seq, error: f.error }.into());
+            }
+            for event in events {
                 stdout.write_all(event.text.as_bytes())?;
                 stdout.flush()?;
             }
         }
         writeln!(stdout)?;
+    }
+    Ok(())
+}
+
+/// One line of a `--batch` file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchLine {
+    /// Echoed back as given (a string or a number).
+    id: serde_json::Value,
+    prompt: Option<String>,
+    prompt_ids: Option<Vec<u32>>,
+    adapter: Option<PathBuf>,
+    max_new_tokens: Option<usize>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<usize>,
+    seed: Option<u64>,
+    stop: Option<Vec<String>>,
+    ignore_eos: Option<bool>,
+}
+
+#[derive(Serialize)]
+struct BatchOutput<'a> {
+    id: &'a serde_json::Value,
+    prompt_tokens: usize,
+    tokens: &'a [u32],
+    text: &'a str,
+    finish_reason: &'static str,
+}
+
+/// Parses and validates every line (adapters included) before anything runs, so a bad line
+/// fails the command with its line number and nothing half-done.
+fn parse_batch(args: &GenerateArgs, path: &Path, model: &Model<CpuBackend>, tokenizer: &Tokenizer, engine: &mut Engine<CpuBackend>) -> anyhow::Result<Vec<(serde_json::Value, ValidRequest)>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut requests = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = || format!("{} line {}", path.display(), n + 1);
+        let l: BatchLine = serde_json::from_str(line).with_context(at)?;
+        let prompt = match (&l.prompt, &l.prompt_ids) {
+            (Some(text), None) => tokenizer.encode(text, true).with_context(at)?,
+            (None, Some(ids)) => ids.clone(),
+            _ => bail!("{}: give exactly one of \"prompt\" and \"prompt_ids\"", at()),
+        };
+        let adapter = match &l.adapter {
+            Some(dir) => {
+                let a = adapter_ref(dir).with_context(at)?;
+                engine.load_adapter(&a).with_context(at)?;
+                Some(a)
+            }
+            None => None,
+        };
+        let mut sampling = args.sampling.params();
+        sampling.temperature = l.temperature.unwrap_or(sampling.temperature);
+        sampling.top_p = l.top_p.unwrap_or(sampling.top_p);
+        sampling.top_k = l.top_k.unwrap_or(sampling.top_k);
+        sampling.seed = l.seed.or(sampling.seed);
+        let stop = StopConditions {
+            max_new_tokens: l.max_new_tokens.unwrap_or(args.max_new_tokens),
+            stop_token_ids: Vec::new(),
+            stop_strings: l.stop.clone().unwrap_or_else(|| args.stop.clone()),
+            ignore_eos: l.ignore_eos.unwrap_or(args.ignore_eos),
+        };
+        let request = GenerationRequest { prompt, sampling, stop, adapter }.validate(model.config()).with_context(at)?;
+        requests.push((l.id, request));
+    }
+    if requests.is_empty() {
+        bail!("{}: no requests", path.display());
+    }
+    Ok(requests)
+}
+
+fn run_batch(args: &GenerateArgs, path: &Path, model: &Model<CpuBackend>, tokenizer: &Tokenizer, engine: &mut Engine<CpuBackend>) -> anyhow::Result<()> {
+    let requests = parse_batch(args, path, model, tokenizer, engine)?;
+    let mut ids = Vec::with_capacity(requests.len());
+    for (id, request) in requests {
+        let seq = engine.add(request)?;
+        ids.push((seq, id));
+    }
+    // Completions come back in the order the requests were added.
+    let done = engine.run_to_completion()?;
+    let mut stdout = std::io::stdout().lock();
+    for ((seq, id), c) in ids.iter().zip(&done) {
+        if *seq != c.seq {
+            bail!("internal error: completions out of order");
+        }
+        let out = BatchOutput { id, prompt_tokens: c.prompt_tokens, tokens: &c.tokens, text: &c.text, finish_reason: c.finish_reason.as_str() };
+        writeln!(stdout, "{}", serde_json::to_string(&out)?)?;
     }
     Ok(())
 }

@@ -1,23 +1,47 @@
 //! Raw logits of one sequence, step by step: what parity checks against a reference compare.
 
-use loraplex_kernels::Backend;
+use loraplex_adapters::{LoraAdapter, PackedAdapter};
+use loraplex_kernels::{Backend, LORA_ROW_ALIGN};
 
 use super::EngineError;
 use super::batch::{Chunk, HostBatch};
-use crate::memory::{BlockTable, KvCache};
-use crate::model::Model;
+use crate::memory::{BlockTable, DevicePool, EntryKind, ResidentRows};
+use crate::model::{LoraBatch, Model};
 
 /// Prefills `prompt` in one forward, then decodes greedily one token per forward, returning the
 /// logits of each step: row 0 is the last prompt position, row `k` the logits that chose
-/// generated token `k`. `n` rows in all.
-pub fn greedy_logits<B: Backend>(model: &Model<B>, prompt: &[u32], n: usize, block_size: usize) -> Result<Vec<Vec<f32>>, EngineError> {
+/// generated token `k`. `n` rows in all. With `adapter`, every token gets its LoRA delta, the
+/// adapter's rows sitting in pool pages as in serving.
+pub fn greedy_logits<B: Backend>(
+    model: &Model<B>,
+    prompt: &[u32],
+    n: usize,
+    block_size: usize,
+    adapter: Option<&LoraAdapter>,
+) -> Result<Vec<Vec<f32>>, EngineError> {
     let layout = model.kv_layout(block_size);
+    let backend = model.backend().as_ref();
     let total = prompt.len() + n;
-    let pages = total.div_ceil(block_size);
-    let mut kv = KvCache::with_bytes(model.backend().as_ref(), layout, pages * layout.page_bytes())?;
-    let mut table = BlockTable::new(&kv.pool, block_size);
+    let packed = adapter
+        .map(|a| PackedAdapter::pack(a, layout.page_elems(), LORA_ROW_ALIGN))
+        .transpose()
+        .map_err(|e| EngineError::Adapter(e.to_string().into()))?;
+    let pages = total.div_ceil(block_size) + packed.as_ref().map_or(0, PackedAdapter::num_pages);
+    let mut kv = DevicePool::with_bytes(backend, layout, pages * layout.page_bytes())?;
+    let mut table = BlockTable::new(&kv.pages, block_size);
     if !table.reserve(total) {
-        return Err(EngineError::TooLargeForPool { needed: pages, total: kv.pool.stats().total });
+        return Err(EngineError::TooLargeForPool { needed: pages, total: kv.pages.stats().total });
+    }
+    let mut rows_table = None;
+    let mut _entry = None;
+    if let Some(packed) = &packed {
+        let (entry, pin) = kv.pages.insert(EntryKind::Adapter, packed.num_pages()).ok_or(EngineError::TooLargeForPool { needed: pages, total: pages })?;
+        let placed = entry.pages();
+        for (i, &p) in placed.iter().enumerate() {
+            backend.write_f32(&mut kv.buffer, p as usize * layout.page_elems(), packed.page(i))?;
+        }
+        rows_table = Some(ResidentRows::place(packed, &placed, model.config().num_layers).map_err(|e| EngineError::Adapter(e.into()))?);
+        _entry = Some((entry, pin));
     }
     let mut tokens = prompt.to_vec();
     let mut computed = 0;
@@ -31,8 +55,13 @@ pub fn greedy_logits<B: Backend>(model: &Model<B>, prompt: &[u32], n: usize, blo
             pages: table.pages(),
             wants_logits: true,
         };
-        let batch = HostBatch::build(&[chunk]).upload(model.backend().as_ref())?;
-        let logits = model.forward(&batch, &mut kv.buffer, &kv.layout)?;
+        let tokens_now = chunk.tokens.len();
+        let batch = HostBatch::build(&[chunk]).upload(backend)?;
+        let lora = match &rows_table {
+            Some(r) => LoraBatch::build(backend, &[r], &vec![0; tokens_now], tokens_now == 1, model.config().num_layers)?,
+            None => None,
+        };
+        let logits = model.forward(&batch, lora.as_ref(), &mut kv.buffer, &kv.layout)?;
         let next = model.backend().argmax_rows(&logits, vocab)?;
         computed = tokens.len();
         tokens.extend_from_slice(&next);

@@ -1,6 +1,8 @@
 //! One sequence's state inside the engine.
 
-use crate::memory::BlockTable;
+use std::sync::Arc;
+
+use crate::memory::{AdapterRef, BlockTable, PagePin, ResidentAdapter};
 use crate::request::{FinishReason, StopConditions};
 use crate::sampling::{Sample, Sampler, StopStrings};
 use crate::tokenizer::{DecodeStream, Tokenizer, TokenizerError};
@@ -31,6 +33,10 @@ pub(super) struct Sequence {
     /// Tokens whose K/V are in the cache.
     pub computed: usize,
     pub blocks: BlockTable,
+    /// The adapter this sequence runs with, if any.
+    pub adapter: Option<AdapterRef>,
+    /// Its pages, pinned while the sequence runs.
+    pub lora: Option<(PagePin, Arc<ResidentAdapter>)>,
     sampler: Sampler,
     stop: StopConditions,
     eos: Vec<u32>,
@@ -39,7 +45,15 @@ pub(super) struct Sequence {
 }
 
 impl Sequence {
-    pub fn new(id: SeqId, prompt: Vec<u32>, sampler: Sampler, stop: StopConditions, eos: Vec<u32>, blocks: BlockTable) -> Self {
+    pub fn new(
+        id: SeqId,
+        prompt: Vec<u32>,
+        sampler: Sampler,
+        stop: StopConditions,
+        eos: Vec<u32>,
+        blocks: BlockTable,
+        adapter: Option<AdapterRef>,
+    ) -> Self {
         let stop_strings = StopStrings::new(stop.stop_strings.clone());
         Self {
             id,
@@ -47,6 +61,8 @@ impl Sequence {
             tokens: prompt,
             computed: 0,
             blocks,
+            adapter,
+            lora: None,
             sampler,
             stop,
             eos,

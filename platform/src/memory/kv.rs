@@ -1,21 +1,28 @@
-//! The paged KV cache: one device buffer of pages, and a block table per sequence.
+//! The device's page memory (one buffer for KV blocks and adapter rows) and the KV block table
+//! of a sequence.
 
 use loraplex_kernels::{Backend, KernelError, KvLayout};
 
 use super::{PageLease, PagePool};
 
-/// The device buffer holding every KV page, and the pool that hands them out.
-pub struct KvCache<B: Backend> {
+/// The one device buffer every page lives in, and the pool that hands the pages out. A page is
+/// one KV block (see [`KvLayout`]) or a page of adapter rows of the same size.
+pub struct DevicePool<B: Backend> {
     pub buffer: B::Buffer,
     pub layout: KvLayout,
-    pub pool: PagePool,
+    pub pages: PagePool,
 }
 
-impl<B: Backend> KvCache<B> {
+impl<B: Backend> DevicePool<B> {
     /// Allocates as many pages as fit in `bytes` (at least one).
     pub fn with_bytes(backend: &B, layout: KvLayout, bytes: usize) -> Result<Self, KernelError> {
         let pages = (bytes / layout.page_bytes()).max(1);
-        Ok(Self { buffer: backend.zeros(pages * layout.page_elems())?, layout, pool: PagePool::new(pages) })
+        Ok(Self { buffer: backend.zeros(pages * layout.page_elems())?, layout, pages: PagePool::new(pages) })
+    }
+
+    /// Values in one page.
+    pub fn page_elems(&self) -> usize {
+        self.layout.page_elems()
     }
 }
 

@@ -1,11 +1,17 @@
-//! Device memory bookkeeping: the page pool and the KV blocks carved from it.
+//! Device memory bookkeeping: the unified page pool, KV block tables, and adapter residency.
 //!
-//! The pool only counts pages; the bytes live in one device buffer owned by [`KvCache`]. A page
-//! holds one KV block: `block_size` tokens of K and V for every layer (see
-//! [`loraplex_kernels::KvLayout`]).
+//! One device buffer ([`DevicePool`]) is cut into equal pages. A page holds either one KV block
+//! (`block_size` tokens of K and V for every layer, see [`loraplex_kernels::KvLayout`]) or rank
+//! rows of adapters. [`PagePool`] only counts pages: who holds which, which are pinned, and the
+//! LRU of unpinned ones. [`AdapterResidency`] moves adapters from disk through host memory into
+//! pages.
 
+mod adapters;
+mod host;
 mod kv;
 mod pool;
 
-pub use kv::{BlockTable, KvCache};
-pub use pool::{PageLease, PagePool, PoolStats};
+pub use adapters::{AdapterRef, AdapterResidency, ResidencyEvent, ResidentAdapter, ResidentRows, Residency, Tier};
+pub use host::{AdapterLoader, HostAdapter, LoaderConfig};
+pub use kv::{BlockTable, DevicePool};
+pub use pool::{CachedPages, EntryKind, PageLease, PagePin, PagePool, PoolStats};

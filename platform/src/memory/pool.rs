@@ -1,14 +1,147 @@
-//! A fixed set of equal pages handed out as RAII leases.
+//! The unified page pool: one set of equal pages for KV blocks and adapter rows (S-LoRA).
 //!
-//! Invariants: every page id is either in the free list or owned by exactly one live lease;
-//! leasing and returning a page are O(1); dropping a lease returns all its pages.
+//! Pages are handed out in two forms, both RAII:
+//! - a [`PageLease`]: pages a running sequence writes its KV into. Always pinned; dropping the
+//!   lease frees them.
+//! - a cache entry ([`CachedPages`]): pages whose contents outlive any one sequence (an adapter's
+//!   rows, later cached prefix blocks). An entry is pinned while some [`PagePin`] exists; when
+//!   the last pin goes, it joins the pool's single LRU of unpinned entries. When a lease or a new
+//!   entry needs more pages than are free, the least recently unpinned entries are evicted: their
+//!   pages go back to the free list and their owners see them as no longer resident.
+//!
+//! Invariants: every page is either free, held by exactly one lease, or held by exactly one
+//! resident entry; an entry with a pin is never evicted; the LRU holds exactly the resident,
+//! unpinned entries whose owner is alive.
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
+
+/// What a cache entry holds, for the pool's statistics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EntryKind {
+    /// Rank rows of one adapter.
+    Adapter,
+    /// Cached KV blocks of a prompt prefix.
+    Prefix,
+}
+
+#[derive(Debug)]
+struct Entry {
+    kind: EntryKind,
+    /// Empty once evicted.
+    pages: Vec<u32>,
+    pins: usize,
+    /// The owner handle still exists.
+    owned: bool,
+    /// Position in the LRU while resident, unpinned and owned.
+    lru_tick: Option<u64>,
+}
 
 #[derive(Debug)]
 struct PoolState {
     total: usize,
     free: Vec<u32>,
+    /// Pages held by leases.
+    leased: usize,
+    entries: HashMap<u64, Entry>,
+    /// Unpinned resident entries by the time they were last unpinned: first is least recent.
+    lru: BTreeMap<u64, u64>,
+    /// Pages of the entries in `lru`.
+    reclaimable: usize,
+    adapter_pages: usize,
+    prefix_pages: usize,
+    clock: u64,
+    next_id: u64,
+    evictions: u64,
+}
+
+impl PoolState {
+    /// Pops `n` free pages, evicting least recently used unpinned entries as needed; all or
+    /// nothing.
+    fn take(&mut self, n: usize) -> Option<Vec<u32>> {
+        if self.free.len() + self.reclaimable < n {
+            return None;
+        }
+        while self.free.len() < n {
+            let (_, id) = self.lru.pop_first()?;
+            self.evict(id);
+        }
+        let at = self.free.len() - n;
+        Some(self.free.drain(at..).rev().collect())
+    }
+
+    fn evict(&mut self, id: u64) {
+        let Some(e) = self.entries.get_mut(&id) else { return };
+        e.lru_tick = None;
+        let pages = std::mem::take(&mut e.pages);
+        self.reclaimable -= pages.len();
+        match e.kind {
+            EntryKind::Adapter => self.adapter_pages -= pages.len(),
+            EntryKind::Prefix => self.prefix_pages -= pages.len(),
+        }
+        self.free.extend(pages);
+        self.evictions += 1;
+    }
+
+    /// Frees a resident entry's pages and forgets it (its owner and pins are all gone).
+    fn remove(&mut self, id: u64) {
+        let Some(mut e) = self.entries.remove(&id) else { return };
+        if let Some(tick) = e.lru_tick.take() {
+            self.lru.remove(&tick);
+            self.reclaimable -= e.pages.len();
+        }
+        match e.kind {
+            EntryKind::Adapter => self.adapter_pages -= e.pages.len(),
+            EntryKind::Prefix => self.prefix_pages -= e.pages.len(),
+        }
+        self.free.append(&mut e.pages);
+    }
+
+    fn pin(&mut self, id: u64) -> bool {
+        let Some(e) = self.entries.get_mut(&id) else { return false };
+        if e.pages.is_empty() {
+            return false;
+        }
+        e.pins += 1;
+        if let Some(tick) = e.lru_tick.take() {
+            self.lru.remove(&tick);
+            self.reclaimable -= e.pages.len();
+        }
+        true
+    }
+
+    fn unpin(&mut self, id: u64) {
+        let Some(e) = self.entries.get_mut(&id) else { return };
+        e.pins -= 1;
+        if e.pins > 0 {
+            return;
+        }
+        if !e.owned {
+            self.remove(id);
+        } else if !e.pages.is_empty() {
+            self.clock += 1;
+            e.lru_tick = Some(self.clock);
+            self.reclaimable += e.pages.len();
+            self.lru.insert(self.clock, id);
+        }
+    }
+}
+
+/// A snapshot of the pool's occupancy, in pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct PoolStats {
+    pub total: usize,
+    pub free: usize,
+    /// Held by running sequences' KV blocks.
+    pub kv: usize,
+    /// Holding adapter rows (pinned or not).
+    pub adapter: usize,
+    /// Holding cached prefix blocks (pinned or not).
+    pub cached: usize,
+    /// Unpinned adapter and prefix pages: reclaimable under pressure.
+    pub reclaimable: usize,
+    /// Entries evicted so far.
+    pub evictions: u64,
 }
 
 /// The page allocator of one device. Cheap to clone: clones share the same pages.
@@ -17,29 +150,49 @@ pub struct PagePool {
     state: Arc<Mutex<PoolState>>,
 }
 
-/// A snapshot of the pool's occupancy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PoolStats {
-    pub total: usize,
-    pub free: usize,
-}
-
 impl PagePool {
     pub fn new(total: usize) -> Self {
         // Hand out low page ids first.
         let free = (0..total as u32).rev().collect();
-        Self { state: Arc::new(Mutex::new(PoolState { total, free })) }
+        let state = PoolState {
+            total,
+            free,
+            leased: 0,
+            entries: HashMap::new(),
+            lru: BTreeMap::new(),
+            reclaimable: 0,
+            adapter_pages: 0,
+            prefix_pages: 0,
+            clock: 0,
+            next_id: 0,
+            evictions: 0,
+        };
+        Self { state: Arc::new(Mutex::new(state)) }
     }
 
     fn lock(&self) -> MutexGuard<'_, PoolState> {
-        // The state is a plain free list that is consistent between statements, so a panic in
-        // another holder cannot leave it half-updated.
+        // Every method restores the invariants before it can panic, so a poisoned lock still
+        // guards consistent state.
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     pub fn stats(&self) -> PoolStats {
         let s = self.lock();
-        PoolStats { total: s.total, free: s.free.len() }
+        PoolStats {
+            total: s.total,
+            free: s.free.len(),
+            kv: s.leased,
+            adapter: s.adapter_pages,
+            cached: s.prefix_pages,
+            reclaimable: s.reclaimable,
+            evictions: s.evictions,
+        }
+    }
+
+    /// Pages that a new lease or entry could get now: free plus reclaimable.
+    pub fn available(&self) -> usize {
+        let s = self.lock();
+        s.free.len() + s.reclaimable
     }
 
     /// An empty lease that can grow with [`PageLease::grow`].
@@ -47,10 +200,27 @@ impl PagePool {
         PageLease { pool: self.clone(), pages: Vec::new() }
     }
 
-    /// Leases `n` pages, or none at all if fewer than `n` are free.
+    /// Leases `n` pages (evicting unpinned entries if needed), or none at all if that is not
+    /// enough.
     pub fn lease(&self, n: usize) -> Option<PageLease> {
         let mut lease = self.empty_lease();
         lease.grow(n).then_some(lease)
+    }
+
+    /// Creates a cache entry of `n` pages, returned pinned once so that its owner can fill it
+    /// before it becomes evictable. `None` if the pages cannot be found even by eviction.
+    pub fn insert(&self, kind: EntryKind, n: usize) -> Option<(CachedPages, PagePin)> {
+        let mut s = self.lock();
+        let pages = s.take(n)?;
+        match kind {
+            EntryKind::Adapter => s.adapter_pages += n,
+            EntryKind::Prefix => s.prefix_pages += n,
+        }
+        let id = s.next_id;
+        s.next_id += 1;
+        s.entries.insert(id, Entry { kind, pages, pins: 1, owned: true, lru_tick: None });
+        drop(s);
+        Some((CachedPages { pool: self.clone(), id }, PagePin { pool: self.clone(), id }))
     }
 }
 
@@ -74,47 +244,88 @@ impl PageLease {
         self.pages.is_empty()
     }
 
-    /// Adds `n` pages from the same pool; all or nothing. Returns whether it succeeded.
+    /// Adds `n` pages from the same pool, evicting unpinned entries if needed; all or nothing.
+    /// Returns whether it succeeded.
     pub fn grow(&mut self, n: usize) -> bool {
         let mut s = self.pool.lock();
-        if s.free.len() < n {
-            return false;
+        match s.take(n) {
+            Some(pages) => {
+                s.leased += n;
+                self.pages.extend(pages);
+                true
+            }
+            None => false,
         }
-        let at = s.free.len() - n;
-        self.pages.extend(s.free.drain(at..).rev());
-        true
     }
 }
 
 impl Drop for PageLease {
     fn drop(&mut self) {
         if !self.pages.is_empty() {
-            self.pool.lock().free.append(&mut self.pages);
+            let mut s = self.pool.lock();
+            s.leased -= self.pages.len();
+            s.free.append(&mut self.pages);
         }
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// The owner's handle of a cache entry. The entry stays until this handle is dropped and no pin
+/// remains, unless the pool evicts it while it is unpinned.
+#[derive(Debug)]
+pub struct CachedPages {
+    pool: PagePool,
+    id: u64,
+}
 
-    #[test]
-    fn leases_return_pages_on_drop() {
-        let pool = PagePool::new(4);
-        let a = pool.lease(3).unwrap();
-        assert_eq!(a.pages(), &[0, 1, 2]);
-        assert!(pool.lease(2).is_none(), "all or nothing");
-        assert_eq!(pool.stats(), PoolStats { total: 4, free: 1 });
-        let mut b = pool.empty_lease();
-        assert!(b.grow(1));
-        assert!(!b.grow(1));
-        drop(a);
-        assert_eq!(pool.stats().free, 3);
-        assert!(b.grow(3));
-        let mut all: Vec<u32> = b.pages().to_vec();
-        all.sort();
-        assert_eq!(all, vec![0, 1, 2, 3], "no page handed out twice");
-        drop(b);
-        assert_eq!(pool.stats().free, 4);
+impl CachedPages {
+    /// Pins the entry if it is still resident.
+    pub fn pin(&self) -> Option<PagePin> {
+        self.pool.lock().pin(self.id).then(|| PagePin { pool: self.pool.clone(), id: self.id })
+    }
+
+    /// Whether the pages still hold the entry's contents (it was not evicted).
+    pub fn is_resident(&self) -> bool {
+        self.pool.lock().entries.get(&self.id).is_some_and(|e| !e.pages.is_empty())
+    }
+
+    /// The entry's pages in order, empty once evicted.
+    pub fn pages(&self) -> Vec<u32> {
+        self.pool.lock().entries.get(&self.id).map(|e| e.pages.clone()).unwrap_or_default()
     }
 }
+
+impl Drop for CachedPages {
+    fn drop(&mut self) {
+        let mut s = self.pool.lock();
+        let Some(e) = s.entries.get_mut(&self.id) else { return };
+        e.owned = false;
+        if e.pins == 0 {
+            s.remove(self.id);
+        }
+    }
+}
+
+/// Keeps a cache entry resident. Clones pin again; dropping the last pin makes the entry the
+/// most recently used one in the LRU (or frees it if its owner is gone).
+#[derive(Debug)]
+pub struct PagePin {
+    pool: PagePool,
+    id: u64,
+}
+
+impl Clone for PagePin {
+    fn clone(&self) -> Self {
+        let pinned = self.pool.lock().pin(self.id);
+        debug_assert!(pinned, "a pinned entry is resident");
+        PagePin { pool: self.pool.clone(), id: self.id }
+    }
+}
+
+impl Drop for PagePin {
+    fn drop(&mut self) {
+        self.pool.lock().unpin(self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests;

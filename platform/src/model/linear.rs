@@ -4,12 +4,14 @@ use loraplex_adapters::TargetModule;
 use loraplex_kernels::{Backend, KernelError};
 
 use super::ModelError;
+use super::lora::{LoraContext, LoraSite};
 use super::weights::Checkpoint;
 
 /// One linear projection of the model.
 ///
-/// Layers that an adapter can target know which module they are (`module`, with the layer index
-/// kept by their owner), which is where a batched LoRA delta is added on top of the base output.
+/// Layers that an adapter can target know which module they are (`module`; the layer index comes
+/// with the [`LoraContext`]): they are decorated with the batch's LoRA deltas, added on top of
+/// the base output by the batched LoRA kernels.
 pub struct Linear<B: Backend> {
     pub module: Option<TargetModule>,
     pub in_features: usize,
@@ -45,8 +47,16 @@ impl<B: Backend> Linear<B> {
         Ok(Self { module, in_features, out_features, weight: backend.load_weight(w, out_features, in_features)?, bias: None })
     }
 
-    /// `out[rows, out_features] = x[rows, in_features] · Wᵀ (+ b)`.
-    pub fn forward(&self, backend: &B, x: &B::Buffer, out: &mut B::Buffer, rows: usize) -> Result<(), KernelError> {
-        backend.matmul(x, &self.weight, self.bias.as_ref(), out, rows)
+    /// `out[rows, out_features] = x[rows, in_features] · Wᵀ (+ b)`, plus the LoRA delta of each
+    /// row's adapter when `lora` is given and this layer is a target module.
+    pub fn forward(&self, backend: &B, x: &B::Buffer, out: &mut B::Buffer, rows: usize, lora: Option<&LoraContext<'_, B>>) -> Result<(), KernelError> {
+        backend.matmul(x, &self.weight, self.bias.as_ref(), out, rows)?;
+        match (self.module, lora) {
+            (Some(module), Some(l)) => {
+                let site = LoraSite { layer: l.layer, module, in_features: self.in_features, out_features: self.out_features, tokens: rows };
+                l.batch.apply(backend, l.pool, &site, x, out)
+            }
+            _ => Ok(()),
+        }
     }
 }

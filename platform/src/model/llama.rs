@@ -1,10 +1,10 @@
 //! The Llama-family forward pass.
 
-use loraplex_adapters::TargetModule;
+use loraplex_adapters::{BaseShape, TargetModule};
 use loraplex_kernels::{AttentionParams, Backend, BatchMeta, KernelError, KvLayout};
 
 use super::weights::Checkpoint;
-use super::{Linear, ModelConfig, ModelError, SharedBackend, rope};
+use super::{Linear, LoraBatch, LoraContext, ModelConfig, ModelError, SharedBackend, rope};
 
 struct Layer<B: Backend> {
     input_norm: B::Buffer,
@@ -116,9 +116,22 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// The projection shapes adapters are validated against.
+    pub fn base_shape(&self) -> BaseShape {
+        let c = &self.config;
+        BaseShape::llama(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers)
+    }
+
     /// Runs the batch through the model, writing its K/V into `cache`, and returns the logits
-    /// of the requested rows, `[num_logit_rows, vocab_size]`.
-    pub fn forward(&self, batch: &ForwardBatch<B>, cache: &mut B::Buffer, layout: &KvLayout) -> Result<B::Buffer, KernelError> {
+    /// of the requested rows, `[num_logit_rows, vocab_size]`. `cache` is the whole page pool:
+    /// KV blocks and, for `lora`, the adapters' rows.
+    pub fn forward(
+        &self,
+        batch: &ForwardBatch<B>,
+        lora: Option<&LoraBatch<B>>,
+        cache: &mut B::Buffer,
+        layout: &KvLayout,
+    ) -> Result<B::Buffer, KernelError> {
         let b = self.backend.as_ref();
         let c = &self.config;
         let t = batch.meta.num_tokens;
@@ -137,7 +150,7 @@ impl<B: Backend> Model<B> {
         };
         b.embedding(&self.embed, &batch.token_ids, &mut a.x, h)?;
         for (l, layer) in self.layers.iter().enumerate() {
-            self.layer_forward(l, layer, batch, cache, layout, &mut a)?;
+            self.layer_forward((l, layer), batch, lora, cache, layout, &mut a)?;
         }
         let r = batch.num_logit_rows;
         let mut last = b.zeros(r * h)?;
@@ -145,15 +158,15 @@ impl<B: Backend> Model<B> {
         let mut normed = b.zeros(r * h)?;
         b.rms_norm(&last, &self.norm, &mut normed, c.rms_norm_eps)?;
         let mut logits = b.zeros(r * c.vocab_size)?;
-        self.lm_head.forward(b, &normed, &mut logits, r)?;
+        self.lm_head.forward(b, &normed, &mut logits, r, None)?;
         Ok(logits)
     }
 
     fn layer_forward(
         &self,
-        l: usize,
-        layer: &Layer<B>,
+        (l, layer): (usize, &Layer<B>),
         batch: &ForwardBatch<B>,
+        lora: Option<&LoraBatch<B>>,
         cache: &mut B::Buffer,
         layout: &KvLayout,
         a: &mut Activations<B>,
@@ -162,9 +175,12 @@ impl<B: Backend> Model<B> {
         let c = &self.config;
         let t = batch.meta.num_tokens;
         b.rms_norm(&a.x, &layer.input_norm, &mut a.normed, c.rms_norm_eps)?;
-        layer.q.forward(b, &a.normed, &mut a.q, t)?;
-        layer.k.forward(b, &a.normed, &mut a.k, t)?;
-        layer.v.forward(b, &a.normed, &mut a.v, t)?;
+        {
+            let lc = lora.map(|batch| LoraContext { batch, pool: &*cache, layer: l });
+            layer.q.forward(b, &a.normed, &mut a.q, t, lc.as_ref())?;
+            layer.k.forward(b, &a.normed, &mut a.k, t, lc.as_ref())?;
+            layer.v.forward(b, &a.normed, &mut a.v, t, lc.as_ref())?;
+        }
         b.rope(&mut a.q, &batch.meta.positions, &self.rope, c.num_heads, c.head_dim)?;
         b.rope(&mut a.k, &batch.meta.positions, &self.rope, c.num_kv_heads, c.head_dim)?;
         b.write_kv(&a.k, &a.v, cache, &batch.meta, layout, l)?;
@@ -177,13 +193,15 @@ impl<B: Backend> Model<B> {
             sliding_window: layer.sliding_window,
         };
         b.attention(&a.q, cache, &mut a.attn, &batch.meta, layout, &params)?;
-        layer.o.forward(b, &a.attn, &mut a.proj, t)?;
+        let lc = lora.map(|batch| LoraContext { batch, pool: &*cache, layer: l });
+        let lc = lc.as_ref();
+        layer.o.forward(b, &a.attn, &mut a.proj, t, lc)?;
         b.add_assign(&mut a.x, &a.proj)?;
         b.rms_norm(&a.x, &layer.post_norm, &mut a.normed, c.rms_norm_eps)?;
-        layer.gate.forward(b, &a.normed, &mut a.gate, t)?;
-        layer.up.forward(b, &a.normed, &mut a.up, t)?;
+        layer.gate.forward(b, &a.normed, &mut a.gate, t, lc)?;
+        layer.up.forward(b, &a.normed, &mut a.up, t, lc)?;
         b.silu_mul(&a.gate, &a.up, &mut a.act)?;
-        layer.down.forward(b, &a.act, &mut a.proj, t)?;
+        layer.down.forward(b, &a.act, &mut a.proj, t, lc)?;
         b.add_assign(&mut a.x, &a.proj)
     }
 }

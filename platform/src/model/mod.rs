@@ -7,6 +7,7 @@
 pub mod config;
 mod linear;
 mod llama;
+pub mod lora;
 pub mod rope;
 pub mod weights;
 
@@ -17,6 +18,7 @@ use loraplex_kernels::{Backend, KernelError};
 pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use linear::Linear;
 pub use llama::{ForwardBatch, Model};
+pub use lora::{LoraBatch, LoraContext};
 
 /// Why a model could not be loaded or run. Each names the file or tensor at fault.
 #[derive(Debug, thiserror::Error)]

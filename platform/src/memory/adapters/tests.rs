@@ -1,0 +1,179 @@
+use std::path::PathBuf;
+
+use loraplex_adapters::{AdapterLimits, BaseShape};
+use loraplex_kernels::cpu::CpuBackend;
+use loraplex_kernels::{KvLayout, Memory};
+
+use super::*;
+use crate::memory::{LoaderConfig, PagePool};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/reference/llama/adapters").join(name)
+}
+
+/// The reference llama fixture's shape: 4 layers, hidden 128, 8 heads, 2 KV heads of 16.
+fn shape() -> BaseShape {
+    BaseShape::llama(128, 344, 8, 2, 16, 4)
+}
+
+fn layout() -> KvLayout {
+    KvLayout { num_layers: 4, num_kv_heads: 2, head_dim: 16, block_size: 16 }
+}
+
+fn setup(pages: usize, host_cache_bytes: u64) -> (CpuBackend, DevicePool<CpuBackend>, AdapterResidency) {
+    let backend = CpuBackend::new();
+    let layout = layout();
+    let buffer = backend.zeros(pages * layout.page_elems()).unwrap();
+    let mem = DevicePool { buffer, layout, pages: PagePool::new(pages) };
+    let config = LoaderConfig { host_cache_bytes, threads: 2, limits: AdapterLimits::default() };
+    let loader = AdapterLoader::new(&config, shape(), layout.page_elems()).unwrap();
+    (backend, mem, AdapterResidency::new(loader, 4))
+}
+
+fn reference(name: &str) -> AdapterRef {
+    AdapterRef::new(name, fixture(name))
+}
+
+/// Polls until `key` leaves the loading and staged states (or a few seconds pass).
+fn settle(backend: &CpuBackend, mem: &mut DevicePool<CpuBackend>, res: &mut AdapterResidency, key: &str) -> Residency {
+    for _ in 0..500 {
+        res.poll_wait(backend, mem, Duration::from_millis(10)).unwrap();
+        match res.status(key) {
+            Residency::Loading | Residency::Staged => continue,
+            other => return other,
+        }
+    }
+    res.status(key)
+}
+
+#[test]
+fn an_adapter_travels_from_disk_to_pool_pages() {
+    let (backend, mut mem, mut res) = setup(64, 1 << 30);
+    let a = reference("a2_r16_all");
+    assert_eq!(res.request(&a), Residency::Loading);
+    assert_eq!(settle(&backend, &mut mem, &mut res, "a2_r16_all"), Residency::Resident);
+    let events = res.take_events();
+    assert!(matches!(&events[..], [ResidencyEvent::Resident { from: Tier::Disk, .. }]), "{events:?}");
+    let (pin, resident) = res.pin("a2_r16_all").unwrap();
+    // Every row in the pool holds what the adapter file says (B with the scaling folded in).
+    let adapter = loraplex_adapters::LoraAdapter::load(&fixture("a2_r16_all"), &shape(), &AdapterLimits::default()).unwrap();
+    let pool = backend.download_f32(&mem.buffer).unwrap();
+    let rows = &resident.rows;
+    assert_eq!(rows.max_rank, 16);
+    for m in adapter.modules() {
+        let i = (m.layer * NUM_MODULES + m.module.index()) * 2;
+        let (first, rank) = (rows.directory[i] as usize, rows.directory[i + 1] as usize);
+        assert_eq!(rank, m.rank);
+        for r in 0..rank {
+            let a_off = rows.a_rows[first + r] as usize * LORA_ROW_ALIGN;
+            assert_eq!(&pool[a_off..a_off + m.in_features], &m.a[r * m.in_features..(r + 1) * m.in_features]);
+            let b_off = rows.b_rows[first + r] as usize * LORA_ROW_ALIGN;
+            for o in 0..m.out_features {
+                assert_eq!(pool[b_off + o], m.b[o * m.rank + r] * m.scaling);
+            }
+        }
+    }
+    let stats = mem.pages.stats();
+    assert_eq!(stats.adapter, resident.num_pages());
+    assert_eq!(stats.reclaimable, 0, "pinned by the test");
+    drop(pin);
+    assert_eq!(mem.pages.stats().reclaimable, resident.num_pages());
+}
+
+#[test]
+fn an_evicted_adapter_comes_back_from_host_memory() {
+    let (backend, mut mem, mut res) = setup(24, 1 << 30);
+    let a = reference("a1_r8_qv");
+    res.request(&a);
+    assert_eq!(settle(&backend, &mut mem, &mut res, "a1_r8_qv"), Residency::Resident);
+    res.take_events();
+    let pages = res.pin("a1_r8_qv").unwrap().1.num_pages();
+    // KV demand takes every page: the idle adapter is evicted.
+    let kv = mem.pages.lease(24).expect("the unpinned adapter's pages are reclaimable");
+    assert_eq!(res.status("a1_r8_qv"), Residency::Absent);
+    assert!(res.pin("a1_r8_qv").is_none());
+    drop(kv);
+    assert_eq!(res.request(&a), Residency::Staged, "still in host memory");
+    assert_eq!(settle(&backend, &mut mem, &mut res, "a1_r8_qv"), Residency::Resident);
+    let events = res.take_events();
+    assert!(matches!(&events[..], [ResidencyEvent::Resident { from: Tier::Host, .. }]), "{events:?}");
+    assert_eq!(mem.pages.stats().adapter, pages);
+}
+
+#[test]
+fn pinned_and_held_adapters_are_not_evicted() {
+    let (backend, mut mem, mut res) = setup(24, 1 << 30);
+    for name in ["a1_r8_qv", "a3_r4_rslora"] {
+        res.request(&reference(name));
+        assert_eq!(settle(&backend, &mut mem, &mut res, name), Residency::Resident);
+    }
+    let pin = res.pin("a1_r8_qv").unwrap();
+    assert!(res.hold("a3_r4_rslora"));
+    let used = mem.pages.stats().adapter;
+    assert!(mem.pages.lease(24 - used + 1).is_none(), "no pinned page may be taken");
+    assert!(res.status("a1_r8_qv") == Residency::Resident && res.status("a3_r4_rslora") == Residency::Resident);
+    drop(pin);
+    assert!(res.release("a3_r4_rslora"));
+    assert!(mem.pages.lease(24).is_some(), "both are reclaimable once let go");
+}
+
+#[test]
+fn a_staged_adapter_waits_for_room_instead_of_taking_pinned_pages() {
+    let (backend, mut mem, mut res) = setup(64, 1 << 30);
+    let kv = mem.pages.lease(60).unwrap();
+    res.request(&reference("a2_r16_all"));
+    for _ in 0..300 {
+        res.poll_wait(&backend, &mut mem, Duration::from_millis(10)).unwrap();
+        if res.status("a2_r16_all") == Residency::Staged {
+            break;
+        }
+    }
+    assert_eq!(res.status("a2_r16_all"), Residency::Staged);
+    res.poll(&backend, &mut mem).unwrap();
+    assert_eq!(res.status("a2_r16_all"), Residency::Staged, "no room: it waits");
+    drop(kv);
+    assert_eq!(settle(&backend, &mut mem, &mut res, "a2_r16_all"), Residency::Resident);
+}
+
+#[test]
+fn a_bad_adapter_fails_without_leaving_anything_behind() {
+    let (backend, mut mem, mut res) = setup(24, 1 << 30);
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixture("a1_r8_qv");
+    std::fs::copy(src.join("adapter_config.json"), dir.path().join("adapter_config.json")).unwrap();
+    let weights = std::fs::read(src.join("adapter_model.safetensors")).unwrap();
+    std::fs::write(dir.path().join("adapter_model.safetensors"), &weights[..weights.len() / 2]).unwrap();
+    let bad = AdapterRef::new("truncated", dir.path());
+    res.request(&bad);
+    let status = settle(&backend, &mut mem, &mut res, "truncated");
+    let Residency::Failed(msg) = status else { panic!("{status:?}") };
+    assert!(msg.contains("adapter_model.safetensors"), "{msg}");
+    assert!(matches!(&res.take_events()[..], [ResidencyEvent::Failed { .. }]));
+    assert_eq!(mem.pages.stats().adapter, 0);
+    assert!(res.loader().cached("truncated").is_none());
+}
+
+#[test]
+fn forgetting_keeps_pages_for_running_requests_only() {
+    let (backend, mut mem, mut res) = setup(24, 1 << 30);
+    res.request(&reference("a1_r8_qv"));
+    settle(&backend, &mut mem, &mut res, "a1_r8_qv");
+    let running = res.pin("a1_r8_qv").unwrap();
+    res.forget("a1_r8_qv");
+    assert_eq!(res.status("a1_r8_qv"), Residency::Absent);
+    assert!(mem.pages.stats().adapter > 0, "a running request still reads it");
+    drop(running);
+    assert_eq!(mem.pages.stats().adapter, 0);
+    assert_eq!(mem.pages.stats().free, 24);
+}
+
+#[test]
+fn the_host_tier_is_bounded_by_bytes() {
+    // Room for about one packed adapter: loading a second pushes the first out of host memory.
+    let (backend, mut mem, mut res) = setup(64, 200 * 1024);
+    for name in ["a2_r16_all", "a1_r8_qv", "a3_r4_rslora"] {
+        res.request(&reference(name));
+        settle(&backend, &mut mem, &mut res, name);
+    }
+    assert!(res.loader().host_bytes() <= 200 * 1024, "{}", res.loader().host_bytes());
+}

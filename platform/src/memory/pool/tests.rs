@@ -1,0 +1,156 @@
+use super::*;
+
+fn sorted(mut v: Vec<u32>) -> Vec<u32> {
+    v.sort_unstable();
+    v
+}
+
+#[test]
+fn leases_return_pages_on_drop() {
+    let pool = PagePool::new(4);
+    let a = pool.lease(3).unwrap();
+    assert_eq!(a.pages(), &[0, 1, 2]);
+    assert!(pool.lease(2).is_none(), "all or nothing");
+    assert_eq!((pool.stats().free, pool.stats().kv), (1, 3));
+    let mut b = pool.empty_lease();
+    assert!(b.grow(1));
+    assert!(!b.grow(1));
+    drop(a);
+    assert_eq!(pool.stats().free, 3);
+    assert!(b.grow(3));
+    assert_eq!(sorted(b.pages().to_vec()), vec![0, 1, 2, 3], "no page handed out twice");
+    drop(b);
+    assert_eq!(pool.stats(), PoolStats { total: 4, free: 4, ..Default::default() });
+}
+
+#[test]
+fn pinned_entries_are_never_evicted() {
+    let pool = PagePool::new(6);
+    let (a, pin_a) = pool.insert(EntryKind::Adapter, 3).unwrap();
+    let (b, pin_b) = pool.insert(EntryKind::Adapter, 2).unwrap();
+    assert_eq!(pool.stats().reclaimable, 0);
+    assert!(pool.lease(2).is_none(), "only one page is free and nothing is unpinned");
+    assert!(pool.insert(EntryKind::Adapter, 2).is_none());
+    assert!(a.is_resident() && b.is_resident());
+    drop(pin_b);
+    assert_eq!(pool.stats().reclaimable, 2);
+    let lease = pool.lease(3).expect("b's pages can be reclaimed");
+    assert!(!b.is_resident(), "b was unpinned, so it went");
+    assert!(b.pin().is_none(), "an evicted entry cannot be pinned");
+    assert!(a.is_resident(), "a stayed pinned");
+    assert_eq!(pool.stats().evictions, 1);
+    drop((lease, pin_a));
+}
+
+#[test]
+fn eviction_takes_the_least_recently_used_unpinned_entries() {
+    let pool = PagePool::new(6);
+    let (a, pa) = pool.insert(EntryKind::Adapter, 2).unwrap();
+    let (b, pb) = pool.insert(EntryKind::Adapter, 2).unwrap();
+    let (c, pc) = pool.insert(EntryKind::Prefix, 2).unwrap();
+    // Last used order: b, a, c.
+    drop(pb);
+    drop(pa);
+    drop(pc);
+    // Using b again makes it the most recent.
+    drop(b.pin().unwrap());
+    // Order now: a, c, b.
+    let l1 = pool.lease(2).unwrap();
+    assert!(!a.is_resident() && c.is_resident() && b.is_resident());
+    let l2 = pool.lease(2).unwrap();
+    assert!(!c.is_resident() && b.is_resident());
+    assert_eq!(pool.stats().evictions, 2);
+    assert_eq!(pool.stats().cached, 0);
+    drop((l1, l2));
+}
+
+#[test]
+fn dropping_the_owner_frees_pages_after_the_last_pin() {
+    let pool = PagePool::new(4);
+    let (a, pin) = pool.insert(EntryKind::Adapter, 3).unwrap();
+    let pages = a.pages();
+    let pin2 = pin.clone();
+    drop(a);
+    assert_eq!(pool.stats().free, 1, "still pinned by requests in flight");
+    drop(pin);
+    assert_eq!(pool.stats().free, 1);
+    drop(pin2);
+    assert_eq!(pool.stats(), PoolStats { total: 4, free: 4, ..Default::default() });
+    assert_eq!(sorted(pool.lease(4).unwrap().pages().to_vec()), sorted([pages, vec![3]].concat()));
+}
+
+#[test]
+fn stats_count_each_kind() {
+    let pool = PagePool::new(10);
+    let kv = pool.lease(3).unwrap();
+    let (_a, pa) = pool.insert(EntryKind::Adapter, 2).unwrap();
+    let (_p, pp) = pool.insert(EntryKind::Prefix, 1).unwrap();
+    drop(pp);
+    let s = pool.stats();
+    assert_eq!((s.total, s.free, s.kv, s.adapter, s.cached, s.reclaimable), (10, 4, 3, 2, 1, 1));
+    assert_eq!(pool.available(), 5);
+    drop((kv, pa));
+    assert_eq!(pool.stats().reclaimable, 3);
+}
+
+/// Random operations keep every page in exactly one place, and pinned entries resident.
+#[test]
+fn random_operations_keep_the_invariants() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let pool = PagePool::new(64);
+    let mut leases: Vec<PageLease> = Vec::new();
+    let mut entries: Vec<(CachedPages, Vec<PagePin>)> = Vec::new();
+    for _ in 0..4000 {
+        match rng.random_range(0..7) {
+            0 => {
+                if let Some(l) = pool.lease(rng.random_range(0..6)) {
+                    leases.push(l);
+                }
+            }
+            1 if !leases.is_empty() => {
+                let i = rng.random_range(0..leases.len());
+                leases.swap_remove(i);
+            }
+            2 => {
+                let kind = if rng.random_bool(0.5) { EntryKind::Adapter } else { EntryKind::Prefix };
+                if let Some((e, pin)) = pool.insert(kind, rng.random_range(1..8)) {
+                    entries.push((e, vec![pin]));
+                }
+            }
+            3 if !entries.is_empty() => {
+                let i = rng.random_range(0..entries.len());
+                entries[i].1.pop();
+            }
+            4 if !entries.is_empty() => {
+                let i = rng.random_range(0..entries.len());
+                if let Some(p) = entries[i].0.pin() {
+                    entries[i].1.push(p);
+                }
+            }
+            5 if !entries.is_empty() => {
+                // The owner goes; its pins stay with the requests using it.
+                let i = rng.random_range(0..entries.len());
+                let (owner, pins) = entries.swap_remove(i);
+                drop(owner);
+                drop(pins);
+            }
+            _ => {}
+        }
+        let s = pool.stats();
+        let mut seen: Vec<u32> = leases.iter().flat_map(|l| l.pages().to_vec()).collect();
+        for (e, pins) in &entries {
+            if !pins.is_empty() {
+                assert!(e.is_resident(), "a pinned entry was evicted");
+            }
+            seen.extend(e.pages());
+        }
+        assert_eq!(s.kv, leases.iter().map(PageLease::len).sum::<usize>());
+        assert_eq!(s.free + seen.len(), s.total, "{s:?}");
+        let n = seen.len();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), n, "a page is in two places");
+        assert!(s.reclaimable <= s.adapter + s.cached);
+    }
+}
