@@ -183,6 +183,39 @@ pub struct SynthArgs {
 pub enum BenchCommand {
     /// Decode and prefill throughput of the base model, with MFU and MBU.
     Engine(BenchEngineArgs),
+    /// Batched multi-adapter decode against the base model and one adapter at a time, and
+    /// adapter residency times.
+    Lora(BenchLoraArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchLoraArgs {
+    /// Synthesized model size to measure (ignored with --model).
+    #[arg(long, value_enum, default_value_t = Preset::Bench)]
+    pub preset: Preset,
+    /// Measure this model directory instead of a synthesized one (adapters are synthesized for it).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Decode batch size; also the number of distinct adapters.
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    /// Rank of every adapter (all seven modules targeted).
+    #[arg(long, default_value_t = 16)]
+    pub rank: usize,
+    /// Prompt length of each sequence.
+    #[arg(long, default_value_t = 64)]
+    pub context: usize,
+    /// Decode steps timed per scenario (per adapter group in the naive one).
+    #[arg(long, default_value_t = 8)]
+    pub steps: usize,
+    /// Page pool size, in MiB.
+    #[arg(long, default_value_t = 1024)]
+    pub pool_mb: usize,
+    /// Where the JSON report goes.
+    #[arg(long, default_value = "bench-lora.json")]
+    pub out: PathBuf,
+    #[arg(long, env = "LORAPLEX_THREADS")]
+    pub threads: Option<usize>,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -2,3 +2,4 @@
 //! what it measured against limits measured on the same machine in the same run.
 
 pub mod engine;
+pub mod lora;

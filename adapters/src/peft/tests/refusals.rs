@@ -345,3 +345,11 @@ fn tensor_for_an_untargeted_module_is_refused() {
         &["adapter_model.safetensors", "no LoRA tensors"],
     );
 }
+
+#[test]
+fn a_tensor_of_rank_zero_is_refused() {
+    let mut t = qv_tensors();
+    t.retain(|t| !t.name.contains("layers.1.self_attn.v_proj"));
+    t.extend(lora_pair(1, TargetModule::V, 0));
+    refused(&config(&[]), &t, &["adapter_model.safetensors", &tensor_name(1, TargetModule::V, "A"), "rank 0"]);
+}

@@ -1,0 +1,313 @@
+//! `loraplex bench lora`: decode throughput with many adapters in one batch, against the base
+//! model alone and against serving one adapter at a time; and how long an adapter takes to
+//! become resident from disk and from host memory.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use loraplex_kernels::cpu::CpuBackend;
+use serde::Serialize;
+
+use crate::config::BenchLoraArgs;
+use crate::engine::{Engine, EngineConfig, SeqId};
+use crate::memory::{AdapterLoader, AdapterRef, AdapterResidency, DevicePool, LoaderConfig, Residency, ResidencyEvent, Tier};
+use crate::model::{self, Model, ModelConfig};
+use crate::request::{GenerationRequest, StopConditions};
+use crate::sampling::SamplingParams;
+use crate::synth::{self, AdapterSynthOptions, AdapterTargets, ModelDims};
+use crate::tokenizer::Tokenizer;
+
+/// (c) distinct adapters against (a) the base model alone.
+const DISTINCT_VS_BASE_TARGET: f64 = 0.9;
+/// (c) distinct adapters batched against (d) one adapter at a time.
+const DISTINCT_VS_NAIVE_TARGET: f64 = 12.0;
+/// Untimed decode steps before the timed ones.
+const WARMUP: usize = 2;
+
+#[derive(Debug, Serialize)]
+struct Scenario {
+    name: &'static str,
+    description: String,
+    tokens_per_s: f64,
+    /// Median time of one decode step (for the naive scenario: of one round over all groups).
+    step_ms: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct ResidencyTimes {
+    tier: Tier,
+    samples: usize,
+    median_ms: f64,
+    max_ms: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    model: String,
+    threads: usize,
+    batch: usize,
+    rank: usize,
+    context: usize,
+    adapter_mb: f64,
+    scenarios: Vec<Scenario>,
+    distinct_over_base: f64,
+    distinct_over_naive: f64,
+    one_over_base: f64,
+    residency: Vec<ResidencyTimes>,
+    targets: Targets,
+}
+
+#[derive(Debug, Serialize)]
+struct Targets {
+    distinct_over_base: f64,
+    distinct_over_naive: f64,
+}
+
+pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
+    crate::cli::init_threads(args.threads)?;
+    ensure!(args.batch > 0 && args.steps > 0 && args.rank > 0, "--batch, --steps and --rank must be positive");
+    let tmp = tempfile::tempdir().context("creating a directory for the synthesized model and adapters")?;
+    let (dir, source) = match &args.model {
+        Some(dir) => (dir.clone(), dir.display().to_string()),
+        None => {
+            eprintln!("synthesizing the {:?} model ...", args.preset);
+            let out = tmp.path().join("model");
+            synth::synthesize_model(&synth::SynthOptions { out: out.clone(), preset: args.preset, seed: 0 })?;
+            (out, format!("synth {:?}", args.preset).to_lowercase())
+        }
+    };
+    let backend = Arc::new(CpuBackend::new());
+    let model = Arc::new(model::load(backend.clone(), &dir)?);
+    let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);
+    // Adapters for the batch, plus fresh ones for the residency timings (never loaded before).
+    let timed = 8;
+    eprintln!("synthesizing {} rank-{} adapters on all seven modules ...", args.batch + timed, args.rank);
+    let dirs = synth::synthesize_adapters(&AdapterSynthOptions {
+        out: tmp.path().join("adapters"),
+        dims: dims_of(model.config()),
+        count: args.batch + timed,
+        ranks: vec![args.rank],
+        targets: AdapterTargets::All,
+        seed: 1,
+    })?;
+    let refs: Vec<AdapterRef> = dirs.iter().map(|d| AdapterRef::new(d.display().to_string(), d)).collect();
+    let (batch_refs, timed_refs) = refs.split_at(args.batch);
+
+    let bench = Bench { model: &model, tokenizer: &tokenizer, args };
+    let mut scenarios = Vec::new();
+    eprintln!("(a) base model, batch {} ...", args.batch);
+    scenarios.push(bench.batched("base", "base model only".into(), &vec![None; args.batch])?);
+    eprintln!("(b) one adapter for every row ...");
+    scenarios.push(bench.batched("one", "one adapter for all rows".into(), &vec![Some(batch_refs[0].clone()); args.batch])?);
+    eprintln!("(c) {} distinct adapters ...", args.batch);
+    let distinct: Vec<Option<AdapterRef>> = batch_refs.iter().cloned().map(Some).collect();
+    scenarios.push(bench.batched("distinct", format!("{} distinct adapters, one per row", args.batch), &distinct)?);
+    eprintln!("(d) one adapter at a time ...");
+    scenarios.push(bench.naive(batch_refs)?);
+
+    eprintln!("adapter residency times ...");
+    let residency = residency_times(&model, timed_refs)?;
+    let rate = |name: &str| scenarios.iter().find(|s| s.name == name).map_or(f64::NAN, |s| s.tokens_per_s);
+    let adapter_mb = loraplex_adapters::LoraAdapter::load(&batch_refs[0].dir, &model.base_shape(), &Default::default())?.bytes() as f64 / 1e6;
+    let report = Report {
+        model: source,
+        threads: rayon::current_num_threads(),
+        batch: args.batch,
+        rank: args.rank,
+        context: args.context,
+        adapter_mb,
+        distinct_over_base: rate("distinct") / rate("base"),
+        distinct_over_naive: rate("distinct") / rate("naive"),
+        one_over_base: rate("one") / rate("base"),
+        scenarios,
+        residency,
+        targets: Targets { distinct_over_base: DISTINCT_VS_BASE_TARGET, distinct_over_naive: DISTINCT_VS_NAIVE_TARGET },
+    };
+    print_report(&report);
+    std::fs::write(&args.out, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", args.out.display()))?;
+    println!("report written to {}", args.out.display());
+    Ok(())
+}
+
+/// The synthesis dimensions of a loaded model, so adapters can be made for any checkpoint.
+fn dims_of(c: &ModelConfig) -> ModelDims {
+    ModelDims {
+        vocab_size: c.vocab_size,
+        hidden_size: c.hidden_size,
+        intermediate_size: c.intermediate_size,
+        num_hidden_layers: c.num_layers,
+        num_attention_heads: c.num_heads,
+        num_key_value_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+        max_position_embeddings: c.max_position_embeddings,
+        rope_theta: 10000.0,
+        rms_norm_eps: c.rms_norm_eps as f64,
+    }
+}
+
+fn prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
+    // Deterministic, varied ids; ids below 5 are special tokens in synthesized vocabularies.
+    (0..len).map(|i| (5 + (i * 7919 + salt * 104_729) % (vocab - 5)) as u32).collect()
+}
+
+struct Bench<'a> {
+    model: &'a Arc<Model<CpuBackend>>,
+    tokenizer: &'a Arc<Tokenizer>,
+    args: &'a BenchLoraArgs,
+}
+
+impl Bench<'_> {
+    fn engine(&self) -> anyhow::Result<Engine<CpuBackend>> {
+        let config = EngineConfig {
+            pool_bytes: self.args.pool_mb << 20,
+            max_batch_tokens: self.args.context * 8,
+            max_running: self.args.batch,
+            ..EngineConfig::default()
+        };
+        Ok(Engine::new(self.model.clone(), self.tokenizer.clone(), config)?)
+    }
+
+    /// Makes every adapter of `rows` resident before timing, so that only compute is measured.
+    fn make_resident(&self, engine: &mut Engine<CpuBackend>, rows: &[Option<AdapterRef>]) -> anyhow::Result<()> {
+        for a in rows.iter().flatten() {
+            engine.load_adapter(a)?;
+        }
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while rows.iter().flatten().any(|a| engine.adapters().status(&a.key) != Residency::Resident) {
+            ensure!(Instant::now() < deadline, "adapters did not become resident; raise --pool-mb");
+            for a in rows.iter().flatten() {
+                engine.prefetch(a);
+            }
+            engine.step()?;
+        }
+        Ok(())
+    }
+
+    fn add(&self, engine: &mut Engine<CpuBackend>, rows: &[Option<AdapterRef>], new_tokens: usize) -> anyhow::Result<Vec<SeqId>> {
+        let c = self.model.config();
+        let mut ids = Vec::new();
+        for (i, adapter) in rows.iter().enumerate() {
+            let stop = StopConditions { max_new_tokens: new_tokens, ignore_eos: true, ..Default::default() };
+            let req = GenerationRequest { prompt: prompt(self.args.context, c.vocab_size, i), sampling: SamplingParams::greedy(), stop, adapter: adapter.clone() };
+            ids.push(engine.add(req.validate(c)?)?);
+        }
+        Ok(ids)
+    }
+
+    /// Prefills every row, takes the warm-up steps, then times decode steps: the median step.
+    fn decode_steps(&self, engine: &mut Engine<CpuBackend>, rows: usize) -> anyhow::Result<f64> {
+        let mut started = std::collections::HashSet::new();
+        while started.len() < rows {
+            for e in engine.step()? {
+                started.insert(e.seq);
+            }
+            ensure!(engine.take_failures().is_empty(), "a request failed");
+        }
+        for _ in 0..WARMUP {
+            engine.step()?;
+        }
+        let mut times = Vec::with_capacity(self.args.steps);
+        for _ in 0..self.args.steps {
+            let t = Instant::now();
+            let n = engine.step()?.len();
+            times.push(t.elapsed().as_secs_f64());
+            ensure!(n == rows, "a decode step produced {n} tokens for {rows} rows");
+        }
+        while engine.has_work() {
+            engine.step()?;
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    }
+
+    /// All rows decoding together in one batch.
+    fn batched(&self, name: &'static str, description: String, rows: &[Option<AdapterRef>]) -> anyhow::Result<Scenario> {
+        let mut engine = self.engine()?;
+        self.make_resident(&mut engine, rows)?;
+        // Rows still prefilling when decoding starts need headroom beyond the timed steps.
+        let new_tokens = WARMUP + self.args.steps + rows.len() + 1;
+        self.add(&mut engine, rows, new_tokens)?;
+        let step = self.decode_steps(&mut engine, rows.len())?;
+        Ok(Scenario { name, description, tokens_per_s: rows.len() as f64 / step, step_ms: step * 1e3 })
+    }
+
+    /// The naive way: the requests grouped by adapter, each group decoded on its own, one
+    /// adapter at a time. A round gives every request one token and costs one step per group.
+    fn naive(&self, adapters: &[AdapterRef]) -> anyhow::Result<Scenario> {
+        let mut engine = self.engine()?;
+        let rows: Vec<Option<AdapterRef>> = adapters.iter().cloned().map(Some).collect();
+        self.make_resident(&mut engine, &rows)?;
+        let mut round = 0.0;
+        for group in adapters.chunk_by(|a, b| a.key == b.key) {
+            let rows: Vec<Option<AdapterRef>> = group.iter().cloned().map(Some).collect();
+            self.add(&mut engine, &rows, WARMUP + self.args.steps + 2)?;
+            round += self.decode_steps(&mut engine, rows.len())?;
+        }
+        Ok(Scenario {
+            name: "naive",
+            description: format!("{} adapters served one at a time", adapters.len()),
+            tokens_per_s: adapters.len() as f64 / round,
+            step_ms: round * 1e3,
+        })
+    }
+}
+
+/// Times "requested" to "resident" for adapters never loaded before (from disk: read,
+/// validate, pack on a loader thread, then copy into pool pages), and again after they were
+/// evicted from the pool while still in host memory.
+fn residency_times(model: &Model<CpuBackend>, adapters: &[AdapterRef]) -> anyhow::Result<Vec<ResidencyTimes>> {
+    let backend = model.backend().clone();
+    let layout = model.kv_layout(16);
+    let mut mem = DevicePool::with_bytes(backend.as_ref(), layout, 256 << 20)?;
+    let loader = AdapterLoader::new(&LoaderConfig::default(), model.base_shape(), layout.page_elems())?;
+    let mut res = AdapterResidency::new(loader, model.config().num_layers);
+    let mut disk = Vec::new();
+    let mut host = Vec::new();
+    for a in adapters {
+        for tier in [Tier::Disk, Tier::Host] {
+            if tier == Tier::Host {
+                // Evict it from the pool: it stays in host memory.
+                let all = mem.pages.stats().total;
+                drop(mem.pages.lease(all).context("evicting the adapter")?);
+            }
+            res.request(a);
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let waited = loop {
+                res.poll_wait(backend.as_ref(), &mut mem, Duration::from_millis(1))?;
+                if let Some(ResidencyEvent::Resident { from, waited, .. }) = res.take_events().into_iter().next() {
+                    ensure!(from == tier, "expected the adapter to come from {tier:?}, it came from {from:?}");
+                    break waited;
+                }
+                if let Residency::Failed(e) = res.status(&a.key) {
+                    anyhow::bail!("{e}");
+                }
+                ensure!(Instant::now() < deadline, "adapter {} did not become resident", a.key);
+            };
+            let ms = waited.as_secs_f64() * 1e3;
+            if tier == Tier::Disk { disk.push(ms) } else { host.push(ms) }
+        }
+    }
+    let summary = |tier, mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        ResidencyTimes { tier, samples: v.len(), median_ms: v[v.len() / 2], max_ms: v[v.len() - 1] }
+    };
+    Ok(vec![summary(Tier::Disk, disk), summary(Tier::Host, host)])
+}
+
+fn print_report(r: &Report) {
+    println!(
+        "model: {}, {} threads; batch {} decode at context {}; rank-{} adapters on all seven modules ({:.1} MB each)",
+        r.model, r.threads, r.batch, r.context, r.rank, r.adapter_mb
+    );
+    println!("{:<10} {:>10} {:>10}  {}", "scenario", "tokens/s", "step ms", "");
+    for s in &r.scenarios {
+        println!("{:<10} {:>10.1} {:>10.2}  {}", s.name, s.tokens_per_s, s.step_ms, s.description);
+    }
+    println!("(b)/(a) one adapter vs base: {:.3}", r.one_over_base);
+    println!("target: (c)/(a) distinct vs base >= {:.2}: {:.3}", r.targets.distinct_over_base, r.distinct_over_base);
+    println!("target: (c)/(d) distinct vs naive >= {:.1}: {:.1}", r.targets.distinct_over_naive, r.distinct_over_naive);
+    for t in &r.residency {
+        println!("requested -> resident from {:?}: median {:.2} ms, max {:.2} ms over {} adapters", t.tier, t.median_ms, t.max_ms, t.samples);
+    }
+}
