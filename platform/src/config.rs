@@ -10,7 +10,7 @@ use loraplex_adapters::AdapterLimits;
 use crate::engine::EngineConfig;
 use crate::memory::LoaderConfig;
 use crate::sampling::SamplingParams;
-use crate::synth::Preset;
+use crate::synth::{AdapterTargets, Preset};
 
 #[derive(Debug, Parser)]
 #[command(name = "loraplex", version, about = "Serve one base LLM with many LoRA adapters")]
@@ -175,8 +175,22 @@ pub struct SynthArgs {
     pub out: PathBuf,
     #[arg(long, value_enum, default_value_t = Preset::Tiny)]
     pub preset: Preset,
+    /// Seeds the weights of the model and of its adapters.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Also write this many random LoRA adapters for the model, in the PEFT layout.
+    #[arg(long, default_value_t = 0)]
+    pub adapters: usize,
+    /// Adapter ranks, comma-separated, cycled over the adapters. No rank may exceed the
+    /// smaller side of a targeted projection (32 for the tiny preset, whose k/v map 128 to 32).
+    #[arg(long, value_delimiter = ',', default_value = "8,16,64")]
+    pub ranks: Vec<usize>,
+    /// Projections the adapters adapt: q_proj and v_proj, or all seven.
+    #[arg(long, value_enum, default_value_t = AdapterTargets::All)]
+    pub targets: AdapterTargets,
+    /// Directory for the adapters, one sub-directory each (default: OUT/adapters).
+    #[arg(long)]
+    pub adapters_out: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]

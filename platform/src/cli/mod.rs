@@ -2,6 +2,8 @@
 
 pub mod generate;
 
+use anyhow::Context;
+
 /// Sizes rayon's global pool; `None` keeps one thread per core.
 pub fn init_threads(threads: Option<usize>) -> anyhow::Result<()> {
     if let Some(n) = threads {
@@ -13,9 +15,24 @@ pub fn init_threads(threads: Option<usize>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `loraplex synth`: writes a random model and says what it wrote.
+/// `loraplex synth`: writes a random model, and its adapters when asked, and says what it wrote.
 pub fn synth(args: &crate::config::SynthArgs) -> anyhow::Result<()> {
-    let summary = crate::synth::synthesize_model(&crate::synth::SynthOptions {
+    use crate::synth::{AdapterSynthOptions, SynthOptions};
+
+    let adapters = AdapterSynthOptions {
+        out: args
+            .adapters_out
+            .clone()
+            .unwrap_or_else(|| args.out.join("adapters")),
+        dims: args.preset.dims(),
+        count: args.adapters,
+        ranks: args.ranks.clone(),
+        targets: args.targets,
+        seed: args.seed,
+    };
+    // Refuse bad adapter options before spending time on the model.
+    crate::synth::check_adapter_options(&adapters).context("--adapters/--ranks/--targets")?;
+    let summary = crate::synth::synthesize_model(&SynthOptions {
         out: args.out.clone(),
         preset: args.preset,
         seed: args.seed,
@@ -27,5 +44,21 @@ pub fn synth(args: &crate::config::SynthArgs) -> anyhow::Result<()> {
         summary.bytes as f64 / 1e6,
         args.out.display()
     );
+    if adapters.count > 0 {
+        let dirs = crate::synth::synthesize_adapters(&adapters)?;
+        let ranks: Vec<String> = args
+            .ranks
+            .iter()
+            .take(dirs.len())
+            .map(ToString::to_string)
+            .collect();
+        println!(
+            "wrote {} LoRA adapters (ranks {}, targets {}) to {}",
+            dirs.len(),
+            ranks.join(","),
+            args.targets.name(),
+            adapters.out.display()
+        );
+    }
     Ok(())
 }

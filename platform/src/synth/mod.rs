@@ -7,7 +7,10 @@
 //!
 //! Weights depend only on the seed (the same seed writes byte-identical files on any machine);
 //! the tokenizer depends only on the vocabulary size, so models of one preset share it.
+//!
+//! [`synthesize_adapters`] writes random LoRA adapters for such a model in the PEFT layout.
 
+mod adapters;
 #[cfg(test)]
 mod tests;
 mod tokenizer;
@@ -18,6 +21,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::json;
 
+pub(crate) use adapters::check_adapter_options;
+pub use adapters::{AdapterSynthOptions, AdapterTargets, synthesize_adapters};
 pub use tokenizer::SPECIAL_TOKENS;
 
 /// Model sizes to synthesize.
@@ -100,7 +105,7 @@ pub struct SynthSummary {
     pub bytes: u64,
 }
 
-/// Why a model could not be written.
+/// Why a model or its adapters could not be written.
 #[derive(Debug, thiserror::Error)]
 pub enum SynthError {
     #[error("{}: {source}", path.display())]
@@ -111,6 +116,9 @@ pub enum SynthError {
     },
     #[error("building the tokenizer: {0}")]
     Tokenizer(String),
+    /// The options ask for something that cannot be built; the message says what.
+    #[error("{0}")]
+    Options(String),
 }
 
 pub(crate) fn io_err(path: &Path) -> impl FnOnce(io::Error) -> SynthError + '_ {

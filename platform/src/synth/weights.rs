@@ -161,19 +161,29 @@ fn header(specs: &[TensorSpec]) -> Vec<u8> {
     json
 }
 
-/// Writes `model.safetensors` for `dims` to `path`, streaming: header first, then each tensor
-/// as soon as it is generated. The file appears under its name only once complete.
+/// Writes `model.safetensors` for `dims` to `path`; see [`write_tensors`].
 /// Returns (parameter count, file size).
 pub(crate) fn write_safetensors(
     path: &Path,
     dims: &ModelDims,
     seed: u64,
 ) -> Result<(u64, u64), SynthError> {
-    let specs = tensor_specs(dims);
+    write_tensors(path, &tensor_specs(dims), seed)
+}
+
+/// Writes the f32 tensors `specs` (sorted by name) to the safetensors file `path`, streaming:
+/// header first, then each tensor as soon as it is generated from `seed`. The file appears
+/// under its name only once complete. Returns (value count, file size).
+pub(crate) fn write_tensors(
+    path: &Path,
+    specs: &[TensorSpec],
+    seed: u64,
+) -> Result<(u64, u64), SynthError> {
+    debug_assert!(specs.is_sorted_by(|a, b| a.name < b.name));
     let partial = path.with_extension("safetensors.partial");
     let file = File::create(&partial).map_err(io_err(&partial))?;
     let mut w = BufWriter::with_capacity(4 << 20, file);
-    let header = header(&specs);
+    let header = header(specs);
     let mut size = 8 + header.len() as u64;
     w.write_all(&(header.len() as u64).to_le_bytes())
         .and_then(|()| w.write_all(&header))
@@ -181,7 +191,7 @@ pub(crate) fn write_safetensors(
 
     let mut buf = Vec::new();
     let mut params = 0u64;
-    for spec in &specs {
+    for spec in specs {
         generate(spec, seed, &mut buf);
         write_f32_le(&mut w, &buf).map_err(io_err(&partial))?;
         params += buf.len() as u64;
