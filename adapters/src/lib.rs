@@ -18,7 +18,7 @@ mod shape;
 
 pub use adapter::{AdapterLimits, LoraAdapter, LoraModule};
 pub use error::AdapterError;
-pub use pack::{PackError, PackedAdapter, PackedEntry};
+pub use pack::{PackError, PackedAdapter, PackedEntry, RowStorage};
 pub use shape::BaseShape;
 
 /// A linear projection of a Llama-family decoder layer: the places a LoRA delta can be added.

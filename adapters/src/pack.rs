@@ -10,6 +10,10 @@
 //! Rows are placed first-fit in decreasing order of length: the long rows fill pages first and
 //! the short ones fill the gaps, which keeps the unused space well under one page per adapter
 //! for the shapes of real models.
+//!
+//! Rows are stored as bfloat16 (two per f32 slot) when every value, scaling included, is exactly
+//! a bfloat16 (an adapter saved in bf16, with a power-of-two scaling), halving the bytes the
+//! LoRA kernels stream; otherwise as f32. The stored values are always exactly the adapter's.
 
 use crate::{LoraAdapter, TargetModule};
 
@@ -23,6 +27,32 @@ pub enum PackError {
          use a larger KV block size"
     )]
     RowTooLong { layer: usize, module: &'static str, len: usize, page_elems: usize },
+}
+
+/// How rows are stored: f32, or bfloat16 packed two per f32 slot (lower-addressed half first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RowStorage {
+    F32,
+    Bf16,
+}
+
+impl RowStorage {
+    /// f32 slots a row of `elems` values occupies, before alignment.
+    pub fn slots(self, elems: usize) -> usize {
+        match self {
+            RowStorage::F32 => elems,
+            RowStorage::Bf16 => elems.div_ceil(2),
+        }
+    }
+
+    /// The narrowest storage that holds every value of `adapter` (B with its scaling) exactly.
+    pub fn exact_for(adapter: &LoraAdapter) -> Self {
+        let is_bf16 = |v: f32| v.to_bits() & 0xFFFF == 0;
+        let exact = adapter
+            .modules()
+            .all(|m| m.a.iter().all(|&v| is_bf16(v)) && m.b.iter().all(|&v| is_bf16(v * m.scaling)));
+        if exact { RowStorage::Bf16 } else { RowStorage::F32 }
+    }
 }
 
 /// The rows of one adapted (layer, module).
@@ -41,14 +71,16 @@ pub struct PackedEntry {
 #[derive(Debug, Clone, PartialEq)]
 pub struct PackedAdapter {
     page_elems: usize,
+    storage: RowStorage,
     /// `pages * page_elems` values: the page images in order.
     data: Vec<f32>,
     entries: Vec<PackedEntry>,
-    /// Offset in `data` of each A row, entries in order, rank order within an entry.
+    /// Offset (in f32 slots) in `data` of each A row, entries in order, rank order within an
+    /// entry.
     a_rows: Vec<usize>,
     /// The same for B rows.
     b_rows: Vec<usize>,
-    /// Values occupied by rows, alignment padding included.
+    /// f32 slots occupied by rows, alignment padding included.
     used: usize,
 }
 
@@ -57,8 +89,14 @@ fn round_up(n: usize, align: usize) -> usize {
 }
 
 impl PackedAdapter {
-    /// Packs `adapter` into pages of `page_elems` values with rows aligned to `align` values.
+    /// Packs `adapter` into pages of `page_elems` f32 slots with rows aligned to `align` slots,
+    /// in the narrowest exact storage ([`RowStorage::exact_for`]).
     pub fn pack(adapter: &LoraAdapter, page_elems: usize, align: usize) -> Result<Self, PackError> {
+        Self::pack_as(adapter, page_elems, align, RowStorage::exact_for(adapter))
+    }
+
+    /// Packs with the given storage. Values that bf16 cannot hold are rounded to nearest even.
+    pub fn pack_as(adapter: &LoraAdapter, page_elems: usize, align: usize, storage: RowStorage) -> Result<Self, PackError> {
         if align == 0 || page_elems == 0 || !page_elems.is_multiple_of(align) {
             return Err(PackError::PageGeometry { page_elems, align });
         }
@@ -67,10 +105,11 @@ impl PackedAdapter {
         let mut rows = Vec::with_capacity(2 * adapter.total_rank_rows());
         for (e, m) in adapter.modules().enumerate() {
             for (len, is_b) in [(m.in_features, false), (m.out_features, true)] {
-                if round_up(len, align) > page_elems {
+                let slots = round_up(storage.slots(len), align);
+                if slots > page_elems {
                     return Err(PackError::RowTooLong { layer: m.layer, module: m.module.hf_name(), len, page_elems });
                 }
-                rows.extend((0..m.rank).map(|r| (round_up(len, align), e, r, is_b)));
+                rows.extend((0..m.rank).map(|r| (slots, e, r, is_b)));
             }
             let first_row = entries.last().map_or(0, |p: &PackedEntry| p.first_row + p.rank);
             entries.push(PackedEntry {
@@ -113,17 +152,22 @@ impl PackedAdapter {
             }
         }
         let mut data = vec![0f32; fill.len() * page_elems];
+        let mut row = Vec::new();
         for (m, entry) in adapter.modules().zip(&entries) {
             for r in 0..m.rank {
-                let a = a_rows[entry.first_row + r];
-                data[a..a + m.in_features].copy_from_slice(&m.a[r * m.in_features..(r + 1) * m.in_features]);
-                let b = b_rows[entry.first_row + r];
-                for (o, dst) in data[b..b + m.out_features].iter_mut().enumerate() {
-                    *dst = m.b[o * m.rank + r] * m.scaling;
-                }
+                row.clear();
+                row.extend_from_slice(&m.a[r * m.in_features..(r + 1) * m.in_features]);
+                write_row(&mut data, a_rows[entry.first_row + r], &row, storage);
+                row.clear();
+                row.extend((0..m.out_features).map(|o| m.b[o * m.rank + r] * m.scaling));
+                write_row(&mut data, b_rows[entry.first_row + r], &row, storage);
             }
         }
-        Ok(PackedAdapter { page_elems, data, entries, a_rows, b_rows, used })
+        Ok(PackedAdapter { page_elems, storage, data, entries, a_rows, b_rows, used })
+    }
+
+    pub fn storage(&self) -> RowStorage {
+        self.storage
     }
 
     pub fn page_elems(&self) -> usize {
@@ -175,14 +219,36 @@ impl PackedAdapter {
         let mut a = Vec::with_capacity(rank * inf);
         let mut b = vec![0f32; outf * rank];
         for r in 0..rank {
-            let off = self.a_rows[entry.first_row + r];
-            a.extend_from_slice(&self.data[off..off + inf]);
-            let off = self.b_rows[entry.first_row + r];
-            for o in 0..outf {
-                b[o * rank + r] = self.data[off + o];
+            a.extend(read_row(&self.data, self.a_rows[entry.first_row + r], inf, self.storage));
+            for (o, v) in read_row(&self.data, self.b_rows[entry.first_row + r], outf, self.storage).enumerate() {
+                b[o * rank + r] = v;
             }
         }
         (a, b)
+    }
+}
+
+/// Writes `values` as a row starting at f32 slot `at`.
+fn write_row(data: &mut [f32], at: usize, values: &[f32], storage: RowStorage) {
+    match storage {
+        RowStorage::F32 => data[at..at + values.len()].copy_from_slice(values),
+        RowStorage::Bf16 => {
+            let halves: &mut [u16] = bytemuck::cast_slice_mut(data);
+            for (dst, v) in halves[2 * at..2 * at + values.len()].iter_mut().zip(values) {
+                *dst = half::bf16::from_f32(*v).to_bits();
+            }
+        }
+    }
+}
+
+/// Reads `len` values of the row at f32 slot `at`.
+fn read_row(data: &[f32], at: usize, len: usize, storage: RowStorage) -> Box<dyn Iterator<Item = f32> + '_> {
+    match storage {
+        RowStorage::F32 => Box::new(data[at..at + len].iter().copied()),
+        RowStorage::Bf16 => {
+            let halves: &[u16] = bytemuck::cast_slice(data);
+            Box::new(halves[2 * at..2 * at + len].iter().map(|&h| half::bf16::from_bits(h).to_f32()))
+        }
     }
 }
 
@@ -229,6 +295,36 @@ mod tests {
     }
 
     #[test]
+    fn bf16_exact_adapters_are_stored_as_bf16_and_round_trip() {
+        let shape = BaseShape::llama(128, 344, 8, 2, 16, 2);
+        let mut ad = adapter(&shape, &[(TargetModule::Q, 8), (TargetModule::Down, 4)], 2, 5);
+        assert_eq!(RowStorage::exact_for(&ad), RowStorage::F32);
+        let f32_pages = PackedAdapter::pack(&ad, 2048, 16).unwrap().num_pages();
+        let truncated: Vec<LoraModule> = ad
+            .modules()
+            .map(|m| {
+                let mut m = m.clone();
+                for v in m.a.iter_mut().chain(m.b.iter_mut()) {
+                    *v = f32::from_bits(v.to_bits() & 0xFFFF_0000);
+                }
+                m
+            })
+            .collect();
+        ad = LoraAdapter::from_modules(truncated, false);
+        let packed = PackedAdapter::pack(&ad, 2048, 16).unwrap();
+        assert_eq!(packed.storage(), RowStorage::Bf16);
+        assert!(packed.num_pages() < f32_pages, "{} bf16 pages vs {f32_pages} f32", packed.num_pages());
+        for (m, e) in ad.modules().zip(packed.entries()) {
+            let (a, b) = packed.unpack(e);
+            assert_eq!(a, m.a);
+            assert_eq!(b, m.b.iter().map(|v| v * m.scaling).collect::<Vec<_>>());
+        }
+        // A scaling that is not a power of two would round: those stay f32.
+        let odd: Vec<LoraModule> = ad.modules().map(|m| LoraModule { scaling: 1.3, ..m.clone() }).collect();
+        assert_eq!(RowStorage::exact_for(&LoraAdapter::from_modules(odd, false)), RowStorage::F32);
+    }
+
+    #[test]
     fn rows_are_aligned_whole_and_disjoint() {
         let shape = BaseShape::llama(128, 344, 8, 2, 16, 4);
         let all: Vec<_> = TargetModule::ALL.iter().map(|&m| (m, 8)).collect();
@@ -269,11 +365,11 @@ mod tests {
                 for targets in [&qv[..], &all[..]] {
                     let ranks: Vec<_> = targets.iter().map(|&(m, _)| (m, rank)).collect();
                     let ad = adapter(shape, &ranks, shape.num_layers, 3);
-                    for &page in pages {
-                        let p = PackedAdapter::pack(&ad, page, 16).unwrap();
+                    for (&page, storage) in pages.iter().flat_map(|p| [(p, RowStorage::F32), (p, RowStorage::Bf16)]) {
+                        let p = PackedAdapter::pack_as(&ad, page, 16, storage).unwrap();
                         assert!(
                             p.unused() < page,
-                            "rank {rank}, {} targets, page {page}: {} pages, {} values unused",
+                            "rank {rank}, {} targets, page {page}, {storage:?}: {} pages, {} slots unused",
                             targets.len(),
                             p.num_pages(),
                             p.unused()

@@ -81,12 +81,41 @@ pub const NUM_MODULES: usize = 7;
 /// The slot of a segment or row that uses no adapter: those tokens cost nothing.
 pub const NO_ADAPTER: u32 = u32::MAX;
 
+/// How an adapter's rows are stored in the (f32) pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum RowDType {
+    /// One f32 per element.
+    F32 = 0,
+    /// One bfloat16 per element, two per f32 slot (the lower-addressed half first).
+    Bf16 = 1,
+}
+
+impl RowDType {
+    pub fn from_u32(v: u32) -> Option<Self> {
+        match v {
+            0 => Some(RowDType::F32),
+            1 => Some(RowDType::Bf16),
+            _ => None,
+        }
+    }
+
+    /// f32 slots a row of `elems` elements occupies (before alignment).
+    pub fn slots(self, elems: usize) -> usize {
+        match self {
+            RowDType::F32 => elems,
+            RowDType::Bf16 => elems.div_ceil(2),
+        }
+    }
+}
+
 /// Where the rank rows of the adapters used by one batch live in the pool. All u32 buffers.
 ///
 /// For every (layer, module) it targets, an adapter owns `rank` A rows of `in_features` elements
 /// and `rank` B rows of `out_features` elements. B is stored transposed (row `r` holds column `r`
 /// of B) with the LoRA scaling already multiplied in. Rows sit anywhere in the pool, each whole
-/// and starting on a [`LORA_ROW_ALIGN`] boundary; ranks are not padded in storage.
+/// and starting on a [`LORA_ROW_ALIGN`] boundary; ranks are not padded in storage. Each adapter's
+/// rows are f32 or bf16 ([`RowDType`]); arithmetic is f32 either way.
 #[derive(Debug)]
 pub struct LoraRows<Buf> {
     /// Adapters in this batch; segments and rows name them by slot `0..num_slots`.
@@ -100,6 +129,8 @@ pub struct LoraRows<Buf> {
     pub a_rows: Buf,
     /// `[total rows]`: the same for the B rows (Bᵀ rows, scaling folded in).
     pub b_rows: Buf,
+    /// `[num_slots]`: the [`RowDType`] of each slot's rows, as u32.
+    pub slot_dtypes: Buf,
 }
 
 impl<Buf> LoraRows<Buf> {

@@ -15,7 +15,7 @@ mod layout;
 pub mod mmap;
 
 pub use layout::{
-    AttentionParams, BatchMeta, KvLayout, LORA_ROW_ALIGN, LoraRows, LoraSegments, LoraTarget, NO_ADAPTER, NUM_MODULES,
+    AttentionParams, BatchMeta, KvLayout, LORA_ROW_ALIGN, LoraRows, LoraSegments, LoraTarget, NO_ADAPTER, NUM_MODULES, RowDType,
 };
 
 /// Errors from a backend. Each names the op and what was wrong with its arguments.

@@ -10,7 +10,7 @@ use loraplex_adapters::AdapterLimits;
 use crate::engine::EngineConfig;
 use crate::memory::LoaderConfig;
 use crate::sampling::SamplingParams;
-use crate::synth::{AdapterTargets, Preset};
+use crate::synth::{AdapterTargets, FileDType, Preset};
 
 #[derive(Debug, Parser)]
 #[command(name = "loraplex", version, about = "Serve one base LLM with many LoRA adapters")]
@@ -183,11 +183,14 @@ pub struct SynthArgs {
     pub adapters: usize,
     /// Adapter ranks, comma-separated, cycled over the adapters. No rank may exceed the
     /// smaller side of a targeted projection (32 for the tiny preset, whose k/v map 128 to 32).
-    #[arg(long, value_delimiter = ',', default_value = "8,16,64")]
+    #[arg(long, value_delimiter = ',', default_value = "8,16")]
     pub ranks: Vec<usize>,
     /// Projections the adapters adapt: q_proj and v_proj, or all seven.
     #[arg(long, value_enum, default_value_t = AdapterTargets::All)]
     pub targets: AdapterTargets,
+    /// Element type of the adapters' saved weights.
+    #[arg(long, value_enum, default_value_t = FileDType::F32)]
+    pub adapter_dtype: FileDType,
     /// Directory for the adapters, one sub-directory each (default: OUT/adapters).
     #[arg(long)]
     pub adapters_out: Option<PathBuf>,
@@ -216,6 +219,10 @@ pub struct BenchLoraArgs {
     /// Rank of every adapter (all seven modules targeted).
     #[arg(long, default_value_t = 16)]
     pub rank: usize,
+    /// Element type the adapters are saved in (bf16 rows are stored as bf16 in the pool; the
+    /// distinct-adapter scenario is also run with f32 adapters for comparison).
+    #[arg(long, value_enum, default_value_t = FileDType::Bf16)]
+    pub adapter_dtype: FileDType,
     /// Prompt length of each sequence.
     #[arg(long, default_value_t = 64)]
     pub context: usize,

@@ -1,26 +1,51 @@
 //! Batched LoRA on the CPU: SGMV over segments of tokens sharing an adapter, BGMV with one adapter
 //! per row.
 //!
-//! Every token gets the same arithmetic whichever op serves it: `v[t, r]` is one `simd::dot` of
-//! the token's input with A row `r`, stored as f32, and the output row receives one `simd::axpy`
-//! per B row in rank order. Segments only decide which tokens share a loop (so that a block of
-//! tokens reads each rank row once), never the order of any element's sums, so SGMV under any
-//! grouping and BGMV agree bit for bit.
+//! Every token gets the same arithmetic whichever op serves it: `v[t, r]` is the dot product of
+//! the token's input with A row `r` (summed as `simd::dot` sums), stored as f32, and each output
+//! element receives the B rows' contributions fused one after another in rank order
+//! (`simd::axpys`, loading and storing the output once). Segments only decide which tokens
+//! share a task, never the order of any element's sums, so SGMV under any grouping and BGMV
+//! agree bit for bit. Rows stored as bf16 are widened exactly to f32 as they are read.
 
 use rayon::prelude::*;
 
 use super::{CpuBackend, CpuBuffer, ensure_len, simd};
-use crate::{KernelError, LORA_ROW_ALIGN, LoraOps, LoraRows, LoraSegments, LoraTarget, NO_ADAPTER, NUM_MODULES, Result};
+use crate::{KernelError, LORA_ROW_ALIGN, LoraOps, LoraRows, LoraSegments, LoraTarget, NO_ADAPTER, NUM_MODULES, Result, RowDType};
 
 /// Tokens of one segment handled by one rayon task in SGMV.
 const TOKEN_BLOCK: usize = 16;
 
+/// One slot's rows for the target, as slices of the pool in the slot's storage.
+enum SlotRows<'a> {
+    F32 { a: Vec<&'a [f32]>, b: Vec<&'a [f32]> },
+    Bf16 { a: Vec<&'a [u16]>, b: Vec<&'a [u16]> },
+}
+
+impl SlotRows<'_> {
+    fn a(&self) -> simd::Rows<'_> {
+        match self {
+            SlotRows::F32 { a, .. } => simd::Rows::F32(a),
+            SlotRows::Bf16 { a, .. } => simd::Rows::Bf16(a),
+        }
+    }
+
+    fn b(&self) -> simd::Rows<'_> {
+        match self {
+            SlotRows::F32 { b, .. } => simd::Rows::F32(b),
+            SlotRows::Bf16 { b, .. } => simd::Rows::Bf16(b),
+        }
+    }
+
+    fn rank(&self) -> usize {
+        self.a().len()
+    }
+}
+
 /// The rows of every slot for one target, checked against the pool.
 struct Adapters<'a> {
-    pool: &'a [f32],
-    /// Per slot: offsets of its A rows and of its B rows (equally many, the rank; none when the
-    /// slot does not target the module), in units of `LORA_ROW_ALIGN` elements.
-    slots: Vec<(&'a [u32], &'a [u32])>,
+    /// Per slot (none when the slot does not target the module: rank 0).
+    slots: Vec<SlotRows<'a>>,
     in_features: usize,
     out_features: usize,
     max_rank: usize,
@@ -32,6 +57,8 @@ impl<'a> Adapters<'a> {
         let directory = rows.directory.u32(op)?;
         let a_rows = rows.a_rows.u32(op)?;
         let b_rows = rows.b_rows.u32(op)?;
+        let slot_dtypes = rows.slot_dtypes.u32(op)?;
+        ensure_len(op, "slot_dtypes", slot_dtypes.len(), rows.num_slots)?;
         let LoraTarget { layer, module, in_features, out_features, max_rank } = *target;
         if in_features == 0 || out_features == 0 || max_rank == 0 {
             return Err(KernelError::Shape { op, detail: format!("LoRA target {target:?} has a zero dimension") });
@@ -48,14 +75,12 @@ impl<'a> Adapters<'a> {
             .and_then(|n| n.checked_mul(NUM_MODULES * 2))
             .ok_or_else(|| KernelError::Shape { op, detail: format!("{} slots × {} layers overflow", rows.num_slots, rows.num_layers) })?;
         ensure_len(op, "directory", directory.len(), entries)?;
+        let pool16: &[u16] = bytemuck::cast_slice(pool);
         let mut slots = Vec::with_capacity(rows.num_slots);
-        for slot in 0..rows.num_slots {
+        for (slot, &d) in slot_dtypes[..rows.num_slots].iter().enumerate() {
+            let dtype = RowDType::from_u32(d).ok_or_else(|| KernelError::Shape { op, detail: format!("slot {slot} has an unknown row dtype {d}") })?;
             let e = rows.entry(slot, layer, module);
             let (first, rank) = (directory[e] as usize, directory[e + 1] as usize);
-            if rank == 0 {
-                slots.push((&a_rows[..0], &b_rows[..0]));
-                continue;
-            }
             if rank > max_rank {
                 return Err(KernelError::Shape {
                     op,
@@ -63,7 +88,7 @@ impl<'a> Adapters<'a> {
                 });
             }
             let end = first.saturating_add(rank);
-            if end > a_rows.len() || end > b_rows.len() {
+            if rank > 0 && (end > a_rows.len() || end > b_rows.len()) {
                 return Err(KernelError::Shape {
                     op,
                     detail: format!(
@@ -73,51 +98,49 @@ impl<'a> Adapters<'a> {
                     ),
                 });
             }
-            let (a, b) = (&a_rows[first..end], &b_rows[first..end]);
-            check_offsets(op, a, in_features, pool.len())?;
-            check_offsets(op, b, out_features, pool.len())?;
-            slots.push((a, b));
+            let (a, b) = if rank == 0 { (&a_rows[..0], &b_rows[..0]) } else { (&a_rows[first..end], &b_rows[first..end]) };
+            check_offsets(op, a, dtype.slots(in_features), pool.len())?;
+            check_offsets(op, b, dtype.slots(out_features), pool.len())?;
+            let start = |off: u32| off as usize * LORA_ROW_ALIGN;
+            slots.push(match dtype {
+                RowDType::F32 => SlotRows::F32 {
+                    a: a.iter().map(|&o| &pool[start(o)..start(o) + in_features]).collect(),
+                    b: b.iter().map(|&o| &pool[start(o)..start(o) + out_features]).collect(),
+                },
+                RowDType::Bf16 => SlotRows::Bf16 {
+                    a: a.iter().map(|&o| &pool16[2 * start(o)..2 * start(o) + in_features]).collect(),
+                    b: b.iter().map(|&o| &pool16[2 * start(o)..2 * start(o) + out_features]).collect(),
+                },
+            });
         }
-        Ok(Adapters { pool, slots, in_features, out_features, max_rank })
-    }
-
-    /// A row of `len` elements at `offset` (in `LORA_ROW_ALIGN` units); checked by `read`.
-    #[inline]
-    fn row(&self, offset: u32, len: usize) -> &'a [f32] {
-        let start = offset as usize * LORA_ROW_ALIGN;
-        &self.pool[start..start + len]
+        Ok(Adapters { slots, in_features, out_features, max_rank })
     }
 
     /// `v[t, r] = x[t] · A[r]` for each token of a block and `r < rank`, zeros up to `max_rank`.
     /// `x` holds the block's input rows, `v` its `max_rank`-long rows.
     fn shrink(&self, slot: u32, x: &[f32], v: &mut [f32]) {
-        let a = self.slots.get(slot as usize).map_or(&[][..], |s| s.0);
-        for vt in v.chunks_exact_mut(self.max_rank) {
-            vt[a.len()..].fill(0.0);
-        }
-        // Rank row outermost: each A row is read once per block.
-        for (r, &off) in a.iter().enumerate() {
-            let ar = self.row(off, self.in_features);
-            for (vt, xt) in v.chunks_exact_mut(self.max_rank).zip(x.chunks_exact(self.in_features)) {
-                vt[r] = simd::dot(xt, ar);
+        let rows = self.slots.get(slot as usize);
+        let rank = rows.map_or(0, SlotRows::rank);
+        for (vt, xt) in v.chunks_exact_mut(self.max_rank).zip(x.chunks_exact(self.in_features)) {
+            if let Some(rows) = rows {
+                simd::dots(xt, rows.a(), &mut vt[..rank]);
             }
+            vt[rank..].fill(0.0);
         }
     }
 
     /// `y[t] += Σ_r v[t, r] · Bᵀ[r]` for each token of a block, `r` ascending.
     fn expand(&self, slot: u32, v: &[f32], y: &mut [f32]) {
-        let b = self.slots.get(slot as usize).map_or(&[][..], |s| s.1);
-        for (r, &off) in b.iter().enumerate() {
-            let br = self.row(off, self.out_features);
-            for (yt, vt) in y.chunks_exact_mut(self.out_features).zip(v.chunks_exact(self.max_rank)) {
-                simd::axpy(yt, vt[r], br);
-            }
+        let Some(rows) = self.slots.get(slot as usize) else { return };
+        let rank = rows.rank();
+        for (yt, vt) in y.chunks_exact_mut(self.out_features).zip(v.chunks_exact(self.max_rank)) {
+            simd::axpys(yt, &vt[..rank], rows.b());
         }
     }
 
     /// Whether `slot` changes anything for this target.
     fn active(&self, slot: u32) -> bool {
-        self.slots.get(slot as usize).is_some_and(|s| !s.0.is_empty())
+        self.slots.get(slot as usize).is_some_and(|s| s.rank() > 0)
     }
 }
 

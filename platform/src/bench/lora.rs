@@ -15,7 +15,7 @@ use crate::memory::{AdapterLoader, AdapterRef, AdapterResidency, DevicePool, Loa
 use crate::model::{self, Model, ModelConfig};
 use crate::request::{GenerationRequest, StopConditions};
 use crate::sampling::SamplingParams;
-use crate::synth::{self, AdapterSynthOptions, AdapterTargets, ModelDims};
+use crate::synth::{self, AdapterSynthOptions, AdapterTargets, FileDType, ModelDims};
 use crate::tokenizer::Tokenizer;
 
 /// (c) distinct adapters against (a) the base model alone.
@@ -48,6 +48,7 @@ struct Report {
     threads: usize,
     batch: usize,
     rank: usize,
+    adapter_dtype: FileDType,
     context: usize,
     adapter_mb: f64,
     scenarios: Vec<Scenario>,
@@ -83,15 +84,19 @@ pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
     // Adapters for the batch, plus fresh ones for the residency timings (never loaded before).
     let timed = 8;
     eprintln!("synthesizing {} rank-{} adapters on all seven modules ...", args.batch + timed, args.rank);
-    let dirs = synth::synthesize_adapters(&AdapterSynthOptions {
-        out: tmp.path().join("adapters"),
-        dims: dims_of(model.config()),
-        count: args.batch + timed,
-        ranks: vec![args.rank],
-        targets: AdapterTargets::All,
-        seed: 1,
-    })?;
-    let refs: Vec<AdapterRef> = dirs.iter().map(|d| AdapterRef::new(d.display().to_string(), d)).collect();
+    let synth_adapters = |dir: &str, count: usize, dtype: FileDType| -> anyhow::Result<Vec<AdapterRef>> {
+        let dirs = synth::synthesize_adapters(&AdapterSynthOptions {
+            out: tmp.path().join(dir),
+            dims: dims_of(model.config()),
+            count,
+            ranks: vec![args.rank],
+            targets: AdapterTargets::All,
+            seed: 1,
+            dtype,
+        })?;
+        Ok(dirs.iter().map(|d| AdapterRef::new(d.display().to_string(), d)).collect())
+    };
+    let refs = synth_adapters("adapters", args.batch + timed, args.adapter_dtype)?;
     let (batch_refs, timed_refs) = refs.split_at(args.batch);
 
     let bench = Bench { model: &model, tokenizer: &tokenizer, args };
@@ -105,16 +110,27 @@ pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
     scenarios.push(bench.batched("distinct", format!("{} distinct adapters, one per row", args.batch), &distinct)?);
     eprintln!("(d) one adapter at a time ...");
     scenarios.push(bench.naive(batch_refs)?);
+    if args.adapter_dtype != FileDType::F32 {
+        eprintln!("(c') {} distinct f32 adapters ...", args.batch);
+        let f32_refs: Vec<Option<AdapterRef>> = synth_adapters("adapters-f32", args.batch, FileDType::F32)?.into_iter().map(Some).collect();
+        scenarios.push(bench.batched("distinct-f32", format!("{} distinct adapters saved in f32", args.batch), &f32_refs)?);
+    }
 
     eprintln!("adapter residency times ...");
     let residency = residency_times(&model, timed_refs)?;
     let rate = |name: &str| scenarios.iter().find(|s| s.name == name).map_or(f64::NAN, |s| s.tokens_per_s);
-    let adapter_mb = loraplex_adapters::LoraAdapter::load(&batch_refs[0].dir, &model.base_shape(), &Default::default())?.bytes() as f64 / 1e6;
+    // Bytes the kernels stream per adapter: its packed rows as stored in the pool.
+    let adapter_mb = {
+        let adapter = loraplex_adapters::LoraAdapter::load(&batch_refs[0].dir, &model.base_shape(), &Default::default())?;
+        let packed = loraplex_adapters::PackedAdapter::pack(&adapter, model.kv_layout(16).page_elems(), loraplex_kernels::LORA_ROW_ALIGN)?;
+        (packed.bytes() - packed.unused() * 4) as f64 / 1e6
+    };
     let report = Report {
         model: source,
         threads: rayon::current_num_threads(),
         batch: args.batch,
         rank: args.rank,
+        adapter_dtype: args.adapter_dtype,
         context: args.context,
         adapter_mb,
         distinct_over_base: rate("distinct") / rate("base"),
@@ -297,12 +313,12 @@ fn residency_times(model: &Model<CpuBackend>, adapters: &[AdapterRef]) -> anyhow
 
 fn print_report(r: &Report) {
     println!(
-        "model: {}, {} threads; batch {} decode at context {}; rank-{} adapters on all seven modules ({:.1} MB each)",
-        r.model, r.threads, r.batch, r.context, r.rank, r.adapter_mb
+        "model: {}, {} threads; batch {} decode at context {}; rank-{} {:?} adapters on all seven modules ({:.1} MB of rows each)",
+        r.model, r.threads, r.batch, r.context, r.rank, r.adapter_dtype, r.adapter_mb
     );
-    println!("{:<10} {:>10} {:>10}  {}", "scenario", "tokens/s", "step ms", "");
+    println!("{:<12} {:>10} {:>10}", "scenario", "tokens/s", "step ms");
     for s in &r.scenarios {
-        println!("{:<10} {:>10.1} {:>10.2}  {}", s.name, s.tokens_per_s, s.step_ms, s.description);
+        println!("{:<12} {:>10.1} {:>10.2}  {}", s.name, s.tokens_per_s, s.step_ms, s.description);
     }
     println!("(b)/(a) one adapter vs base: {:.3}", r.one_over_base);
     println!("target: (c)/(a) distinct vs base >= {:.2}: {:.3}", r.targets.distinct_over_base, r.distinct_over_base);

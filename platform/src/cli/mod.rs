@@ -29,6 +29,7 @@ pub fn synth(args: &crate::config::SynthArgs) -> anyhow::Result<()> {
         ranks: args.ranks.clone(),
         targets: args.targets,
         seed: args.seed,
+        dtype: args.adapter_dtype,
     };
     // Refuse bad adapter options before spending time on the model.
     crate::synth::check_adapter_options(&adapters).context("--adapters/--ranks/--targets")?;

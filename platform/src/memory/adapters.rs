@@ -18,8 +18,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use loraplex_adapters::PackedAdapter;
-use loraplex_kernels::{Backend, KernelError, LORA_ROW_ALIGN, NUM_MODULES};
+use loraplex_adapters::{PackedAdapter, RowStorage};
+use loraplex_kernels::{Backend, KernelError, LORA_ROW_ALIGN, NUM_MODULES, RowDType};
 
 use super::host::{AdapterLoader, HostAdapter};
 use super::{CachedPages, DevicePool, EntryKind, PagePin};
@@ -79,6 +79,8 @@ pub struct ResidentRows {
     /// Pool offset of every B row (Bᵀ rows with the scaling folded in).
     pub b_rows: Vec<u32>,
     pub max_rank: usize,
+    /// How the rows are stored.
+    pub dtype: RowDType,
 }
 
 impl ResidentRows {
@@ -107,7 +109,11 @@ impl ResidentRows {
                 .collect()
         };
         let max_rank = packed.entries().iter().map(|e| e.rank).max().unwrap_or(0);
-        Ok(ResidentRows { directory, a_rows: place(packed.a_rows())?, b_rows: place(packed.b_rows())?, max_rank })
+        let dtype = match packed.storage() {
+            RowStorage::F32 => RowDType::F32,
+            RowStorage::Bf16 => RowDType::Bf16,
+        };
+        Ok(ResidentRows { directory, a_rows: place(packed.a_rows())?, b_rows: place(packed.b_rows())?, max_rank, dtype })
     }
 }
 

@@ -90,6 +90,7 @@ impl<B: Backend> LoraBatch<B> {
             directory: backend.upload_u32(&directory)?,
             a_rows: backend.upload_u32(&a_rows)?,
             b_rows: backend.upload_u32(&b_rows)?,
+            slot_dtypes: backend.upload_u32(&adapters.iter().map(|r| r.dtype as u32).collect::<Vec<_>>())?,
         };
         let layout = if per_row {
             LoraLayout::PerRow(backend.upload_u32(token_slots)?)

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use loraplex_adapters::{BaseShape, TargetModule};
 use serde_json::json;
 
-use super::weights::{self, Init, TensorSpec};
+use super::weights::{self, FileDType, Init, TensorSpec};
 use super::{ModelDims, SynthError, io_err, to_json};
 use crate::sampling::splitmix64;
 
@@ -68,6 +68,8 @@ pub struct AdapterSynthOptions {
     pub targets: AdapterTargets,
     /// Seeds the weights; adapter `i` draws from a stream derived from `(seed, i)`.
     pub seed: u64,
+    /// Element type of the saved weights (adapters trained in bf16 are saved in bf16).
+    pub dtype: FileDType,
 }
 
 /// Largest singular value of `scaling·B·A` relative to the base weight's.
@@ -232,7 +234,7 @@ fn write_adapter(
     std::fs::write(&config, text).map_err(io_err(&config))?;
     let specs = adapter_specs(shape, rank, opts.targets);
     let weights_path = dir.join("adapter_model.safetensors");
-    weights::write_tensors(&weights_path, &specs, adapter_seed(opts.seed, index))?;
+    weights::write_tensors(&weights_path, &specs, adapter_seed(opts.seed, index), opts.dtype)?;
     Ok(())
 }
 

@@ -23,12 +23,13 @@ use serde_json::json;
 
 pub(crate) use adapters::check_adapter_options;
 pub use adapters::{AdapterSynthOptions, AdapterTargets, synthesize_adapters};
+pub use weights::FileDType;
 pub use tokenizer::SPECIAL_TOKENS;
 
 /// Model sizes to synthesize.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Preset {
-    /// The size of the reference fixtures: vocab 512, hidden 128, 4 layers (about 0.4M params).
+    /// The size of the reference fixtures: vocab 512, hidden 128, 4 layers (about 0.8M parameters).
     Tiny,
     /// vocab 4096, hidden 512, 6 layers (about 21M parameters).
     Small,

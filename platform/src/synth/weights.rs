@@ -142,17 +142,42 @@ pub(crate) fn generate(spec: &TensorSpec, seed: u64, buf: &mut Vec<f32>) {
         });
 }
 
+/// The element type tensors are written in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FileDType {
+    F32,
+    /// bfloat16, rounded to nearest even from the generated f32 values.
+    Bf16,
+}
+
+impl FileDType {
+    fn name(self) -> &'static str {
+        match self {
+            FileDType::F32 => "F32",
+            FileDType::Bf16 => "BF16",
+        }
+    }
+
+    fn size(self) -> usize {
+        match self {
+            FileDType::F32 => 4,
+            FileDType::Bf16 => 2,
+        }
+    }
+}
+
 /// The safetensors header: JSON with each tensor's dtype, shape and byte range, padded with
 /// spaces to a multiple of 8 bytes.
-fn header(specs: &[TensorSpec]) -> Vec<u8> {
+fn header(specs: &[TensorSpec], dtype: FileDType) -> Vec<u8> {
     let mut map = serde_json::Map::new();
     map.insert("__metadata__".into(), serde_json::json!({ "format": "pt" }));
     let mut offset = 0usize;
     for spec in specs {
-        let end = offset + spec.numel() * 4;
+        let end = offset + spec.numel() * dtype.size();
         map.insert(
             spec.name.clone(),
-            serde_json::json!({ "dtype": "F32", "shape": spec.shape, "data_offsets": [offset, end] }),
+            serde_json::json!({ "dtype": dtype.name(), "shape": spec.shape, "data_offsets": [offset, end] }),
         );
         offset = end;
     }
@@ -168,22 +193,23 @@ pub(crate) fn write_safetensors(
     dims: &ModelDims,
     seed: u64,
 ) -> Result<(u64, u64), SynthError> {
-    write_tensors(path, &tensor_specs(dims), seed)
+    write_tensors(path, &tensor_specs(dims), seed, FileDType::F32)
 }
 
-/// Writes the f32 tensors `specs` (sorted by name) to the safetensors file `path`, streaming:
+/// Writes the tensors `specs` (sorted by name) in `dtype` to the safetensors file `path`, streaming:
 /// header first, then each tensor as soon as it is generated from `seed`. The file appears
 /// under its name only once complete. Returns (value count, file size).
 pub(crate) fn write_tensors(
     path: &Path,
     specs: &[TensorSpec],
     seed: u64,
+    dtype: FileDType,
 ) -> Result<(u64, u64), SynthError> {
     debug_assert!(specs.is_sorted_by(|a, b| a.name < b.name));
     let partial = path.with_extension("safetensors.partial");
     let file = File::create(&partial).map_err(io_err(&partial))?;
     let mut w = BufWriter::with_capacity(4 << 20, file);
-    let header = header(specs);
+    let header = header(specs, dtype);
     let mut size = 8 + header.len() as u64;
     w.write_all(&(header.len() as u64).to_le_bytes())
         .and_then(|()| w.write_all(&header))
@@ -193,9 +219,16 @@ pub(crate) fn write_tensors(
     let mut params = 0u64;
     for spec in specs {
         generate(spec, seed, &mut buf);
-        write_f32_le(&mut w, &buf).map_err(io_err(&partial))?;
+        match dtype {
+            FileDType::F32 => write_f32_le(&mut w, &buf),
+            FileDType::Bf16 => {
+                let bytes: Vec<u8> = buf.iter().flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes()).collect();
+                w.write_all(&bytes)
+            }
+        }
+        .map_err(io_err(&partial))?;
         params += buf.len() as u64;
-        size += 4 * buf.len() as u64;
+        size += (dtype.size() * buf.len()) as u64;
     }
     w.flush().map_err(io_err(&partial))?;
     drop(w);

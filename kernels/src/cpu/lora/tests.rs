@@ -138,6 +138,7 @@ fn rows_of(directory: &[u32], a_rows: &[u32], b_rows: &[u32]) -> LoraRows<CpuBuf
         directory: CpuBuffer::U32(directory.to_vec()),
         a_rows: CpuBuffer::U32(a_rows.to_vec()),
         b_rows: CpuBuffer::U32(b_rows.to_vec()),
+        slot_dtypes: CpuBuffer::U32(vec![0; SLOTS]),
     }
 }
 
@@ -578,4 +579,73 @@ fn bad_targets_and_directories_are_rejected() {
     let mut c = Call::new(&fx);
     c.rows = rows_of(&dir, &fx.a_rows, &fx.b_rows);
     c.fails(&ALL, is_shape);
+}
+
+/// An adapter stored as bf16 rows computes exactly what the same (bf16-representable) values
+/// stored as f32 rows compute, in both SGMV and BGMV, with odd row lengths.
+#[test]
+fn bf16_rows_give_the_same_results_as_f32_rows_of_the_same_values() {
+    let (inf, outf, rank) = (37usize, 21usize, 5usize);
+    let mut rng = Rng(99);
+    let round = |v: Vec<f32>| -> Vec<f32> { v.into_iter().map(|x| f32::from_bits(x.to_bits() & 0xFFFF_0000)).collect() };
+    let a = round(rng.vec(rank * inf));
+    let b = round(rng.vec(rank * outf));
+    // Slot 0: f32 rows; slot 1: the same rows as bf16, packed two per f32 slot.
+    let mut pool: Vec<f32> = Vec::new();
+    let (mut a_rows, mut b_rows) = (Vec::new(), Vec::new());
+    for dtype in [RowDType::F32, RowDType::Bf16] {
+        for (data, len, table) in [(&a, inf, &mut a_rows), (&b, outf, &mut b_rows)] {
+            for r in 0..rank {
+                let row = &data[r * len..(r + 1) * len];
+                table.push((pool.len() / LORA_ROW_ALIGN) as u32);
+                let start = pool.len();
+                pool.resize(start + dtype.slots(len).next_multiple_of(LORA_ROW_ALIGN), f32::NAN);
+                match dtype {
+                    RowDType::F32 => pool[start..start + len].copy_from_slice(row),
+                    RowDType::Bf16 => {
+                        let halves: &mut [u16] = bytemuck::cast_slice_mut(&mut pool[start..]);
+                        for (i, v) in row.iter().enumerate() {
+                            halves[i] = (v.to_bits() >> 16) as u16;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let directory = vec![0, rank as u32, rank as u32, rank as u32];
+    let rows = LoraRows {
+        num_slots: 2,
+        num_layers: 1,
+        directory: CpuBuffer::U32(entries(&directory)),
+        a_rows: CpuBuffer::U32(a_rows),
+        b_rows: CpuBuffer::U32(b_rows),
+        slot_dtypes: CpuBuffer::U32(vec![RowDType::F32 as u32, RowDType::Bf16 as u32]),
+    };
+    let target = LoraTarget { layer: 0, module: 0, in_features: inf, out_features: outf, max_rank: rank };
+    let be = CpuBackend::new();
+    let pool = CpuBuffer::F32(pool);
+    // Tokens 0..3 use slot 0, tokens 3..6 the same inputs with slot 1.
+    let x3 = rng.vec(3 * inf);
+    let x = CpuBuffer::F32([x3.clone(), x3].concat());
+    let mut y_bgmv = CpuBuffer::F32(vec![0.5; 6 * outf]);
+    be.bgmv(&x, &pool, &rows, &CpuBuffer::U32(vec![0, 0, 0, 1, 1, 1]), &target, &mut y_bgmv).unwrap();
+    let segs = segments(&[(0, 3), (1, 3)]);
+    let mut v = CpuBuffer::F32(vec![0.0; 6 * rank]);
+    be.sgmv_shrink(&x, &pool, &rows, &segs, &target, &mut v).unwrap();
+    let mut y_sgmv = CpuBuffer::F32(vec![0.5; 6 * outf]);
+    be.sgmv_expand(&v, &pool, &rows, &segs, &target, &mut y_sgmv).unwrap();
+    let (yb, ys) = (y_bgmv.f32("t").unwrap(), y_sgmv.f32("t").unwrap());
+    assert_eq!(yb, ys);
+    assert_eq!(&yb[..3 * outf], &yb[3 * outf..], "bf16 storage changed the result");
+    assert!(yb.iter().all(|v| v.is_finite()) && yb.iter().any(|&v| v != 0.5));
+}
+
+/// A directory for one layer with only module 0 set: `pairs` holds (first, rank) per slot.
+fn entries(pairs: &[u32]) -> Vec<u32> {
+    let mut d = vec![0; pairs.len() / 2 * NUM_MODULES * 2];
+    for (slot, p) in pairs.chunks_exact(2).enumerate() {
+        d[slot * NUM_MODULES * 2] = p[0];
+        d[slot * NUM_MODULES * 2 + 1] = p[1];
+    }
+    d
 }

@@ -23,6 +23,7 @@ fn options(
         ranks: ranks.to_vec(),
         targets,
         seed: 7,
+        dtype: crate::synth::FileDType::F32,
     }
 }
 
@@ -386,7 +387,7 @@ fn merged(model: &Path, adapter: &LoraAdapter, out: &Path) {
 
 fn greedy(model: &Path, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
     let model = crate::model::load(Arc::new(CpuBackend::new()), model).unwrap();
-    let rows = crate::engine::scoring::greedy_logits(&model, prompt, steps, 16).unwrap();
+    let rows = crate::engine::scoring::greedy_logits(&model, prompt, steps, 16, None).unwrap();
     let tokens = rows
         .iter()
         .map(|r| (0..r.len()).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap() as u32)
