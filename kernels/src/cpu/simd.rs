@@ -44,8 +44,11 @@ pub fn dot_bf16(a: &[f32], b: &[u16]) -> f32 {
     let n = a.len().min(b.len());
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx512f") {
-        // SAFETY: AVX-512F is present (checked above); both slices hold at least n elements.
-        return unsafe { dot_bf16_avx512(&a[..n], &b[..n]) };
+        // One row of the grouped kernel is exactly this dot product.
+        let mut out = [0f32];
+        // SAFETY: AVX-512F is present (checked above).
+        unsafe { dots_avx512(&a[..n], Rows::Bf16(&[&b[..n]]), &mut out) };
+        return out[0];
     }
     let mut acc = [0f32; 8];
     let (ca, cb) = (a[..n].chunks_exact(8), b[..n].chunks_exact(8));
@@ -64,8 +67,9 @@ pub fn axpy_bf16(y: &mut [f32], alpha: f32, x: &[u16]) {
     let n = y.len().min(x.len());
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx512f") {
-        // SAFETY: AVX-512F is present (checked above); both slices hold at least n elements.
-        unsafe { axpy_bf16_avx512(&mut y[..n], alpha, &x[..n]) };
+        // One row of the grouped kernel is exactly this update.
+        // SAFETY: AVX-512F is present (checked above).
+        unsafe { axpys_avx512(&mut y[..n], &[alpha], Rows::Bf16(&[&x[..n]])) };
         return;
     }
     for (a, &b) in y[..n].iter_mut().zip(&x[..n]) {
@@ -93,46 +97,6 @@ unsafe fn load_bf16(p: *const u16, n: usize) -> __m512 {
         unsafe { _mm256_loadu_si256(buf.as_ptr() as *const __m256i) }
     };
     _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(half)))
-}
-
-/// # Safety
-/// AVX-512F must be available; `a` and `b` have equal lengths.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn dot_bf16_avx512(a: &[f32], b: &[u16]) -> f32 {
-    let n = a.len();
-    let mut acc = _mm512_setzero_ps();
-    let mut i = 0;
-    // SAFETY: every load covers elements i..min(i + 16, n), inside both slices.
-    unsafe {
-        while i < n {
-            let x = _mm512_maskz_loadu_ps(lanes(n - i), a.as_ptr().add(i));
-            let y = load_bf16(b.as_ptr().add(i), n - i);
-            acc = _mm512_fmadd_ps(x, y, acc);
-            i += 16;
-        }
-    }
-    _mm512_reduce_add_ps(acc)
-}
-
-/// # Safety
-/// AVX-512F must be available; `y` and `x` have equal lengths.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn axpy_bf16_avx512(y: &mut [f32], alpha: f32, x: &[u16]) {
-    let n = y.len();
-    let a = _mm512_set1_ps(alpha);
-    let mut i = 0;
-    // SAFETY: every access covers elements i..min(i + 16, n), inside both slices.
-    unsafe {
-        while i < n {
-            let m = lanes(n - i);
-            let xv = load_bf16(x.as_ptr().add(i), n - i);
-            let yv = _mm512_maskz_loadu_ps(m, y.as_ptr().add(i));
-            _mm512_mask_storeu_ps(y.as_mut_ptr().add(i), m, _mm512_fmadd_ps(a, xv, yv));
-            i += 16;
-        }
-    }
 }
 
 /// Rows of one element type: the A or B rows of one adapter for one projection.

@@ -157,7 +157,7 @@ fn dims_of(c: &ModelConfig) -> ModelDims {
         num_key_value_heads: c.num_kv_heads,
         head_dim: c.head_dim,
         max_position_embeddings: c.max_position_embeddings,
-        rope_theta: 10000.0,
+        rope_theta: c.rope_theta,
         rms_norm_eps: c.rms_norm_eps as f64,
     }
 }

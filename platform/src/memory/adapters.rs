@@ -279,11 +279,13 @@ impl AdapterResidency {
                 self.states.insert(key.clone(), State::Staged { since, from: Tier::Disk, host });
                 self.staged.push_back(key);
             }
-            Err(error) => {
-                self.states.insert(key.clone(), State::Failed(error.clone()));
-                self.events.push(ResidencyEvent::Failed { key, error });
-            }
+            Err(error) => self.fail(key, error),
         }
+    }
+
+    fn fail(&mut self, key: Arc<str>, error: Arc<str>) {
+        self.states.insert(key.clone(), State::Failed(error.clone()));
+        self.events.push(ResidencyEvent::Failed { key, error });
     }
 
     fn place<B: Backend>(&mut self, backend: &B, mem: &mut DevicePool<B>) -> Result<(), KernelError> {
@@ -297,9 +299,8 @@ impl AdapterResidency {
             let n = host.packed.num_pages();
             if n > total {
                 self.staged.pop_front();
-                let error: Arc<str> = format!("adapter {key} needs {n} pool pages but the pool has {total}; raise --pool-mb").into();
-                self.states.insert(key.clone(), State::Failed(error.clone()));
-                self.events.push(ResidencyEvent::Failed { key, error });
+                let error = format!("adapter {key} needs {n} pool pages but the pool has {total}; raise --pool-mb");
+                self.fail(key, error.into());
                 continue;
             }
             // Pinned pages are never taken: if they leave too little room, try again later.
@@ -313,9 +314,8 @@ impl AdapterResidency {
             let rows = match ResidentRows::place(&host.packed, &pages, self.num_layers) {
                 Ok(rows) => rows,
                 Err(error) => {
-                    let error: Arc<str> = format!("adapter {key}: {error}").into();
-                    self.states.insert(key.clone(), State::Failed(error.clone()));
-                    self.events.push(ResidencyEvent::Failed { key, error });
+                    let error = format!("adapter {key}: {error}");
+                    self.fail(key, error.into());
                     continue;
                 }
             };

@@ -73,14 +73,19 @@ impl PoolState {
     fn evict(&mut self, id: u64) {
         let Some(e) = self.entries.get_mut(&id) else { return };
         e.lru_tick = None;
-        let pages = std::mem::take(&mut e.pages);
+        let (kind, pages) = (e.kind, std::mem::take(&mut e.pages));
         self.reclaimable -= pages.len();
-        match e.kind {
-            EntryKind::Adapter => self.adapter_pages -= pages.len(),
-            EntryKind::Prefix => self.prefix_pages -= pages.len(),
-        }
+        *self.kind_pages(kind) -= pages.len();
         self.free.extend(pages);
         self.evictions += 1;
+    }
+
+    /// The page count of entries of `kind`.
+    fn kind_pages(&mut self, kind: EntryKind) -> &mut usize {
+        match kind {
+            EntryKind::Adapter => &mut self.adapter_pages,
+            EntryKind::Prefix => &mut self.prefix_pages,
+        }
     }
 
     /// Frees a resident entry's pages and forgets it (its owner and pins are all gone).
@@ -90,10 +95,7 @@ impl PoolState {
             self.lru.remove(&tick);
             self.reclaimable -= e.pages.len();
         }
-        match e.kind {
-            EntryKind::Adapter => self.adapter_pages -= e.pages.len(),
-            EntryKind::Prefix => self.prefix_pages -= e.pages.len(),
-        }
+        *self.kind_pages(e.kind) -= e.pages.len();
         self.free.append(&mut e.pages);
     }
 
@@ -212,10 +214,7 @@ impl PagePool {
     pub fn insert(&self, kind: EntryKind, n: usize) -> Option<(CachedPages, PagePin)> {
         let mut s = self.lock();
         let pages = s.take(n)?;
-        match kind {
-            EntryKind::Adapter => s.adapter_pages += n,
-            EntryKind::Prefix => s.prefix_pages += n,
-        }
+        *s.kind_pages(kind) += n;
         let id = s.next_id;
         s.next_id += 1;
         s.entries.insert(id, Entry { kind, pages, pins: 1, owned: true, lru_tick: None });
