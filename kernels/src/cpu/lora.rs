@@ -2,11 +2,13 @@
 //! per row.
 //!
 //! Every token gets the same arithmetic whichever op serves it: `v[t, r]` is the dot product of
-//! the token's input with A row `r` (summed as `simd::dot` sums), stored as f32, and each output
-//! element receives the B rows' contributions fused one after another in rank order
-//! (`simd::axpys`, loading and storing the output once). Segments only decide which tokens
-//! share a task, never the order of any element's sums, so SGMV under any grouping and BGMV
-//! agree bit for bit. Rows stored as bf16 are widened exactly to f32 as they are read.
+//! the token's input with A row `r` (`simd::dots`, whose sums depend only on the values, not on
+//! how many rows share a pass), stored as f32, and each output element receives the B rows'
+//! contributions fused one after another in rank order (`simd::axpys`, keeping blocks of the
+//! output in registers across all rows). Segments only decide which tokens share a task, never
+//! the order of any element's sums, so SGMV under any grouping and BGMV agree bit for bit. Rows
+//! stored as bf16 are widened exactly to f32 as they are read, and give the same results as f32
+//! rows holding the same values.
 
 use rayon::prelude::*;
 
