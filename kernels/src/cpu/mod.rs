@@ -100,6 +100,7 @@ impl Memory for CpuBackend {
         let mut v = Vec::new();
         v.try_reserve_exact(len)
             .map_err(|_| KernelError::OutOfMemory { device: self.device_name(), bytes: len.saturating_mul(4) })?;
+        advise_huge_pages(v.spare_capacity_mut());
         v.resize(len, 0.0);
         Ok(CpuBuffer::F32(v))
     }
@@ -130,4 +131,24 @@ impl Memory for CpuBackend {
     fn load_weight(&self, data: &[f32], out_features: usize, in_features: usize) -> Result<CpuWeight> {
         CpuWeight::pack(data, out_features, in_features)
     }
+}
+
+/// Asks the kernel to back `buf` with transparent huge pages (2 MiB) where it can: large
+/// buffers that are streamed (weights, the page pool) then need far fewer TLB entries. Call it
+/// before the memory is first written. Only a hint: where it is refused, or off this OS,
+/// nothing changes.
+pub(crate) fn advise_huge_pages<T>(buf: &mut [T]) {
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        let start = (buf.as_ptr() as usize).next_multiple_of(HUGE);
+        let end = (buf.as_ptr() as usize + std::mem::size_of_val(buf)) & !(HUGE - 1);
+        if end > start {
+            // SAFETY: the range lies within `buf`, which this call borrows mutably; madvise
+            // with MADV_HUGEPAGE changes only how the pages are backed, never their contents.
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = buf;
 }

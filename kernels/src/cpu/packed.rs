@@ -45,7 +45,9 @@ impl Panels {
 pub fn pack(w: &[f32], n: usize, k: usize) -> Panels {
     let panels = n.div_ceil(NR);
     let len = panels * k * NR;
-    let mut storage = vec![0f32; len + 16];
+    let mut storage: Vec<f32> = Vec::with_capacity(len + 16);
+    super::advise_huge_pages(storage.spare_capacity_mut());
+    storage.resize(len + 16, 0.0);
     let offset = storage.as_ptr().align_offset(64).min(16);
     let out = &mut storage[offset..offset + len];
     out.par_chunks_mut(k * NR).enumerate().for_each(|(p, panel)| {
