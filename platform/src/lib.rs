@@ -11,5 +11,6 @@ pub mod memory;
 pub mod model;
 pub mod request;
 pub mod sampling;
+pub mod scheduler;
 pub mod synth;
 pub mod tokenizer;

@@ -1,0 +1,314 @@
+use std::collections::{HashMap, HashSet};
+
+use super::*;
+
+/// A sequence as the scheduler sees it: `len` tokens, `computed` of them cached, `blocks` held.
+#[derive(Debug)]
+struct Seq {
+    id: SeqId,
+    len: usize,
+    computed: usize,
+    max_len: usize,
+    blocks: usize,
+    adapter: Option<&'static str>,
+}
+
+impl Schedulable for Seq {
+    fn id(&self) -> SeqId {
+        self.id
+    }
+    fn num_tokens(&self) -> usize {
+        self.len
+    }
+    fn computed(&self) -> usize {
+        self.computed
+    }
+}
+
+/// A pool of `free` blocks of `block` tokens; adapters listed in `ready` are resident.
+struct Mem {
+    block: usize,
+    total: usize,
+    free: usize,
+    ready: HashSet<&'static str>,
+    failed: HashSet<&'static str>,
+    prefetched: Vec<&'static str>,
+}
+
+impl Mem {
+    fn new(total: usize, block: usize) -> Self {
+        Mem { block, total, free: total, ready: HashSet::new(), failed: HashSet::new(), prefetched: Vec::new() }
+    }
+}
+
+impl StepMemory<Seq> for Mem {
+    fn readiness(&mut self, seq: &Seq) -> Readiness {
+        match seq.adapter {
+            Some(a) if self.failed.contains(a) => Readiness::Failed(format!("adapter {a} failed").into()),
+            Some(a) if !self.ready.contains(a) => Readiness::Waiting,
+            _ => Readiness::Ready,
+        }
+    }
+    fn start(&mut self, seq: &mut Seq, alone: bool) -> Result<bool, Arc<str>> {
+        let need = seq.max_len.div_ceil(self.block);
+        if alone && need > self.free {
+            return Err(format!("needs {need} blocks, {} free", self.free).into());
+        }
+        Ok(self.free > 0)
+    }
+    fn grow(&mut self, seq: &mut Seq, tokens: usize) -> bool {
+        let need = tokens.div_ceil(self.block).saturating_sub(seq.blocks);
+        if need > self.free {
+            return false;
+        }
+        self.free -= need;
+        seq.blocks += need;
+        true
+    }
+    fn release(&mut self, seq: &mut Seq) {
+        self.free += seq.blocks;
+        seq.blocks = 0;
+        seq.computed = 0;
+    }
+    fn prefetch(&mut self, seq: &Seq) {
+        if let Some(a) = seq.adapter {
+            self.prefetched.push(a);
+        }
+    }
+}
+
+struct Sim {
+    sched: Scheduler<Seq>,
+    mem: Mem,
+    next: u64,
+    /// Tokens computed per tenant.
+    served: HashMap<TenantId, usize>,
+    finished: Vec<SeqId>,
+    /// Tokens generated per sequence, in order of generation steps (for resume checks).
+    generated: HashMap<SeqId, usize>,
+}
+
+impl Sim {
+    fn new(config: SchedulerConfig, mem: Mem) -> Self {
+        Sim { sched: Scheduler::new(config), mem, next: 0, served: HashMap::new(), finished: Vec::new(), generated: HashMap::new() }
+    }
+
+    fn add(&mut self, tenant: &str, weight: f64, priority: Priority, prompt: usize, new_tokens: usize, adapter: Option<&'static str>) -> SeqId {
+        let id = SeqId(self.next);
+        self.next += 1;
+        let seq = Seq { id, len: prompt, computed: 0, max_len: prompt + new_tokens, blocks: 0, adapter };
+        self.sched.enqueue(seq, Placement { tenant: TenantId::new(tenant), weight, priority });
+        id
+    }
+
+    /// One step: schedule, then apply the plan as an engine would.
+    fn step(&mut self) -> StepPlan<Seq> {
+        let plan = self.sched.schedule(&mut self.mem);
+        let total: usize = plan.chunks.iter().map(|&(_, n)| n).sum();
+        assert!(total <= self.sched.config().max_batch_tokens, "budget exceeded: {total}");
+        assert!(self.sched.running_len() <= self.sched.config().max_running);
+        for &(id, n) in &plan.chunks {
+            let tenant = self.sched.tenant_of(id).expect("planned sequences run").clone();
+            *self.served.entry(tenant).or_default() += n;
+            let seq = self.sched.get_mut(id).unwrap();
+            assert!(seq.computed + n <= seq.blocks * self.mem.block, "tokens beyond the sequence's blocks");
+            seq.computed += n;
+            if seq.computed == seq.len {
+                seq.len += 1;
+                *self.generated.entry(id).or_default() += 1;
+                if seq.len == seq.max_len {
+                    let done = self.sched.finish(id).unwrap();
+                    self.mem.free += done.blocks;
+                    self.finished.push(id);
+                }
+            }
+        }
+        plan
+    }
+
+    fn served(&self, tenant: &str) -> usize {
+        self.served.get(&TenantId::new(tenant)).copied().unwrap_or(0)
+    }
+}
+
+fn config(max_batch_tokens: usize, max_running: usize) -> SchedulerConfig {
+    SchedulerConfig { max_batch_tokens, max_running, prefetch_ahead: 4 }
+}
+
+#[test]
+fn backlogged_tenants_are_served_in_proportion_to_their_weights() {
+    let mut sim = Sim::new(config(64, 4), Mem::new(10_000, 16));
+    for _ in 0..300 {
+        sim.add("a", 1.0, Priority::Interactive, 32, 8, None);
+        sim.add("b", 2.0, Priority::Interactive, 32, 8, None);
+    }
+    // VTC's bound: the weighted service of two backlogged tenants never drifts apart by more
+    // than about two requests' worth of tokens plus one step's budget.
+    let bound = 2.0 * (32.0 + 8.0) + 64.0;
+    for step in 0..400 {
+        sim.step();
+        let (a, b) = (sim.served("a") as f64, sim.served("b") as f64 / 2.0);
+        assert!((a - b).abs() <= bound, "step {step}: a {a} vs b/2 {b}");
+    }
+    let ratio = sim.served("b") as f64 / sim.served("a") as f64;
+    assert!((ratio - 2.0).abs() < 0.15, "b received {ratio:.2}x a's service, not 2x");
+}
+
+#[test]
+fn a_light_tenant_is_not_starved_by_a_flood() {
+    let mut sim = Sim::new(config(64, 4), Mem::new(10_000, 16));
+    for _ in 0..500 {
+        sim.add("flood", 1.0, Priority::Interactive, 48, 16, None);
+    }
+    for _ in 0..20 {
+        sim.step();
+    }
+    let light = sim.add("light", 1.0, Priority::Interactive, 48, 4, None);
+    let mut waited = 0;
+    while !sim.sched.running().any(|s| s.id == light) && !sim.finished.contains(&light) {
+        sim.step();
+        waited += 1;
+        assert!(waited < 20, "the light tenant waited {waited} steps");
+    }
+    // Lifted to the flood's counter on arrival: no credit for the time it was idle, so it
+    // does not shut the flood out either.
+    let (flood, light_c) = (sim.sched.counter(&TenantId::new("flood")).unwrap(), sim.sched.counter(&TenantId::new("light")).unwrap());
+    assert!(light_c >= flood - 64.0, "light {light_c} vs flood {flood}");
+    for _ in 0..20 {
+        sim.step();
+    }
+    assert!(sim.finished.contains(&light));
+}
+
+#[test]
+fn a_returning_tenant_is_lifted_to_the_smallest_backlogged_counter() {
+    let mut sim = Sim::new(config(64, 2), Mem::new(10_000, 16));
+    sim.add("b", 1.0, Priority::Interactive, 8, 1, None);
+    sim.step();
+    for _ in 0..50 {
+        sim.add("a", 1.0, Priority::Interactive, 32, 4, None);
+    }
+    for _ in 0..30 {
+        sim.step();
+    }
+    let a = sim.sched.counter(&TenantId::new("a")).unwrap();
+    assert!(a > 100.0);
+    sim.add("b", 1.0, Priority::Interactive, 8, 1, None);
+    assert_eq!(sim.sched.counter(&TenantId::new("b")), Some(a), "b's idle time is not banked");
+}
+
+#[test]
+fn interactive_requests_start_before_batch_ones() {
+    let mut sim = Sim::new(config(1000, 2), Mem::new(10_000, 16));
+    let batch: Vec<SeqId> = (0..3).map(|_| sim.add("a", 1.0, Priority::Batch, 8, 4, None)).collect();
+    let inter: Vec<SeqId> = (0..2).map(|_| sim.add("b", 1.0, Priority::Interactive, 8, 4, None)).collect();
+    let plan = sim.step();
+    let started: Vec<SeqId> = plan.chunks.iter().map(|&(id, _)| id).collect();
+    assert_eq!(started, inter);
+    while sim.sched.has_work() {
+        sim.step();
+    }
+    assert!(batch.iter().all(|id| sim.finished.contains(id)));
+}
+
+#[test]
+fn a_long_prompt_is_prefilled_in_chunks_alongside_decodes() {
+    let mut sim = Sim::new(config(16, 4), Mem::new(10_000, 16));
+    let short = sim.add("a", 1.0, Priority::Interactive, 4, 20, None);
+    sim.step();
+    let long = sim.add("a", 1.0, Priority::Interactive, 50, 2, None);
+    let mut chunks = Vec::new();
+    while !sim.generated.contains_key(&long) {
+        let plan = sim.step();
+        assert!(plan.chunks.contains(&(short, 1)), "the decode runs every step");
+        chunks.extend(plan.chunks.iter().filter(|c| c.0 == long).map(|c| c.1));
+    }
+    assert_eq!(chunks, vec![15, 15, 15, 5]);
+}
+
+#[test]
+fn only_requests_with_resident_adapters_start_and_queued_adapters_are_prefetched() {
+    let mut sim = Sim::new(config(1000, 8), Mem::new(10_000, 16));
+    let cold = sim.add("a", 1.0, Priority::Interactive, 8, 2, Some("x"));
+    let plain = sim.add("a", 1.0, Priority::Interactive, 8, 2, None);
+    let plan = sim.step();
+    assert_eq!(plan.chunks, vec![(plain, 8)], "the plain request does not wait behind the cold adapter");
+    assert!(sim.mem.prefetched.contains(&"x"));
+    sim.mem.ready.insert("x");
+    let plan = sim.step();
+    assert!(plan.chunks.contains(&(cold, 8)));
+}
+
+#[test]
+fn a_request_whose_adapter_failed_is_dropped_with_the_reason() {
+    let mut sim = Sim::new(config(1000, 8), Mem::new(10_000, 16));
+    let bad = sim.add("a", 1.0, Priority::Interactive, 8, 2, Some("broken"));
+    sim.mem.failed.insert("broken");
+    let plan = sim.step();
+    assert_eq!(plan.failed.len(), 1);
+    assert_eq!(plan.failed[0].0.id, bad);
+    assert!(plan.failed[0].1.contains("broken"));
+    assert!(!sim.sched.has_work());
+}
+
+#[test]
+fn a_request_that_can_never_fit_fails_instead_of_waiting_forever() {
+    let mut sim = Sim::new(config(1000, 8), Mem::new(4, 16));
+    sim.add("a", 1.0, Priority::Interactive, 60, 40, None);
+    let plan = sim.step();
+    assert_eq!(plan.failed.len(), 1);
+    assert!(plan.failed[0].1.contains("needs 7 blocks"), "{}", plan.failed[0].1);
+}
+
+#[test]
+fn preemption_takes_the_lowest_priority_latest_arrival_and_it_resumes() {
+    // 6 blocks of 4 tokens; three sequences that each grow to 12 tokens (3 blocks).
+    let mut sim = Sim::new(config(100, 8), Mem::new(6, 4));
+    let first = sim.add("a", 1.0, Priority::Interactive, 4, 8, None);
+    let batch = sim.add("b", 1.0, Priority::Batch, 4, 8, None);
+    let second = sim.add("c", 1.0, Priority::Interactive, 4, 8, None);
+    let mut preempted = Vec::new();
+    for _ in 0..200 {
+        if !sim.sched.has_work() {
+            break;
+        }
+        preempted.extend(sim.step().preempted);
+    }
+    assert!(!sim.sched.has_work(), "every sequence finished");
+    assert_eq!(preempted.first(), Some(&batch), "the batch request goes first");
+    assert!(!preempted.contains(&first), "the earliest interactive request is never preempted");
+    for id in [first, batch, second] {
+        assert_eq!(sim.generated[&id], 8, "{id:?} generated all its tokens");
+    }
+    assert_eq!(sim.mem.free, sim.mem.total, "every block came back");
+}
+
+#[test]
+fn recomputed_tokens_are_not_charged_twice() {
+    let mut sim = Sim::new(config(100, 8), Mem::new(3, 4));
+    sim.add("a", 1.0, Priority::Interactive, 4, 8, None);
+    sim.add("b", 1.0, Priority::Interactive, 4, 8, None);
+    let mut preemptions = 0;
+    while sim.sched.has_work() {
+        preemptions += sim.step().preempted.len();
+    }
+    assert!(preemptions > 0, "the pool was meant to be too small for both at once");
+    // Each sequence computes its 4 prompt tokens and 7 of its 8 generated ones (the last is
+    // never fed back): 11 charged tokens, however often it was recomputed.
+    assert_eq!(sim.sched.counter(&TenantId::new("a")), Some(11.0));
+    assert_eq!(sim.sched.counter(&TenantId::new("b")), Some(11.0));
+    assert!(sim.served("a") + sim.served("b") > 22, "recomputation did happen");
+}
+
+#[test]
+fn cancel_removes_a_sequence_wherever_it_is() {
+    let mut sim = Sim::new(config(100, 1), Mem::new(100, 4));
+    let running = sim.add("a", 1.0, Priority::Interactive, 4, 8, None);
+    let queued = sim.add("a", 1.0, Priority::Interactive, 4, 8, None);
+    sim.step();
+    assert_eq!(sim.sched.cancel(queued).map(|s| s.id), Some(queued));
+    let s = sim.sched.cancel(running).unwrap();
+    sim.mem.release(&mut { s });
+    assert!(!sim.sched.has_work());
+    assert!(sim.sched.cancel(running).is_none());
+}
