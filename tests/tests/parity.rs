@@ -108,6 +108,70 @@ fn batched_generation_equals_one_by_one() {
     }
 }
 
+/// A pool with room for only part of the batch: sequences are preempted when the pool cannot
+/// give them their next block, recompute when they resume, and still produce exactly the tokens
+/// of an unconstrained run, greedy and sampled alike; every page comes back.
+#[test]
+fn preempted_sequences_resume_with_identical_output() {
+    let v = &VARIANTS[0];
+    let (model, tok) = load(v);
+    let reference = common::reference(v.arch);
+    // The short prompts: all of them start together, then outgrow the pool as they decode.
+    let (index, prompts): (Vec<usize>, Vec<Vec<u32>>) = reference["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| common::ids(&p["token_ids"]))
+        .enumerate()
+        .filter(|(_, p)| p.len() < 100)
+        .unzip();
+    assert!(prompts.len() >= 4);
+    let new_tokens = 24;
+    let block = 4;
+    let page_bytes = model.kv_layout(block).page_bytes();
+    let blocks_needed: usize = prompts.iter().map(|p| (p.len() + new_tokens).div_ceil(block)).sum();
+    let largest = prompts.iter().map(|p| (p.len() + new_tokens).div_ceil(block)).max().unwrap();
+    let requests = |sampled: bool| -> Vec<loraplex::request::ValidRequest> {
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let sampling = if sampled {
+                    SamplingParams { temperature: 0.9, top_p: 0.95, seed: Some(7 + i as u64), ..SamplingParams::greedy() }
+                } else {
+                    SamplingParams::greedy()
+                };
+                let stop = StopConditions { max_new_tokens: new_tokens, ignore_eos: true, ..Default::default() };
+                GenerationRequest { prompt: p.clone(), sampling, stop, adapter: None }.validate(model.config()).unwrap()
+            })
+            .collect()
+    };
+    for sampled in [false, true] {
+        let run = |pool_blocks: usize| {
+            let config = EngineConfig { block_size: block, pool_bytes: pool_blocks * page_bytes, ..EngineConfig::default() };
+            let mut engine = Engine::new(model.clone(), tok.clone(), config).unwrap();
+            for r in requests(sampled) {
+                engine.add(r).unwrap();
+            }
+            let done = engine.run_to_completion().unwrap();
+            assert_eq!(engine.pool_stats().free, engine.pool_stats().total, "every page returned");
+            (done.into_iter().map(|c| c.tokens).collect::<Vec<_>>(), engine.preemptions())
+        };
+        let (free, none) = run(blocks_needed * 2);
+        assert_eq!(none, 0);
+        let (tight, preempted) = run((blocks_needed / 2).max(largest));
+        assert!(preempted > 0, "half the pool the batch needs must force preemption");
+        assert_eq!(tight, free, "sampled={sampled}: outputs differ after {preempted} preemptions");
+        if !sampled {
+            for (i, tokens) in free.iter().enumerate() {
+                let expected = common::ids(&reference["variants"]["base"]["results"][index[i]]["greedy_new_tokens"]);
+                let n = expected.len().min(tokens.len());
+                assert_eq!(tokens[..n], expected[..n], "prompt {}", index[i]);
+            }
+        }
+    }
+}
+
 /// Requests that arrive while others are mid-generation join the running batch and still get
 /// exactly their one-by-one tokens.
 #[test]

@@ -1,9 +1,11 @@
 //! One device's generation loop: pick the step's tokens, run the forward, sample, emit.
 //!
-//! Continuous batching at iteration level: every step carries one token for each decoding
-//! sequence plus prompt chunks of prefilling ones, up to a token budget, so new requests join
-//! while others are mid-generation. A sequence is admitted only when the page pool can hold its
-//! longest possible length, so an admitted sequence always finishes.
+//! Continuous batching at iteration level, decided by the [`crate::scheduler`]: every step
+//! carries one token for each decoding sequence plus prompt chunks of prefilling ones, up to a
+//! token budget, so new requests join while others are mid-generation; tenants share by their
+//! weights. KV blocks are taken as sequences grow; when the pool cannot give a running sequence
+//! its next block, the latest, lowest-priority sequence gives its pages back and recomputes them
+//! when it resumes, with the same output.
 //!
 //! Requests may name a LoRA adapter. A sequence waits until its adapter is resident in the page
 //! pool (loads run on loader threads; the step only places what is ready), then pins it for as
@@ -14,7 +16,7 @@ mod batch;
 pub mod scoring;
 mod sequence;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,6 +28,7 @@ use crate::memory::{
 use crate::model::{LoraBatch, Model};
 use crate::request::{FinishReason, RequestError, ValidRequest};
 use crate::sampling::Sampler;
+use crate::scheduler::{Placement, Readiness, Scheduler, SchedulerConfig, StepMemory};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
 use batch::{Chunk, HostBatch};
@@ -111,11 +114,12 @@ pub struct Engine<B: Backend> {
     mem: DevicePool<B>,
     adapters: AdapterResidency,
     config: EngineConfig,
-    waiting: VecDeque<Sequence>,
-    running: Vec<Sequence>,
+    sched: Scheduler<Sequence>,
     next_id: u64,
     failures: Vec<Failure>,
     residency_events: Vec<ResidencyEvent>,
+    /// Sequences sent back to their queue to free pages, since the engine started.
+    preemptions: u64,
 }
 
 impl<B: Backend> Engine<B> {
@@ -132,13 +136,22 @@ impl<B: Backend> Engine<B> {
             tokenizer,
             mem,
             adapters,
+            sched: Scheduler::new(SchedulerConfig {
+                max_batch_tokens: config.max_batch_tokens,
+                max_running: config.max_running,
+                ..SchedulerConfig::default()
+            }),
             config,
-            waiting: VecDeque::new(),
-            running: Vec::new(),
             next_id: 0,
             failures: Vec::new(),
             residency_events: Vec::new(),
+            preemptions: 0,
         })
+    }
+
+    /// Sequences preempted (pages given up, recomputed later) since the engine started.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
     }
 
     pub fn pool_stats(&self) -> PoolStats {
@@ -184,11 +197,21 @@ impl<B: Backend> Engine<B> {
     }
 
     pub fn has_work(&self) -> bool {
-        !self.waiting.is_empty() || !self.running.is_empty()
+        self.sched.has_work()
     }
 
-    /// Queues a request; its tokens come out of later [`Engine::step`]s.
+    /// Sequences queued and running.
+    pub fn counts(&self) -> (usize, usize) {
+        (self.sched.waiting_len(), self.sched.running_len())
+    }
+
+    /// Queues a request for the default tenant; its tokens come out of later [`Engine::step`]s.
     pub fn add(&mut self, request: ValidRequest) -> Result<SeqId, EngineError> {
+        self.add_placed(request, Placement::default())
+    }
+
+    /// Queues a request in its tenant's queue, in its priority class.
+    pub fn add_placed(&mut self, request: ValidRequest, placement: Placement) -> Result<SeqId, EngineError> {
         let req = request.into_inner();
         let blocks = BlockTable::new(&self.mem.pages, self.config.block_size);
         let needed = blocks.blocks_for(req.prompt.len() + req.stop.max_new_tokens);
@@ -205,7 +228,7 @@ impl<B: Backend> Engine<B> {
         }
         let sampler = Sampler::new(req.sampling, &req.prompt);
         let eos = self.eos_ids();
-        self.waiting.push_back(Sequence::new(id, req.prompt, sampler, req.stop, eos, blocks, req.adapter));
+        self.sched.enqueue(Sequence::new(id, req.prompt, sampler, req.stop, eos, blocks, req.adapter), placement);
         Ok(id)
     }
 
@@ -223,47 +246,33 @@ impl<B: Backend> Engine<B> {
 
     /// Removes a sequence wherever it is; its pages are freed at once. False if unknown.
     pub fn cancel(&mut self, id: SeqId) -> bool {
-        let before = self.waiting.len() + self.running.len();
-        self.waiting.retain(|s| s.id != id);
-        self.running.retain(|s| s.id != id);
-        before != self.waiting.len() + self.running.len()
+        self.sched.cancel(id).is_some()
     }
 
     /// Runs one iteration: a forward over this step's tokens, then one sampled token for every
-    /// sequence whose prompt is fully in the cache.
+    /// sequence whose tokens are all in the cache.
     pub fn step(&mut self) -> Result<Vec<TokenEvent>, EngineError> {
         self.poll_adapters()?;
-        self.admit();
-        let mut budget = self.config.max_batch_tokens;
-        // Decodes first (one token each), then prompt chunks in arrival order.
-        let mut plan: Vec<(usize, usize)> = Vec::new();
-        for (i, s) in self.running.iter().enumerate() {
-            if s.computed >= s.prompt_len && budget > 0 {
-                plan.push((i, 1));
-                budget -= 1;
-            }
+        self.fail_unplaceable();
+        let mut memory = EngineMemory { pool: &self.mem, adapters: &mut self.adapters };
+        let plan = self.sched.schedule(&mut memory);
+        for (s, error) in plan.failed {
+            self.failures.push(Failure { seq: s.id, error });
         }
-        for (i, s) in self.running.iter().enumerate() {
-            if s.computed < s.prompt_len && budget > 0 {
-                let n = (s.prompt_len - s.computed).min(budget);
-                plan.push((i, n));
-                budget -= n;
-            }
-        }
-        if plan.is_empty() {
+        self.preemptions += plan.preempted.len() as u64;
+        if plan.chunks.is_empty() {
             return Ok(Vec::new());
         }
+        let plan = plan.chunks;
         let chunks: Vec<Chunk<'_>> = plan
             .iter()
-            .map(|&(i, n)| {
-                let s = &self.running[i];
-                Chunk {
-                    tokens: &s.tokens[s.computed..s.computed + n],
-                    start: s.computed,
-                    slots: (s.computed..s.computed + n).map(|p| s.blocks.slot(p)).collect(),
-                    pages: s.blocks.pages(),
-                    wants_logits: s.computed + n == s.tokens.len(),
-                }
+            .filter_map(|&(id, n)| self.sched.get(id).map(|s| (s, n)))
+            .map(|(s, n)| Chunk {
+                tokens: &s.tokens[s.computed..s.computed + n],
+                start: s.computed,
+                slots: (s.computed..s.computed + n).map(|p| s.blocks.slot(p)).collect(),
+                pages: s.blocks.pages(),
+                wants_logits: s.computed + n == s.tokens.len(),
             })
             .collect();
         let host = HostBatch::build(&chunks);
@@ -273,10 +282,7 @@ impl<B: Backend> Engine<B> {
         let logits = self.model.forward(&batch, lora.as_ref(), &mut self.mem.buffer, &self.mem.layout)?;
         let vocab = self.model.config().vocab_size;
         // When every sequence wants the plain argmax, only the chosen ids leave the device.
-        let argmax_only = plan.iter().all(|&(i, n)| {
-            let s = &self.running[i];
-            s.computed + n < s.tokens.len() || s.wants_argmax_only()
-        });
+        let argmax_only = plan.iter().all(|&(id, n)| self.sched.get(id).is_none_or(|s| s.computed + n < s.tokens.len() || s.wants_argmax_only()));
         let chosen = if argmax_only { backend.argmax_rows(&logits, vocab)? } else { Vec::new() };
         if argmax_only && chosen.len() != host.logit_rows.len() {
             return Err(EngineError::DeviceOutput { expected: host.logit_rows.len(), got: chosen.len() });
@@ -285,8 +291,8 @@ impl<B: Backend> Engine<B> {
         let host_logits = if argmax_only { Vec::new() } else { backend.download_f32(&logits)? };
         let mut rows = host_logits.chunks_exact(vocab);
         let mut events = Vec::with_capacity(host.logit_rows.len());
-        for &(i, n) in &plan {
-            let s = &mut self.running[i];
+        for &(id, n) in &plan {
+            let Some(s) = self.sched.get_mut(id) else { continue };
             s.computed += n;
             if s.computed < s.tokens.len() {
                 continue;
@@ -298,117 +304,55 @@ impl<B: Backend> Engine<B> {
                 let mut row = rows.next().map(<[f32]>::to_vec).unwrap_or_default();
                 s.sample(&mut row, &self.tokenizer)?
             };
+            if event.finish.is_some() {
+                // Dropping the sequence returns its pages and unpins its adapter.
+                self.sched.finish(id);
+            }
             events.push(event);
         }
-        let finished: Vec<SeqId> = events.iter().filter(|e| e.finish.is_some()).map(|e| e.seq).collect();
-        self.running.retain(|s| !finished.contains(&s.id));
         Ok(events)
     }
 
-    /// Takes finished adapter loads, places what fits, and drops the waiting sequences whose
-    /// adapter failed. When nothing runs, waits briefly for a load instead of spinning.
+    /// Takes finished adapter loads and places what fits. When nothing runs, waits briefly for
+    /// a load instead of spinning. Requests whose adapter failed are dropped by the scheduler.
     fn poll_adapters(&mut self) -> Result<(), EngineError> {
         let backend = self.model.backend().clone();
-        if self.running.is_empty() && !self.waiting.is_empty() {
+        if self.sched.running_len() == 0 && self.sched.waiting_len() > 0 {
             self.adapters.poll_wait(backend.as_ref(), &mut self.mem, Duration::from_millis(10))?;
         } else {
             self.adapters.poll(backend.as_ref(), &mut self.mem)?;
         }
-        for event in self.adapters.take_events() {
-            if let ResidencyEvent::Failed { key, error } = &event {
-                self.fail_waiting(|s| s.adapter.as_ref().is_some_and(|a| a.key == *key), error);
-            }
-            self.residency_events.push(event);
-        }
+        let events = self.adapters.take_events();
+        self.residency_events.extend(events);
         Ok(())
-    }
-
-    fn fail_waiting(&mut self, matches: impl Fn(&Sequence) -> bool, error: &Arc<str>) {
-        let failures = &mut self.failures;
-        self.waiting.retain(|s| {
-            let hit = matches(s);
-            if hit {
-                failures.push(Failure { seq: s.id, error: error.clone() });
-            }
-            !hit
-        });
-    }
-
-    /// Moves waiting sequences into the running set while their whole length fits in the pool.
-    /// A sequence whose adapter is not resident yet is passed over (and its adapter requested),
-    /// so it never holds up the others; memory is given in arrival order.
-    fn admit(&mut self) {
-        let mut i = 0;
-        while i < self.waiting.len() && self.running.len() < self.config.max_running {
-            let s = &self.waiting[i];
-            let lora = match &s.adapter {
-                None => None,
-                Some(adapter) => match self.adapters.pin(&adapter.key) {
-                    Some(pinned) => Some(pinned),
-                    None => {
-                        if let Residency::Failed(error) = self.adapters.request(adapter) {
-                            let seq = s.id;
-                            self.waiting.remove(i);
-                            self.failures.push(Failure { seq, error });
-                        } else {
-                            i += 1;
-                        }
-                        continue;
-                    }
-                },
-            };
-            let max_len = s.max_len();
-            let total = self.mem.pages.stats().total;
-            let needed = s.blocks.blocks_for(max_len) + lora.as_ref().map_or(0, |(_, r)| r.num_pages());
-            let Some(s) = self.waiting.get_mut(i) else { break };
-            if needed > total || (!s.blocks.reserve(max_len) && self.running.is_empty()) {
-                // Nothing running will free pages: this sequence can never start.
-                let available = self.mem.pages.available();
-                let error = format!("needs {needed} pool pages; {available} of {total} can be made free; raise --pool-mb");
-                let seq = s.id;
-                self.waiting.remove(i);
-                self.failures.push(Failure { seq, error: error.into() });
-                continue;
-            }
-            if s.blocks.capacity() < max_len {
-                break;
-            }
-            s.lora = lora;
-            if let Some(s) = self.waiting.remove(i) {
-                self.running.push(s);
-            }
-        }
-        self.fail_unplaceable();
     }
 
     /// With nothing running, no page will be freed by itself: a staged adapter that does not fit
     /// in what can be made free never will.
     fn fail_unplaceable(&mut self) {
-        if !self.running.is_empty() || self.waiting.is_empty() {
+        if self.sched.running_len() > 0 || self.sched.waiting_len() == 0 {
             return;
         }
         let available = self.mem.pages.available();
-        let stuck: Vec<(Arc<str>, usize)> = self
-            .waiting
-            .iter()
-            .filter_map(|s| s.adapter.as_ref())
-            .filter_map(|a| self.adapters.staged_pages(&a.key).map(|n| (a.key.clone(), n)))
-            .filter(|&(_, n)| n > available)
-            .collect();
-        for (key, n) in stuck {
-            let error: Arc<str> =
-                format!("adapter {key} needs {n} pool pages; only {available} can be made free (the rest are held); raise --pool-mb").into();
-            self.fail_waiting(|s| s.adapter.as_ref().is_some_and(|a| a.key == key), &error);
+        let adapters = &self.adapters;
+        let stuck = |s: &Sequence| {
+            s.adapter.as_ref().and_then(|a| adapters.staged_pages(&a.key).filter(|&n| n > available).map(|n| (a.key.clone(), n)))
+        };
+        for s in self.sched.remove_waiting_where(|s| stuck(s).is_some()) {
+            if let Some((key, n)) = stuck(&s) {
+                let error = format!("adapter {key} needs {n} pool pages; only {available} can be made free (the rest are held); raise --pool-mb");
+                self.failures.push(Failure { seq: s.id, error: error.into() });
+            }
         }
     }
 
     /// The LoRA tables of this step's sequences: one slot per distinct adapter.
-    fn lora_batch(&self, plan: &[(usize, usize)]) -> Result<Option<LoraBatch<B>>, EngineError> {
+    fn lora_batch(&self, plan: &[(SeqId, usize)]) -> Result<Option<LoraBatch<B>>, EngineError> {
         let mut slots: HashMap<&str, u32> = HashMap::new();
         let mut adapters: Vec<&ResidentRows> = Vec::new();
         let mut token_slots = Vec::new();
-        for &(i, n) in plan {
-            let slot = match &self.running[i].lora {
+        for &(id, n) in plan {
+            let slot = match self.sched.get(id).and_then(|s| s.lora.as_ref()) {
                 None => NO_ADAPTER,
                 Some((_, r)) => *slots.entry(&r.key).or_insert_with(|| {
                     adapters.push(&r.rows);
@@ -426,7 +370,7 @@ impl<B: Backend> Engine<B> {
     pub fn run_to_completion(&mut self) -> Result<Vec<Completion>, EngineError> {
         let mut done: std::collections::BTreeMap<SeqId, Completion> = Default::default();
         let mut open: std::collections::HashMap<SeqId, Completion> = Default::default();
-        for s in self.waiting.iter().chain(&self.running) {
+        for s in self.sched.all() {
             open.insert(s.id, Completion {
                 seq: s.id,
                 prompt_tokens: s.prompt_len,
@@ -455,5 +399,55 @@ impl<B: Backend> Engine<B> {
             }
         }
         Ok(done.into_values().collect())
+    }
+}
+
+/// The scheduler's view of the page pool and the adapters: where it asks for room.
+struct EngineMemory<'a, B: Backend> {
+    pool: &'a DevicePool<B>,
+    adapters: &'a mut AdapterResidency,
+}
+
+impl<B: Backend> StepMemory<Sequence> for EngineMemory<'_, B> {
+    fn readiness(&mut self, seq: &Sequence) -> Readiness {
+        let Some(adapter) = &seq.adapter else { return Readiness::Ready };
+        match self.adapters.request(adapter) {
+            Residency::Resident => Readiness::Ready,
+            Residency::Failed(error) => Readiness::Failed(error),
+            _ => Readiness::Waiting,
+        }
+    }
+
+    fn start(&mut self, seq: &mut Sequence, alone: bool) -> Result<bool, Arc<str>> {
+        if let Some(adapter) = &seq.adapter {
+            match self.adapters.pin(&adapter.key) {
+                Some(pinned) => seq.lora = Some(pinned),
+                None => return Ok(false),
+            }
+        }
+        let needed = seq.blocks.blocks_for(seq.max_len());
+        let available = self.pool.pages.available();
+        if alone && needed > available {
+            seq.lora = None;
+            let total = self.pool.pages.stats().total;
+            return Err(format!("needs {needed} pool pages; {available} of {total} can be made free; raise --pool-mb").into());
+        }
+        Ok(true)
+    }
+
+    fn grow(&mut self, seq: &mut Sequence, tokens: usize) -> bool {
+        seq.blocks.reserve(tokens)
+    }
+
+    fn release(&mut self, seq: &mut Sequence) {
+        seq.blocks = BlockTable::new(&self.pool.pages, self.pool.layout.block_size);
+        seq.lora = None;
+        seq.computed = 0;
+    }
+
+    fn prefetch(&mut self, seq: &Sequence) {
+        if let Some(adapter) = &seq.adapter {
+            self.adapters.request(adapter);
+        }
     }
 }

@@ -44,6 +44,20 @@ pub(super) struct Sequence {
     stop_strings: StopStrings,
 }
 
+impl crate::scheduler::Schedulable for Sequence {
+    fn id(&self) -> SeqId {
+        self.id
+    }
+
+    fn num_tokens(&self) -> usize {
+        self.tokens.len()
+    }
+
+    fn computed(&self) -> usize {
+        self.computed
+    }
+}
+
 impl Sequence {
     pub fn new(
         id: SeqId,

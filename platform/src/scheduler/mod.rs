@@ -163,6 +163,20 @@ impl<S: Schedulable> Scheduler<S> {
         self.running.iter().map(|j| &j.seq)
     }
 
+    pub fn get(&self, id: SeqId) -> Option<&S> {
+        self.running.iter().find(|j| j.seq.id() == id).map(|j| &j.seq)
+    }
+
+    /// Every sequence held, running ones first.
+    pub fn all(&self) -> impl Iterator<Item = &S> {
+        self.running.iter().chain(self.queues.in_pick_order()).map(|j| &j.seq)
+    }
+
+    /// Takes the queued sequences `pred` picks out of their queues.
+    pub fn remove_waiting_where(&mut self, mut pred: impl FnMut(&S) -> bool) -> Vec<S> {
+        self.queues.remove_where(|j| pred(&j.seq)).into_iter().map(|j| j.seq).collect()
+    }
+
     pub fn get_mut(&mut self, id: SeqId) -> Option<&mut S> {
         self.running.iter_mut().find(|j| j.seq.id() == id).map(|j| &mut j.seq)
     }
