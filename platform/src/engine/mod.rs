@@ -200,11 +200,6 @@ impl<B: Backend> Engine<B> {
         self.sched.has_work()
     }
 
-    /// Sequences queued and running.
-    pub fn counts(&self) -> (usize, usize) {
-        (self.sched.waiting_len(), self.sched.running_len())
-    }
-
     /// Queues a request for the default tenant; its tokens come out of later [`Engine::step`]s.
     pub fn add(&mut self, request: ValidRequest) -> Result<SeqId, EngineError> {
         self.add_placed(request, Placement::default())

@@ -197,13 +197,6 @@ impl<S: Schedulable> Scheduler<S> {
         self.finish(id).or_else(|| self.queues.remove_where(|j| j.seq.id() == id).pop().map(|j| j.seq))
     }
 
-    /// Takes out every sequence, running and queued (the device failed).
-    pub fn drain(&mut self) -> Vec<S> {
-        let mut all: Vec<S> = self.running.drain(..).map(|j| j.seq).collect();
-        all.extend(self.queues.remove_where(|_| true).into_iter().map(|j| j.seq));
-        all
-    }
-
     /// Decides this step: room for the running sequences' next tokens (preempting when the pool
     /// is short), then new sequences while the budget and the running limit allow.
     pub fn schedule(&mut self, mem: &mut impl StepMemory<S>) -> StepPlan<S> {
