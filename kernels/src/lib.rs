@@ -71,6 +71,9 @@ pub trait Memory {
     fn download_f32(&self, buf: &Self::Buffer) -> Result<Vec<f32>>;
     /// Overwrites `buf[offset .. offset + data.len()]` with host data (filling pool pages).
     fn write_f32(&self, buf: &mut Self::Buffer, offset: usize, data: &[f32]) -> Result<()>;
+    /// Copies `buf[src .. src + len]` to `buf[dst .. dst + len]`; the ranges must not overlap
+    /// (a shared KV page copied before one of its sharers writes to it).
+    fn copy_within(&self, buf: &mut Self::Buffer, src: usize, dst: usize, len: usize) -> Result<()>;
     /// Prepares a weight from host data laid out `[out_features, in_features]`, row-major.
     fn load_weight(&self, data: &[f32], out_features: usize, in_features: usize) -> Result<Self::Weight>;
 }

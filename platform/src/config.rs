@@ -22,7 +22,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Generate a continuation of one prompt.
-    Generate(GenerateArgs),
+    Generate(Box<GenerateArgs>),
     /// Write a random model in the HuggingFace layout.
     Synth(SynthArgs),
     /// Measure performance.
@@ -59,6 +59,9 @@ pub struct EngineArgs {
     /// CPU threads (default: all cores).
     #[arg(long, env = "LORAPLEX_THREADS")]
     pub threads: Option<usize>,
+    /// Do not keep computed prompt blocks for reuse by later requests.
+    #[arg(long, env = "LORAPLEX_NO_PREFIX_CACHE")]
+    pub no_prefix_cache: bool,
 }
 
 impl EngineArgs {
@@ -73,6 +76,7 @@ impl EngineArgs {
                 threads: self.adapter_loaders,
                 limits: AdapterLimits { max_rank: self.max_lora_rank, ..AdapterLimits::default() },
             },
+            prefix_cache: !self.no_prefix_cache,
         }
     }
 }

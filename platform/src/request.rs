@@ -35,7 +35,18 @@ pub struct GenerationRequest {
     /// tenant's adapter version), so it is not part of the wire form.
     #[serde(skip)]
     pub adapter: Option<AdapterRef>,
+    /// Independent samples of the prompt; they share its KV blocks. Sample `i` of a seeded
+    /// request draws with seed `seed + i`.
+    #[serde(default = "one")]
+    pub n: usize,
 }
+
+fn one() -> usize {
+    1
+}
+
+/// The most samples one request may ask for.
+pub const MAX_SAMPLES: usize = 128;
 
 /// Why the sequence ended, with OpenAI's names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -67,6 +78,8 @@ pub enum RequestError {
     ExceedsContext { prompt: usize, max_new_tokens: usize, context: usize },
     #[error("`max_new_tokens` must be at least 1")]
     ZeroMaxTokens,
+    #[error("`n` must be between 1 and {max}, got {n}")]
+    Samples { n: usize, max: usize },
     #[error("token id {id} is outside the model's vocabulary of {vocab} tokens")]
     TokenOutOfVocab { id: u32, vocab: usize },
     #[error(transparent)]
@@ -100,6 +113,9 @@ impl GenerationRequest {
         }
         if self.stop.max_new_tokens == 0 {
             return Err(RequestError::ZeroMaxTokens);
+        }
+        if self.n == 0 || self.n > MAX_SAMPLES {
+            return Err(RequestError::Samples { n: self.n, max: MAX_SAMPLES });
         }
         if prompt + self.stop.max_new_tokens > context {
             return Err(RequestError::ExceedsContext { prompt, max_new_tokens: self.stop.max_new_tokens, context });

@@ -34,7 +34,7 @@ fn load(v: &Variant) -> (Arc<Model<CpuBackend>>, Arc<Tokenizer>) {
 
 fn greedy_request(model: &Model<CpuBackend>, prompt: Vec<u32>, n: usize) -> loraplex::request::ValidRequest {
     let stop = StopConditions { max_new_tokens: n, ignore_eos: true, ..Default::default() };
-    GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop, adapter: None }.validate(model.config()).unwrap()
+    GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop, adapter: None, n: 1 }.validate(model.config()).unwrap()
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -142,7 +142,7 @@ fn preempted_sequences_resume_with_identical_output() {
                     SamplingParams::greedy()
                 };
                 let stop = StopConditions { max_new_tokens: new_tokens, ignore_eos: true, ..Default::default() };
-                GenerationRequest { prompt: p.clone(), sampling, stop, adapter: None }.validate(model.config()).unwrap()
+                GenerationRequest { prompt: p.clone(), sampling, stop, adapter: None, n: 1 }.validate(model.config()).unwrap()
             })
             .collect()
     };
@@ -154,7 +154,7 @@ fn preempted_sequences_resume_with_identical_output() {
                 engine.add(r).unwrap();
             }
             let done = engine.run_to_completion().unwrap();
-            assert_eq!(engine.pool_stats().free, engine.pool_stats().total, "every page returned");
+            all_pages_returned(&engine.pool_stats());
             (done.into_iter().map(|c| c.tokens).collect::<Vec<_>>(), engine.preemptions())
         };
         let (free, none) = run(blocks_needed * 2);
@@ -200,7 +200,7 @@ fn late_arrivals_join_a_running_batch() {
         let expected = common::ids(&reference["variants"]["base"]["results"][i]["greedy_new_tokens"]);
         assert_eq!(got[id], expected, "prompt {i}");
     }
-    assert_eq!(engine.pool_stats().free, engine.pool_stats().total, "every page returned");
+    all_pages_returned(&engine.pool_stats());
 }
 
 /// Asking for logprobs takes the host sampler instead of the device argmax: same tokens, and
@@ -236,7 +236,7 @@ fn stop_strings_and_stop_tokens_end_generation() {
     let expected_tokens = common::ids(&reference["variants"]["base"]["results"][0]["greedy_new_tokens"]);
     let full_text = reference["variants"]["base"]["results"][0]["greedy_text"].as_str().unwrap().to_string();
     let run = |stop: StopConditions| {
-        let req = GenerationRequest { prompt: prompt.clone(), sampling: SamplingParams::greedy(), stop, adapter: None };
+        let req = GenerationRequest { prompt: prompt.clone(), sampling: SamplingParams::greedy(), stop, adapter: None, n: 1 };
         let mut engine = Engine::new(model.clone(), tok.clone(), EngineConfig::default()).unwrap();
         engine.add(req.validate(model.config()).unwrap()).unwrap();
         engine.run_to_completion().unwrap().remove(0)
@@ -276,10 +276,12 @@ fn cancel_frees_pages_and_leaves_the_others_untouched() {
     for _ in 0..3 {
         got.extend(engine.step().unwrap().into_iter().filter(|e| e.seq == keep).map(|e| e.token));
     }
-    let before = engine.pool_stats().free;
+    let before = engine.pool_stats();
     assert!(engine.cancel(gone));
     assert!(!engine.cancel(gone), "already gone");
-    assert!(engine.pool_stats().free > before, "its pages came back at once");
+    let after = engine.pool_stats();
+    assert!(after.kv < before.kv, "its pages came back at once");
+    assert!(after.free + after.reclaimable > before.free + before.reclaimable);
     while engine.has_work() {
         for e in engine.step().unwrap() {
             assert_ne!(e.seq, gone);
@@ -287,5 +289,12 @@ fn cancel_frees_pages_and_leaves_the_others_untouched() {
         }
     }
     assert_eq!(got, common::ids(&reference["variants"]["base"]["results"][0]["greedy_new_tokens"]));
-    assert_eq!(engine.pool_stats().free, total);
+    all_pages_returned(&engine.pool_stats());
+    assert_eq!(engine.pool_stats().total, total);
+}
+
+/// Nothing is held once every request is done: each page is free or an unpinned cached block.
+fn all_pages_returned(stats: &loraplex::memory::PoolStats) {
+    assert_eq!(stats.kv, 0, "every KV page returned: {stats:?}");
+    assert_eq!(stats.free + stats.reclaimable, stats.total, "nothing left pinned: {stats:?}");
 }

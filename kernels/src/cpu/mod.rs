@@ -128,6 +128,22 @@ impl Memory for CpuBackend {
         Ok(())
     }
 
+    fn copy_within(&self, buf: &mut CpuBuffer, src: usize, dst: usize, len: usize) -> Result<()> {
+        const OP: &str = "copy_within";
+        let data = buf.f32_mut(OP)?;
+        for start in [src, dst] {
+            match start.checked_add(len) {
+                Some(end) if end <= data.len() => {}
+                _ => return Err(KernelError::Index { op: OP, index: start.saturating_add(len), limit: data.len() }),
+            }
+        }
+        if src < dst + len && dst < src + len && len > 0 {
+            return Err(KernelError::Shape { op: OP, detail: format!("source {src} and destination {dst} overlap over {len} values") });
+        }
+        data.copy_within(src..src + len, dst);
+        Ok(())
+    }
+
     fn load_weight(&self, data: &[f32], out_features: usize, in_features: usize) -> Result<CpuWeight> {
         CpuWeight::pack(data, out_features, in_features)
     }
@@ -151,4 +167,20 @@ pub(crate) fn advise_huge_pages<T>(buf: &mut [T]) {
     }
     #[cfg(not(target_os = "linux"))]
     let _ = buf;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copy_within_copies_one_range_and_checks_bounds() {
+        let cpu = CpuBackend::new();
+        let mut buf = cpu.upload_f32(&[0., 1., 2., 3., 4., 5., 6., 7.]).unwrap();
+        cpu.copy_within(&mut buf, 1, 5, 3).unwrap();
+        assert_eq!(cpu.download_f32(&buf).unwrap(), [0., 1., 2., 3., 4., 1., 2., 3.]);
+        assert!(cpu.copy_within(&mut buf, 6, 0, 3).is_err(), "source past the end");
+        assert!(cpu.copy_within(&mut buf, 0, 2, 3).is_err(), "overlapping ranges");
+        assert_eq!(cpu.download_f32(&buf).unwrap(), [0., 1., 2., 3., 4., 1., 2., 3.], "a refused copy writes nothing");
+    }
 }

@@ -150,7 +150,7 @@ fn engine_for<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, seqs: usi
 
 fn request<B: Backend>(model: &Model<B>, prompt: Vec<u32>, new_tokens: usize) -> anyhow::Result<crate::request::ValidRequest> {
     let stop = StopConditions { max_new_tokens: new_tokens, ignore_eos: true, ..Default::default() };
-    Ok(GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop, adapter: None }.validate(model.config())?)
+    Ok(GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop, adapter: None, n: 1 }.validate(model.config())?)
 }
 
 fn decode_row<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, costs: &Costs, m: Machine, batch: usize, args: &BenchEngineArgs) -> anyhow::Result<Row> {

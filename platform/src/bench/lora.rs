@@ -205,7 +205,7 @@ impl Bench<'_> {
         let mut ids = Vec::new();
         for (i, adapter) in rows.iter().enumerate() {
             let stop = StopConditions { max_new_tokens: new_tokens, ignore_eos: true, ..Default::default() };
-            let req = GenerationRequest { prompt: prompt(self.args.context, c.vocab_size, i), sampling: SamplingParams::greedy(), stop, adapter: adapter.clone() };
+            let req = GenerationRequest { prompt: prompt(self.args.context, c.vocab_size, i), sampling: SamplingParams::greedy(), stop, adapter: adapter.clone(), n: 1 };
             ids.push(engine.add(req.validate(c)?)?);
         }
         Ok(ids)

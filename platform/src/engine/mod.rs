@@ -23,7 +23,8 @@ use std::time::Duration;
 use loraplex_kernels::{Backend, KernelError, NO_ADAPTER};
 
 use crate::memory::{
-    AdapterLoader, AdapterRef, AdapterResidency, BlockTable, DevicePool, LoaderConfig, PoolStats, Residency, ResidencyEvent, ResidentRows,
+    AdapterLoader, AdapterRef, AdapterResidency, BlockHash, BlockTable, DevicePool, LoaderConfig, PoolStats, PrefixCache, PrefixStats, Residency,
+    ResidencyEvent, ResidentRows,
 };
 use crate::model::{LoraBatch, Model};
 use crate::request::{FinishReason, RequestError, ValidRequest};
@@ -33,7 +34,7 @@ use crate::tokenizer::{Tokenizer, TokenizerError};
 
 use batch::{Chunk, HostBatch};
 use sequence::Sequence;
-pub use sequence::{SeqId, TokenEvent};
+pub use sequence::{SeqId, SeqUsage, TokenEvent};
 
 /// Limits of the engine.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,11 +49,20 @@ pub struct EngineConfig {
     pub max_running: usize,
     /// The host tier of adapters and its loader threads.
     pub adapters: LoaderConfig,
+    /// Keep full KV blocks for later requests with the same prefix.
+    pub prefix_cache: bool,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { block_size: 16, pool_bytes: 1 << 30, max_batch_tokens: 2048, max_running: 256, adapters: LoaderConfig::default() }
+        Self {
+            block_size: 16,
+            pool_bytes: 1 << 30,
+            max_batch_tokens: 2048,
+            max_running: 256,
+            adapters: LoaderConfig::default(),
+            prefix_cache: true,
+        }
     }
 }
 
@@ -89,6 +99,7 @@ pub struct Completion {
     pub finish_reason: FinishReason,
     /// Per generated token: its logprob (when known) and the top alternatives, when asked for.
     pub logprobs: Vec<TokenLogprobs>,
+    pub usage: Option<SeqUsage>,
 }
 
 /// The logprobs reported with one generated token.
@@ -113,6 +124,7 @@ pub struct Engine<B: Backend> {
     tokenizer: Arc<Tokenizer>,
     mem: DevicePool<B>,
     adapters: AdapterResidency,
+    prefix: PrefixCache,
     config: EngineConfig,
     sched: Scheduler<Sequence>,
     next_id: u64,
@@ -136,6 +148,7 @@ impl<B: Backend> Engine<B> {
             tokenizer,
             mem,
             adapters,
+            prefix: PrefixCache::new(),
             sched: Scheduler::new(SchedulerConfig {
                 max_batch_tokens: config.max_batch_tokens,
                 max_running: config.max_running,
@@ -156,6 +169,15 @@ impl<B: Backend> Engine<B> {
 
     pub fn pool_stats(&self) -> PoolStats {
         self.mem.pages.stats()
+    }
+
+    pub fn prefix_stats(&self) -> PrefixStats {
+        self.prefix.stats()
+    }
+
+    /// Sequences running and waiting.
+    pub fn load(&self) -> (usize, usize) {
+        (self.sched.running_len(), self.sched.waiting_len())
     }
 
     /// The device's adapters: residency, prefetch, holds.
@@ -205,7 +227,9 @@ impl<B: Backend> Engine<B> {
         self.add_placed(request, Placement::default())
     }
 
-    /// Queues a request in its tenant's queue, in its priority class.
+    /// Queues a request in its tenant's queue, in its priority class. A request for `n`
+    /// samples gets the ids `id .. id + n`; the samples split off once the prompt is computed,
+    /// sharing its KV blocks.
     pub fn add_placed(&mut self, request: ValidRequest, placement: Placement) -> Result<SeqId, EngineError> {
         let req = request.into_inner();
         let blocks = BlockTable::new(&self.mem.pages, self.config.block_size);
@@ -214,16 +238,25 @@ impl<B: Backend> Engine<B> {
         if needed > total {
             return Err(EngineError::TooLargeForPool { needed, total });
         }
-        let id = SeqId(self.next_id);
-        self.next_id += 1;
         if let Some(adapter) = &req.adapter
             && let Residency::Failed(e) = self.adapters.request(adapter)
         {
             return Err(EngineError::Adapter(e));
         }
+        let id = SeqId(self.next_id);
+        self.next_id += req.n.max(1) as u64;
+        let forks = (1..req.n)
+            .map(|i| {
+                let mut params = req.sampling.clone();
+                params.seed = params.seed.map(|seed| seed.wrapping_add(i as u64));
+                (SeqId(id.0 + i as u64), Sampler::new(params, &req.prompt))
+            })
+            .collect();
         let sampler = Sampler::new(req.sampling, &req.prompt);
         let eos = self.eos_ids();
-        self.sched.enqueue(Sequence::new(id, req.prompt, sampler, req.stop, eos, blocks, req.adapter), placement);
+        let mut seq = Sequence::new(id, req.prompt, sampler, req.stop, eos, blocks, req.adapter, placement.namespace());
+        seq.forks = forks;
+        self.sched.enqueue(seq, placement);
         Ok(id)
     }
 
@@ -249,7 +282,8 @@ impl<B: Backend> Engine<B> {
     pub fn step(&mut self) -> Result<Vec<TokenEvent>, EngineError> {
         self.poll_adapters()?;
         self.fail_unplaceable();
-        let mut memory = EngineMemory { pool: &self.mem, adapters: &mut self.adapters };
+        let prefix = self.config.prefix_cache.then_some(&mut self.prefix);
+        let mut memory = EngineMemory { pool: &self.mem, adapters: &mut self.adapters, prefix };
         let plan = self.sched.schedule(&mut memory);
         for (s, error) in plan.failed {
             self.failures.push(Failure { seq: s.id, error });
@@ -289,21 +323,41 @@ impl<B: Backend> Engine<B> {
         for &(id, n) in &plan {
             let Some(s) = self.sched.get_mut(id) else { continue };
             s.computed += n;
+            if self.config.prefix_cache {
+                publish_blocks(s, &mut self.prefix);
+            }
             if s.computed < s.tokens.len() {
                 continue;
             }
-            let event = if argmax_only {
+            let prefix = self.config.prefix_cache.then_some(&mut self.prefix);
+            let mut samples = if s.forks.is_empty() { Vec::new() } else { split_samples(s, &mut self.mem, backend.as_ref(), prefix)? };
+            let (finished, sample_events) = if argmax_only {
                 let token = chosen.next().unwrap_or_default();
-                s.take_argmax(token, &self.tokenizer)?
+                let mut out = vec![s.take_argmax(token, &self.tokenizer)?];
+                for c in samples.iter_mut().filter(|c| c.computed == c.tokens.len()) {
+                    out.push(c.take_argmax(token, &self.tokenizer)?);
+                }
+                (out[0].finish.is_some(), out)
             } else {
-                let mut row = rows.next().map(<[f32]>::to_vec).unwrap_or_default();
-                s.sample(&mut row, &self.tokenizer)?
+                let row = rows.next().unwrap_or_default();
+                let mut out = vec![s.sample(&mut row.to_vec(), &self.tokenizer)?];
+                for c in samples.iter_mut().filter(|c| c.computed == c.tokens.len()) {
+                    out.push(c.sample(&mut row.to_vec(), &self.tokenizer)?);
+                }
+                (out[0].finish.is_some(), out)
             };
-            if event.finish.is_some() {
+            for c in samples {
+                let done = sample_events.iter().any(|e| e.seq == c.id && e.finish.is_some());
+                if !done {
+                    // A running parent always takes its samples; dropping one would only lose it.
+                    let _ = self.sched.fork(id, c);
+                }
+            }
+            if finished {
                 // Dropping the sequence returns its pages and unpins its adapter.
                 self.sched.finish(id);
             }
-            events.push(event);
+            events.extend(sample_events);
         }
         Ok(events)
     }
@@ -366,14 +420,17 @@ impl<B: Backend> Engine<B> {
         let mut done: std::collections::BTreeMap<SeqId, Completion> = Default::default();
         let mut open: std::collections::HashMap<SeqId, Completion> = Default::default();
         for s in self.sched.all() {
-            open.insert(s.id, Completion {
-                seq: s.id,
-                prompt_tokens: s.prompt_len,
-                tokens: Vec::new(),
-                text: String::new(),
-                finish_reason: FinishReason::Length,
-                logprobs: Vec::new(),
-            });
+            for id in std::iter::once(s.id).chain(s.forks.iter().map(|f| f.0)) {
+                open.insert(id, Completion {
+                    seq: id,
+                    prompt_tokens: s.prompt_len,
+                    tokens: Vec::new(),
+                    text: String::new(),
+                    finish_reason: FinishReason::Length,
+                    logprobs: Vec::new(),
+                    usage: None,
+                });
+            }
         }
         while self.has_work() {
             let events = self.step()?;
@@ -387,6 +444,7 @@ impl<B: Backend> Engine<B> {
                 c.logprobs.push(TokenLogprobs { token: e.token, logprob: e.logprob, top: e.top_logprobs });
                 if let Some(reason) = e.finish {
                     c.finish_reason = reason;
+                    c.usage = e.usage;
                     if let Some(c) = open.remove(&e.seq) {
                         done.insert(e.seq, c);
                     }
@@ -397,10 +455,94 @@ impl<B: Backend> Engine<B> {
     }
 }
 
-/// The scheduler's view of the page pool and the adapters: where it asks for room.
+/// Names the sequence's newly completed full blocks and offers them to the prefix cache
+/// (unless a resident block of the same name is there already).
+fn publish_blocks(s: &mut Sequence, cache: &mut PrefixCache) {
+    let Some(root) = s.root else { return };
+    let bs = s.blocks.block_size();
+    while s.hashes.len() < s.computed / bs {
+        let b = s.hashes.len();
+        let name = s.hashes.last().copied().unwrap_or(root).next(&s.tokens[b * bs..(b + 1) * bs]);
+        s.hashes.push(name);
+        if !s.blocks.is_shared(b)
+            && !cache.contains(&name)
+            && let Some(entry) = s.blocks.share(b)
+        {
+            let _ = cache.insert(name, entry);
+        }
+    }
+}
+
+/// Splits the other samples off a sequence whose prompt was just computed. They share its full
+/// prompt blocks; the partly filled last block, which each of them writes next, is copied for
+/// each (when the pool has no page for the copy, that sample recomputes the block's tokens).
+fn split_samples<B: Backend>(
+    s: &mut Sequence,
+    mem: &mut DevicePool<B>,
+    backend: &B,
+    mut prefix: Option<&mut PrefixCache>,
+) -> Result<Vec<Sequence>, EngineError> {
+    let bs = mem.layout.block_size;
+    let full = s.prompt_len / bs;
+    for i in 0..full {
+        if let Some(entry) = s.blocks.share(i) {
+            // Named blocks join the cache; others live as long as the samples holding them.
+            if let (Some(cache), Some(name)) = (prefix.as_deref_mut(), s.hashes.get(i)) {
+                let _ = cache.insert(*name, entry);
+            }
+        }
+    }
+    let page_elems = mem.page_elems();
+    let mut samples = Vec::with_capacity(s.forks.len());
+    for (id, sampler) in std::mem::take(&mut s.forks) {
+        let mut blocks = BlockTable::new(&mem.pages, bs);
+        for i in 0..full {
+            let Some(pin) = s.blocks.pin_of(i) else { break };
+            blocks.push_shared(s.blocks.pages()[i], pin);
+        }
+        let mut computed = blocks.len() * bs;
+        if blocks.len() == full {
+            if full * bs == s.prompt_len {
+                computed = s.prompt_len;
+            } else if blocks.reserve(s.prompt_len) {
+                let (src, dst) = (s.blocks.pages()[full] as usize, blocks.pages()[full] as usize);
+                backend.copy_within(&mut mem.buffer, src * page_elems, dst * page_elems, page_elems)?;
+                computed = s.prompt_len;
+            }
+        }
+        samples.push(s.fork(id, sampler, blocks, computed));
+    }
+    Ok(samples)
+}
+
+/// The scheduler's view of the page pool, the adapters and the prefix cache: where it asks
+/// for room.
 struct EngineMemory<'a, B: Backend> {
     pool: &'a DevicePool<B>,
     adapters: &'a mut AdapterResidency,
+    /// `None` with prefix caching off.
+    prefix: Option<&'a mut PrefixCache>,
+}
+
+impl<B: Backend> EngineMemory<'_, B> {
+    /// Starts a sequence on the longest run of its blocks found in the prefix cache, leaving
+    /// at least its last token to compute (its logits are needed).
+    fn reuse_prefix(&mut self, seq: &mut Sequence) {
+        let Some(cache) = self.prefix.as_deref_mut() else { return };
+        let adapter = seq.lora.as_ref().map(|(_, r)| (&*r.key, r.content_hash.as_str()));
+        let root = BlockHash::root(&seq.namespace, adapter);
+        let bs = seq.blocks.block_size();
+        let names = BlockHash::chain(root, &seq.tokens, bs, (seq.tokens.len() - 1) / bs);
+        let found = cache.lookup(&names);
+        let reused = found.len();
+        for (page, pin) in found {
+            seq.blocks.push_shared(page, pin);
+        }
+        seq.root = Some(root);
+        seq.hashes = names[..reused].to_vec();
+        seq.computed = reused * bs;
+        seq.reused = seq.computed;
+    }
 }
 
 impl<B: Backend> StepMemory<Sequence> for EngineMemory<'_, B> {
@@ -420,10 +562,14 @@ impl<B: Backend> StepMemory<Sequence> for EngineMemory<'_, B> {
                 None => return Ok(false),
             }
         }
-        let needed = seq.blocks.blocks_for(seq.max_len());
+        if seq.blocks.is_empty() {
+            self.reuse_prefix(seq);
+        }
+        seq.started_at.get_or_insert_with(std::time::Instant::now);
+        let needed = seq.blocks.blocks_for(seq.max_len()) - seq.blocks.len();
         let available = self.pool.pages.available();
         if alone && needed > available {
-            seq.lora = None;
+            self.release(seq);
             let total = self.pool.pages.stats().total;
             return Err(format!("needs {needed} pool pages; {available} of {total} can be made free; raise --pool-mb").into());
         }
@@ -438,6 +584,9 @@ impl<B: Backend> StepMemory<Sequence> for EngineMemory<'_, B> {
         seq.blocks = BlockTable::new(&self.pool.pages, self.pool.layout.block_size);
         seq.lora = None;
         seq.computed = 0;
+        seq.root = None;
+        seq.hashes.clear();
+        seq.reused = 0;
     }
 
     fn prefetch(&mut self, seq: &Sequence) {

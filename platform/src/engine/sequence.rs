@@ -1,8 +1,9 @@
 //! One sequence's state inside the engine.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use crate::memory::{AdapterRef, BlockTable, PagePin, ResidentAdapter};
+use crate::memory::{AdapterRef, BlockHash, BlockTable, PagePin, ResidentAdapter};
 use crate::request::{FinishReason, StopConditions};
 use crate::sampling::{Sample, Sampler, StopStrings};
 use crate::tokenizer::{DecodeStream, Tokenizer, TokenizerError};
@@ -23,6 +24,22 @@ pub struct TokenEvent {
     pub logprob: Option<f32>,
     pub top_logprobs: Vec<(u32, f32)>,
     pub finish: Option<FinishReason>,
+    /// With the last event of a sequence: what it used.
+    pub usage: Option<SeqUsage>,
+}
+
+/// What one sequence used, reported with its last event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqUsage {
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose K/V came from the prefix cache (or from a sibling sample) instead of
+    /// being computed.
+    pub cached_prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// From being queued to being first started.
+    pub queue_time: Duration,
+    /// From being queued to its first token.
+    pub time_to_first_token: Duration,
 }
 
 pub(super) struct Sequence {
@@ -37,6 +54,20 @@ pub(super) struct Sequence {
     pub adapter: Option<AdapterRef>,
     /// Its pages, pinned while the sequence runs.
     pub lora: Option<(PagePin, Arc<ResidentAdapter>)>,
+    /// The prefix cache namespace (the tenant unless the caller chose one).
+    pub namespace: Arc<str>,
+    /// The root of its blocks' names, set when it starts with prefix caching on.
+    pub root: Option<BlockHash>,
+    /// Names of its full blocks whose K/V are computed, in order.
+    pub hashes: Vec<BlockHash>,
+    /// Tokens whose K/V it found already computed when it last started.
+    pub reused: usize,
+    /// Sibling samples still to be split off once the prompt is computed: their ids and
+    /// samplers.
+    pub forks: Vec<(SeqId, Sampler)>,
+    pub queued_at: Instant,
+    pub started_at: Option<Instant>,
+    first_token: Option<(Instant, usize)>,
     sampler: Sampler,
     stop: StopConditions,
     eos: Vec<u32>,
@@ -59,6 +90,7 @@ impl crate::scheduler::Schedulable for Sequence {
 }
 
 impl Sequence {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         id: SeqId,
         prompt: Vec<u32>,
@@ -67,6 +99,7 @@ impl Sequence {
         eos: Vec<u32>,
         blocks: BlockTable,
         adapter: Option<AdapterRef>,
+        namespace: Arc<str>,
     ) -> Self {
         let stop_strings = StopStrings::new(stop.stop_strings.clone());
         Self {
@@ -77,11 +110,47 @@ impl Sequence {
             blocks,
             adapter,
             lora: None,
+            namespace,
+            root: None,
+            hashes: Vec::new(),
+            reused: 0,
+            forks: Vec::new(),
+            queued_at: Instant::now(),
+            started_at: None,
+            first_token: None,
             sampler,
             stop,
             eos,
             detok: DecodeStream::new(true),
             stop_strings,
+        }
+    }
+
+    /// A sibling sample of this sequence, split off once its prompt is computed: the same
+    /// prompt, adapter and limits, its own sampler and id, and `blocks` (the prompt's blocks,
+    /// shared or copied) holding `computed` tokens.
+    pub fn fork(&self, id: SeqId, sampler: Sampler, blocks: BlockTable, computed: usize) -> Self {
+        Self {
+            id,
+            tokens: self.tokens[..self.prompt_len].to_vec(),
+            prompt_len: self.prompt_len,
+            computed,
+            blocks,
+            adapter: self.adapter.clone(),
+            lora: self.lora.as_ref().map(|(pin, rows)| (pin.clone(), rows.clone())),
+            namespace: self.namespace.clone(),
+            root: self.root,
+            hashes: self.hashes.iter().take(computed / self.blocks.block_size()).copied().collect(),
+            reused: self.reused.max(computed),
+            forks: Vec::new(),
+            queued_at: self.queued_at,
+            started_at: self.started_at,
+            first_token: None,
+            sampler,
+            stop: self.stop.clone(),
+            eos: self.eos.clone(),
+            detok: DecodeStream::new(true),
+            stop_strings: StopStrings::new(self.stop.stop_strings.clone()),
         }
     }
 
@@ -113,6 +182,9 @@ impl Sequence {
 
     /// Appends the chosen token and applies the stop conditions.
     fn accept(&mut self, token: u32, logprob: Option<f32>, top_logprobs: Vec<(u32, f32)>, tokenizer: &Tokenizer) -> Result<TokenEvent, TokenizerError> {
+        if self.first_token.is_none() {
+            self.first_token = Some((Instant::now(), self.reused.min(self.prompt_len)));
+        }
         self.tokens.push(token);
         let mut finish = None;
         let mut text = String::new();
@@ -130,10 +202,24 @@ impl Sequence {
                 finish = Some(FinishReason::Length);
             }
         }
+        let mut usage = None;
         if finish.is_some() {
             self.flush_into(&mut text, tokenizer, &mut finish)?;
+            usage = Some(self.usage());
         }
-        Ok(TokenEvent { seq: self.id, token, text, logprob, top_logprobs, finish })
+        Ok(TokenEvent { seq: self.id, token, text, logprob, top_logprobs, finish, usage })
+    }
+
+    fn usage(&self) -> SeqUsage {
+        let (first, cached) = self.first_token.unwrap_or((Instant::now(), 0));
+        let started = self.started_at.unwrap_or(first);
+        SeqUsage {
+            prompt_tokens: self.prompt_len,
+            cached_prompt_tokens: cached,
+            completion_tokens: self.generated(),
+            queue_time: started.saturating_duration_since(self.queued_at),
+            time_to_first_token: first.saturating_duration_since(self.queued_at),
+        }
     }
 
     /// At the end of the sequence: releases text held back for incomplete characters or

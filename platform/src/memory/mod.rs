@@ -10,8 +10,10 @@ mod adapters;
 mod host;
 mod kv;
 mod pool;
+mod prefix;
 
 pub use adapters::{AdapterRef, AdapterResidency, ResidencyEvent, ResidentAdapter, ResidentRows, Residency, Tier};
 pub use host::{AdapterLoader, HostAdapter, LoaderConfig};
 pub use kv::{BlockTable, DevicePool};
 pub use pool::{CachedPages, EntryKind, PageLease, PagePin, PagePool, PoolStats};
+pub use prefix::{BlockHash, PrefixCache, PrefixStats};

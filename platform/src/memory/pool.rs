@@ -258,6 +258,24 @@ impl PageLease {
     }
 }
 
+impl PageLease {
+    /// Moves one of this lease's pages into a new cache entry of `kind` (a full KV block that
+    /// becomes a shared, cached prefix block), returned pinned once. `None` if the lease does
+    /// not hold `page`.
+    pub fn into_entry(&mut self, page: u32, kind: EntryKind) -> Option<(CachedPages, PagePin)> {
+        let at = self.pages.iter().position(|&p| p == page)?;
+        self.pages.swap_remove(at);
+        let mut s = self.pool.lock();
+        s.leased -= 1;
+        *s.kind_pages(kind) += 1;
+        let id = s.next_id;
+        s.next_id += 1;
+        s.entries.insert(id, Entry { kind, pages: vec![page], pins: 1, owned: true, lru_tick: None });
+        drop(s);
+        Some((CachedPages { pool: self.pool.clone(), id }, PagePin { pool: self.pool.clone(), id }))
+    }
+}
+
 impl Drop for PageLease {
     fn drop(&mut self) {
         if !self.pages.is_empty() {

@@ -89,11 +89,28 @@ pub struct Placement {
     /// The tenant's share relative to other tenants' (its plan's weight); positive.
     pub weight: f64,
     pub priority: Priority,
+    /// Whose cached prompt blocks the request may reuse, and share its own with: the tenant's
+    /// when `None`.
+    pub cache_namespace: Option<std::sync::Arc<str>>,
+}
+
+impl Placement {
+    pub fn tenant(tenant: TenantId, weight: f64) -> Self {
+        Self { tenant, weight, ..Self::default() }
+    }
+
+    /// The prefix cache namespace in effect. A chosen namespace never equals a tenant's own.
+    pub fn namespace(&self) -> std::sync::Arc<str> {
+        match &self.cache_namespace {
+            Some(ns) => format!("shared:{ns}").into(),
+            None => format!("tenant:{}", self.tenant).into(),
+        }
+    }
 }
 
 impl Default for Placement {
     fn default() -> Self {
-        Self { tenant: TenantId::new("default"), weight: 1.0, priority: Priority::Interactive }
+        Self { tenant: TenantId::new("default"), weight: 1.0, priority: Priority::Interactive, cache_namespace: None }
     }
 }
 
@@ -184,6 +201,17 @@ impl<S: Schedulable> Scheduler<S> {
     /// The tenant of a running sequence.
     pub fn tenant_of(&self, id: SeqId) -> Option<&TenantId> {
         self.running.iter().find(|j| j.seq.id() == id).map(|j| &j.tenant)
+    }
+
+    /// Runs `child`, split off running sequence `parent` (another sample of its prompt), right
+    /// after it, in the same tenant, class and arrival; the tokens it already holds are not
+    /// charged again. Gives `child` back if `parent` is not running.
+    pub fn fork(&mut self, parent: SeqId, child: S) -> Result<(), S> {
+        let Some(i) = self.running.iter().position(|j| j.seq.id() == parent) else { return Err(child) };
+        let p = &self.running[i];
+        let job = Job { charged: child.computed(), tenant: p.tenant.clone(), priority: p.priority, arrival: p.arrival, seq: child };
+        self.running.insert(i + 1, job);
+        Ok(())
     }
 
     /// Takes a running sequence out (it finished).
@@ -292,6 +320,8 @@ impl<S: Schedulable> Scheduler<S> {
                     continue;
                 }
             }
+            // Tokens found cached are not charged.
+            job.charged = job.charged.max(job.seq.computed());
             let pending = job.seq.num_tokens().saturating_sub(job.seq.computed());
             let n = pending.min(*budget);
             let target = job.seq.computed() + n;

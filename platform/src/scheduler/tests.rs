@@ -97,7 +97,7 @@ impl Sim {
         let id = SeqId(self.next);
         self.next += 1;
         let seq = Seq { id, len: prompt, computed: 0, max_len: prompt + new_tokens, blocks: 0, adapter };
-        self.sched.enqueue(seq, Placement { tenant: TenantId::new(tenant), weight, priority });
+        self.sched.enqueue(seq, Placement { tenant: TenantId::new(tenant), weight, priority, cache_namespace: None });
         id
     }
 

@@ -154,3 +154,26 @@ fn random_operations_keep_the_invariants() {
         assert!(s.reclaimable <= s.adapter + s.cached);
     }
 }
+
+#[test]
+fn a_leased_page_becomes_a_shared_entry() {
+    let pool = PagePool::new(4);
+    let mut lease = pool.lease(2).unwrap();
+    let page = lease.pages()[1];
+    assert!(lease.into_entry(99, EntryKind::Prefix).is_none(), "not this lease's page");
+    let (entry, pin) = lease.into_entry(page, EntryKind::Prefix).unwrap();
+    assert_eq!(lease.pages().len(), 1);
+    assert_eq!(entry.pages(), vec![page]);
+    assert_eq!((pool.stats().kv, pool.stats().cached, pool.stats().reclaimable), (1, 1, 0));
+    let second = pin.clone();
+    drop(pin);
+    drop(lease);
+    assert_eq!(pool.stats().reclaimable, 0, "still pinned by a second sharer");
+    drop(second);
+    assert_eq!((pool.stats().free, pool.stats().reclaimable, pool.stats().cached), (3, 1, 1), "cached, evictable");
+    let all = pool.lease(4).expect("the cached block is reclaimed under pressure");
+    assert!(!entry.is_resident());
+    drop(all);
+    drop(entry);
+    assert_eq!(pool.stats(), PoolStats { total: 4, free: 4, evictions: 1, ..Default::default() });
+}
