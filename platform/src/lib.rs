@@ -3,6 +3,7 @@
 //! This crate holds the engine (model, memory, sampling) and the command-line front end.
 #![forbid(unsafe_code)]
 
+pub mod actors;
 pub mod bench;
 pub mod cli;
 pub mod config;
@@ -10,6 +11,7 @@ pub mod engine;
 pub mod memory;
 pub mod model;
 pub mod request;
+pub mod runtime;
 pub mod sampling;
 pub mod scheduler;
 pub mod synth;

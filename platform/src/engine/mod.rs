@@ -175,6 +175,11 @@ impl<B: Backend> Engine<B> {
         self.prefix.stats()
     }
 
+    /// The adapters resident in this device's pool.
+    pub fn resident_adapters(&self) -> Vec<Arc<str>> {
+        self.adapters.resident_keys()
+    }
+
     /// Sequences running and waiting.
     pub fn load(&self) -> (usize, usize) {
         (self.sched.running_len(), self.sched.waiting_len())

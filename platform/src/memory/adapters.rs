@@ -198,6 +198,17 @@ impl AdapterResidency {
         }
     }
 
+    /// The adapters resident in the pool now.
+    pub fn resident_keys(&self) -> Vec<Arc<str>> {
+        self.states
+            .iter()
+            .filter_map(|(k, s)| match s {
+                State::Resident(r) if r.pages.is_resident() => Some(k.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Whether any disk load is in flight.
     pub fn is_loading(&self) -> bool {
         self.states.values().any(|s| matches!(s, State::Loading { .. }))

@@ -1,0 +1,164 @@
+//! The serving runtime's actors.
+//!
+//! - A [`Worker`] owns one device: its engine (page pool, adapter residency, scheduler) over
+//!   the shared base model. It runs one engine step per [`Step`] message and re-notifies itself
+//!   while work remains, so submits, cancels and stats requests are handled between steps.
+//!   Its adapters come from disk to host memory on the engine's loader threads.
+//! - The [`Supervisor`] starts one worker per device, each on its own arbiter (thread), routes
+//!   each request to a worker where its adapter is resident (else to the least loaded one) and
+//!   has actix restart a worker whose step failed.
+//!
+//! Supervision is explicit: a failed step (an error, or a panic caught around the step) sends
+//! an error event to every request in flight on that worker, which then stops; actix restarts
+//! it and [`Worker::restarting`](actix::Supervised::restarting) rebuilds its engine from the
+//! model. The shared state is plain and synchronous (engine, scheduler); the handlers only
+//! route messages to it.
+//!
+//! [`crate::runtime::Runtime`] is the handle the rest of the program uses.
+
+mod supervisor;
+mod worker;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::Message;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::memory::{PoolStats, PrefixStats};
+use crate::request::{FinishReason, ValidRequest};
+use crate::scheduler::Placement;
+
+pub use supervisor::Supervisor;
+pub use worker::Worker;
+
+/// Names one submitted request for as long as the runtime runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub struct RequestId(pub u64);
+
+/// What a request's stream carries: tokens as they are generated, then one final event.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Token(TokenOut),
+    /// Every sample finished; nothing follows.
+    Done(Usage),
+    /// The request failed; nothing follows.
+    Error(RuntimeError),
+}
+
+/// One generated token of one sample.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenOut {
+    /// Which of the request's `n` samples (0-based).
+    pub index: usize,
+    pub token: u32,
+    /// Text this token completed (may be empty while a character or stop string is pending).
+    pub text: String,
+    pub logprob: Option<f32>,
+    pub top_logprobs: Vec<(u32, f32)>,
+    /// Set on the sample's last token.
+    pub finish: Option<FinishReason>,
+}
+
+/// What a finished request used, for its response and the ledger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from the prefix cache (billed at a discount).
+    pub cached_prompt_tokens: usize,
+    /// Over all samples.
+    pub completion_tokens: usize,
+    /// From submission until the request first ran.
+    #[serde(serialize_with = "millis")]
+    pub queue_time: Duration,
+    /// From submission until its first token.
+    #[serde(serialize_with = "millis")]
+    pub time_to_first_token: Duration,
+    /// From submission until its last token.
+    #[serde(serialize_with = "millis")]
+    pub total_time: Duration,
+}
+
+fn millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64() * 1e3)
+}
+
+/// Why the runtime refused or failed a request. Messages are for the caller.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RuntimeError {
+    /// The request can never be served as asked (too large for the pool, adapter invalid).
+    #[error("{0}")]
+    Rejected(Arc<str>),
+    /// The adapter could not be loaded, or the request could never fit once queued.
+    #[error("{0}")]
+    Failed(Arc<str>),
+    /// The worker running the request failed; the request was dropped and the worker rebuilt.
+    #[error("the device worker failed: {0}; the request was dropped and the worker restarted")]
+    WorkerFailed(Arc<str>),
+    /// The runtime is shutting down or a worker cannot be reached.
+    #[error("the runtime is unavailable: {0}")]
+    Unavailable(Arc<str>),
+}
+
+/// Queues a request on a worker (to the supervisor: on the worker it routes to).
+#[derive(Message)]
+#[rtype(result = "Result<(), RuntimeError>")]
+pub struct Submit {
+    pub id: RequestId,
+    pub request: ValidRequest,
+    pub placement: Placement,
+    pub events: UnboundedSender<Event>,
+    pub submitted: std::time::Instant,
+}
+
+/// Drops a request wherever it is; its pages are freed at once. Answers whether it was found.
+#[derive(Message, Clone, Copy)]
+#[rtype(result = "bool")]
+pub struct Cancel(pub RequestId);
+
+/// Asks for statistics.
+#[derive(Message, Clone, Copy)]
+#[rtype(result = "Vec<WorkerStats>")]
+pub struct GetStats;
+
+/// Makes the next step of a worker fail with this reason, as a real failure would: for tests
+/// and failure drills of the supervision path.
+#[derive(Message, Clone)]
+#[rtype(result = "bool")]
+pub struct InjectFault {
+    pub worker: usize,
+    pub reason: String,
+}
+
+/// Runs one engine iteration (a worker sends it to itself).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Step;
+
+/// A worker's state after a step, for routing.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct WorkerReport {
+    pub worker: usize,
+    pub in_flight: usize,
+    /// The adapters resident in its pool, when they changed.
+    pub resident: Option<Vec<Arc<str>>>,
+}
+
+/// One worker's counters.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct WorkerStats {
+    pub worker: usize,
+    pub device: String,
+    /// Requests accepted and not yet finished.
+    pub in_flight: usize,
+    pub running: usize,
+    pub waiting: usize,
+    pub steps: u64,
+    pub generated_tokens: u64,
+    pub preemptions: u64,
+    /// Times the worker was rebuilt after a failed step.
+    pub restarts: u64,
+    pub pool: PoolStats,
+    pub prefix: PrefixStats,
+}

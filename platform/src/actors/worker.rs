@@ -1,0 +1,305 @@
+//! One device's actor: its engine, the requests in flight on it, and the step loop.
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix::{Actor, ActorContext, AsyncContext, Context, Handler, Recipient, Supervised};
+use loraplex_kernels::Backend;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::{Cancel, Event, GetStats, InjectFault, RequestId, RuntimeError, Step, Submit, TokenOut, Usage, WorkerReport, WorkerStats};
+use crate::engine::{Engine, EngineConfig, EngineError, SeqId, TokenEvent};
+use crate::model::Model;
+use crate::tokenizer::Tokenizer;
+
+/// A request in flight on this worker.
+struct Flight {
+    seqs: Vec<SeqId>,
+    events: UnboundedSender<Event>,
+    submitted: Instant,
+    /// When the engine queued it.
+    added: Instant,
+    /// Samples not finished yet.
+    open: usize,
+    usage: Usage,
+    first_token: Option<Instant>,
+}
+
+/// The actor that owns one device (see the [module docs](super)).
+pub struct Worker<B: Backend> {
+    index: usize,
+    model: Arc<Model<B>>,
+    tokenizer: Arc<Tokenizer>,
+    config: EngineConfig,
+    /// The reason, while an engine cannot be built. Boxed: actors must be `Unpin`, and device
+    /// buffers need not be.
+    engine: Result<Box<Engine<B>>, Arc<str>>,
+    flights: HashMap<RequestId, Flight>,
+    /// Which request and sample each sequence belongs to.
+    seqs: HashMap<SeqId, (RequestId, usize)>,
+    /// A `Step` is queued.
+    stepping: bool,
+    fault: Option<String>,
+    supervisor: Option<Recipient<WorkerReport>>,
+    steps: u64,
+    generated: u64,
+    restarts: u64,
+    /// Preemptions of engines before the current one.
+    past_preemptions: u64,
+}
+
+impl<B: Backend> Worker<B> {
+    pub(crate) fn new(index: usize, model: Arc<Model<B>>, tokenizer: Arc<Tokenizer>, config: EngineConfig, supervisor: Option<Recipient<WorkerReport>>) -> Self {
+        let engine = Self::build(&model, &tokenizer, &config);
+        Self {
+            index,
+            model,
+            tokenizer,
+            config,
+            engine,
+            flights: HashMap::new(),
+            seqs: HashMap::new(),
+            stepping: false,
+            fault: None,
+            supervisor,
+            steps: 0,
+            generated: 0,
+            restarts: 0,
+            past_preemptions: 0,
+        }
+    }
+
+    fn build(model: &Arc<Model<B>>, tokenizer: &Arc<Tokenizer>, config: &EngineConfig) -> Result<Box<Engine<B>>, Arc<str>> {
+        match Engine::new(model.clone(), tokenizer.clone(), config.clone()) {
+            Ok(engine) => Ok(Box::new(engine)),
+            Err(e) => Err(format!("building the engine: {e}").into()),
+        }
+    }
+
+    fn kick(&mut self, ctx: &mut Context<Self>) {
+        if !self.stepping {
+            self.stepping = true;
+            ctx.notify(Step);
+        }
+    }
+
+    /// Ends a request with `event` and drops whatever of it the engine still holds.
+    fn end(&mut self, id: RequestId, event: Event) {
+        let Some(flight) = self.flights.remove(&id) else { return };
+        for seq in &flight.seqs {
+            self.seqs.remove(seq);
+            if let Ok(engine) = &mut self.engine {
+                engine.cancel(*seq);
+            }
+        }
+        let _ = flight.events.send(event);
+    }
+
+    /// Routes one step's tokens to their requests; ends the requests whose samples all
+    /// finished.
+    fn deliver(&mut self, events: Vec<TokenEvent>) {
+        let now = Instant::now();
+        for e in events {
+            let Some(&(id, index)) = self.seqs.get(&e.seq) else { continue };
+            let Some(flight) = self.flights.get_mut(&id) else { continue };
+            self.generated += 1;
+            flight.first_token.get_or_insert(now);
+            if let Some(u) = e.usage {
+                flight.open -= 1;
+                flight.usage.completion_tokens += u.completion_tokens;
+                if index == 0 {
+                    flight.usage.prompt_tokens = u.prompt_tokens;
+                    flight.usage.cached_prompt_tokens = u.cached_prompt_tokens;
+                    // The engine counts from when it queued the sequence; add the time the
+                    // request took to reach it.
+                    flight.usage.queue_time = u.queue_time + flight.added.saturating_duration_since(flight.submitted);
+                }
+            }
+            let out = TokenOut { index, token: e.token, text: e.text, logprob: e.logprob, top_logprobs: e.top_logprobs, finish: e.finish };
+            let gone = flight.events.send(Event::Token(out)).is_err();
+            if gone {
+                // The client went away: free its pages now.
+                self.end(id, Event::Error(RuntimeError::Failed("cancelled".into())));
+                continue;
+            }
+            if flight.open == 0 {
+                let mut usage = flight.usage;
+                let first = flight.first_token.unwrap_or(now);
+                usage.time_to_first_token = first.saturating_duration_since(flight.submitted);
+                usage.total_time = now.saturating_duration_since(flight.submitted);
+                usage.queue_time = usage.queue_time.min(usage.time_to_first_token);
+                self.end(id, Event::Done(usage));
+            }
+        }
+    }
+
+    /// Cancels requests whose client has gone away without waiting for their next token.
+    fn drop_abandoned(&mut self) {
+        let gone: Vec<RequestId> = self.flights.iter().filter(|(_, f)| f.events.is_closed()).map(|(id, _)| *id).collect();
+        for id in gone {
+            self.end(id, Event::Error(RuntimeError::Failed("cancelled".into())));
+        }
+    }
+
+    fn report(&mut self, resident_changed: bool) {
+        let Some(sup) = &self.supervisor else { return };
+        let resident = match (&self.engine, resident_changed) {
+            (Ok(engine), true) => Some(engine.resident_adapters()),
+            _ => None,
+        };
+        sup.do_send(WorkerReport { worker: self.index, in_flight: self.flights.len(), resident });
+    }
+
+    /// One engine iteration; `Err` means the engine can no longer be trusted.
+    fn step_once(&mut self) -> Result<bool, Arc<str>> {
+        if let Some(reason) = self.fault.take() {
+            return Err(format!("injected fault: {reason}").into());
+        }
+        let Ok(engine) = &mut self.engine else { return Ok(false) };
+        if !engine.has_work() {
+            return Ok(false);
+        }
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| engine.step()));
+        let events = match outcome {
+            Ok(Ok(events)) => events,
+            Ok(Err(e)) => return Err(describe(&e).into()),
+            Err(panic) => {
+                let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
+                return Err(format!("panic in a step: {}", what.unwrap_or_default()).into());
+            }
+        };
+        self.steps += 1;
+        let failures = engine.take_failures();
+        let residency = !engine.take_residency_events().is_empty();
+        self.deliver(events);
+        for f in failures {
+            if let Some(&(id, _)) = self.seqs.get(&f.seq) {
+                self.end(id, Event::Error(RuntimeError::Failed(f.error)));
+            }
+        }
+        self.drop_abandoned();
+        self.report(residency);
+        Ok(matches!(&self.engine, Ok(e) if e.has_work()))
+    }
+}
+
+fn describe(e: &EngineError) -> String {
+    e.to_string()
+}
+
+impl<B: Backend> Actor for Worker<B> {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        self.stepping = false;
+        if matches!(&self.engine, Ok(e) if e.has_work()) {
+            self.kick(ctx);
+        }
+    }
+}
+
+impl<B: Backend> Supervised for Worker<B> {
+    /// Rebuilds the engine (a fresh pool, scheduler and adapter tiers) over the same model.
+    fn restarting(&mut self, _ctx: &mut Self::Context) {
+        self.restarts += 1;
+        if let Ok(old) = &self.engine {
+            self.past_preemptions += old.preemptions();
+        }
+        self.engine = Self::build(&self.model, &self.tokenizer, &self.config);
+        self.flights.clear();
+        self.seqs.clear();
+        self.stepping = false;
+        self.fault = None;
+    }
+}
+
+impl<B: Backend> Handler<Step> for Worker<B> {
+    type Result = ();
+
+    fn handle(&mut self, _: Step, ctx: &mut Self::Context) {
+        self.stepping = false;
+        match self.step_once() {
+            Ok(true) => self.kick(ctx),
+            Ok(false) => {}
+            Err(reason) => {
+                // Every request in flight gets the error; actix then restarts this worker,
+                // which rebuilds its engine.
+                let ids: Vec<RequestId> = self.flights.keys().copied().collect();
+                for id in ids {
+                    self.end(id, Event::Error(RuntimeError::WorkerFailed(reason.clone())));
+                }
+                self.report(false);
+                ctx.stop();
+            }
+        }
+    }
+}
+
+impl<B: Backend> Handler<Submit> for Worker<B> {
+    type Result = Result<(), RuntimeError>;
+
+    fn handle(&mut self, msg: Submit, ctx: &mut Self::Context) -> Self::Result {
+        let engine = self.engine.as_mut().map_err(|e| RuntimeError::Unavailable(e.clone()))?;
+        let n = msg.request.get().n.max(1);
+        let first = engine.add_placed(msg.request, msg.placement).map_err(|e| RuntimeError::Rejected(e.to_string().into()))?;
+        let seqs: Vec<SeqId> = (0..n as u64).map(|i| SeqId(first.0 + i)).collect();
+        for (index, seq) in seqs.iter().enumerate() {
+            self.seqs.insert(*seq, (msg.id, index));
+        }
+        let flight = Flight { seqs, events: msg.events, submitted: msg.submitted, added: Instant::now(), open: n, usage: Usage::default(), first_token: None };
+        self.flights.insert(msg.id, flight);
+        self.kick(ctx);
+        Ok(())
+    }
+}
+
+impl<B: Backend> Handler<Cancel> for Worker<B> {
+    type Result = bool;
+
+    fn handle(&mut self, Cancel(id): Cancel, _ctx: &mut Self::Context) -> bool {
+        if !self.flights.contains_key(&id) {
+            return false;
+        }
+        self.end(id, Event::Error(RuntimeError::Failed("cancelled".into())));
+        true
+    }
+}
+
+impl<B: Backend> Handler<GetStats> for Worker<B> {
+    type Result = Vec<WorkerStats>;
+
+    fn handle(&mut self, _: GetStats, _ctx: &mut Self::Context) -> Self::Result {
+        let (running, waiting, pool, prefix, preemptions) = match &self.engine {
+            Ok(e) => {
+                let (running, waiting) = e.load();
+                (running, waiting, e.pool_stats(), e.prefix_stats(), e.preemptions())
+            }
+            Err(_) => Default::default(),
+        };
+        vec![WorkerStats {
+            worker: self.index,
+            device: self.model.backend().device_name(),
+            in_flight: self.flights.len(),
+            running,
+            waiting,
+            steps: self.steps,
+            generated_tokens: self.generated,
+            preemptions: self.past_preemptions + preemptions,
+            restarts: self.restarts,
+            pool,
+            prefix,
+        }]
+    }
+}
+
+impl<B: Backend> Handler<InjectFault> for Worker<B> {
+    type Result = bool;
+
+    fn handle(&mut self, msg: InjectFault, ctx: &mut Self::Context) -> bool {
+        self.fault = Some(msg.reason);
+        self.kick(ctx);
+        true
+    }
+}

@@ -1,0 +1,211 @@
+//! The serving runtime as a library: submit a validated request, read its events, cancel it,
+//! read statistics. The HTTP layer and the command line both go through this.
+//!
+//! [`Runtime::start`] runs the actors (see [`crate::actors`]) on a thread of their own, so the
+//! handle works from any thread, async or not: every call either sends a message or awaits a
+//! reply. Dropping a [`RequestHandle`] before its final event cancels the request (the client
+//! went away) and frees its pages at the worker's next step.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use actix::{Actor, Addr, System};
+use loraplex_kernels::Backend;
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+pub use crate::actors::{Event, RequestId, RuntimeError, TokenOut, Usage, WorkerStats};
+use crate::actors::{Cancel, GetStats, InjectFault, Submit, Supervisor};
+use crate::engine::EngineConfig;
+use crate::model::{Model, ModelConfig};
+use crate::request::{FinishReason, GenerationRequest, RequestError, ValidRequest};
+use crate::scheduler::Placement;
+use crate::tokenizer::Tokenizer;
+
+/// The running actors and the way to reach them.
+pub struct Runtime<B: Backend> {
+    supervisor: Addr<Supervisor<B>>,
+    system: System,
+    thread: Option<JoinHandle<()>>,
+    next_id: AtomicU64,
+    model: ModelConfig,
+}
+
+/// Why a request was refused before it was queued.
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    #[error(transparent)]
+    Invalid(#[from] RequestError),
+    #[error("unknown adapter {key}: {why}")]
+    UnknownAdapter { key: Arc<str>, why: String },
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+}
+
+impl<B: Backend> Runtime<B> {
+    /// Starts one worker per entry of `devices` (the base model as loaded on each device; on
+    /// the CPU, the same model any number of times).
+    pub fn start(devices: Vec<Arc<Model<B>>>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> std::io::Result<Self> {
+        let Some(first) = devices.first() else {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "the runtime needs at least one device"));
+        };
+        let model = first.config().clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new().name("loraplex-runtime".into()).spawn(move || {
+            let system = System::new();
+            system.block_on(async move {
+                let supervisor = Supervisor::new(devices, tokenizer, config).start();
+                let _ = tx.send((supervisor, System::current()));
+            });
+            let _ = system.run();
+        })?;
+        let (supervisor, system) = rx.recv().map_err(|_| std::io::Error::other("the runtime thread did not start"))?;
+        Ok(Self { supervisor, system, thread: Some(thread), next_id: AtomicU64::new(0), model })
+    }
+
+    /// The base model's configuration (what requests are validated against).
+    pub fn model_config(&self) -> &ModelConfig {
+        &self.model
+    }
+
+    /// Checks a request (prompt, limits, sampling, adapter) without queueing it.
+    pub fn validate(&self, request: GenerationRequest) -> Result<ValidRequest, SubmitError> {
+        if let Some(a) = &request.adapter {
+            check_adapter_dir(&a.key, &a.dir)?;
+        }
+        Ok(request.validate(&self.model)?)
+    }
+
+    /// Validates and queues a request; its events come through the returned handle.
+    pub async fn submit(&self, request: GenerationRequest, placement: Placement) -> Result<RequestHandle, SubmitError> {
+        let request = self.validate(request)?;
+        self.submit_valid(request, placement).await
+    }
+
+    /// Queues an already validated request.
+    pub async fn submit_valid(&self, request: ValidRequest, placement: Placement) -> Result<RequestHandle, SubmitError> {
+        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let (events, rx) = unbounded_channel();
+        let n = request.get().n;
+        let msg = Submit { id, request, placement, events, submitted: Instant::now() };
+        self.supervisor.send(msg).await.map_err(|e| RuntimeError::Unavailable(e.to_string().into()))??;
+        Ok(RequestHandle { id, n, events: rx, finished: false })
+    }
+
+    /// [`Runtime::submit`] for callers outside an async context.
+    pub fn submit_blocking(&self, request: GenerationRequest, placement: Placement) -> Result<RequestHandle, SubmitError> {
+        futures::executor::block_on(self.submit(request, placement))
+    }
+
+    /// Drops a request wherever it is (its pages are freed at once); false if it is unknown or
+    /// already finished.
+    pub async fn cancel(&self, id: RequestId) -> bool {
+        self.supervisor.send(Cancel(id)).await.unwrap_or(false)
+    }
+
+    /// Every worker's counters.
+    pub async fn stats(&self) -> Vec<WorkerStats> {
+        self.supervisor.send(GetStats).await.unwrap_or_default()
+    }
+
+    pub fn stats_blocking(&self) -> Vec<WorkerStats> {
+        futures::executor::block_on(self.stats())
+    }
+
+    /// Makes the next step of `worker` fail as a real device failure would: its requests get
+    /// an error event and it is rebuilt. For tests and failure drills.
+    pub fn inject_fault(&self, worker: usize, reason: &str) -> bool {
+        futures::executor::block_on(self.supervisor.send(InjectFault { worker, reason: reason.to_string() })).unwrap_or(false)
+    }
+
+    /// Stops the actors; requests still in flight get no more events.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.system.stop();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl<B: Backend> Drop for Runtime<B> {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn check_adapter_dir(key: &Arc<str>, dir: &Path) -> Result<(), SubmitError> {
+    let config = dir.join("adapter_config.json");
+    if !config.is_file() {
+        let why = format!("{} has no adapter_config.json", dir.display());
+        return Err(SubmitError::UnknownAdapter { key: key.clone(), why });
+    }
+    Ok(())
+}
+
+/// The events of one request, in order: tokens, then [`Event::Done`] or [`Event::Error`].
+/// Dropping it early cancels the request.
+pub struct RequestHandle {
+    pub id: RequestId,
+    n: usize,
+    events: UnboundedReceiver<Event>,
+    finished: bool,
+}
+
+/// A finished request's output, collected by [`RequestHandle::collect`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Output {
+    pub samples: Vec<SampleOutput>,
+    pub usage: Usage,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SampleOutput {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub finish_reason: Option<FinishReason>,
+}
+
+impl RequestHandle {
+    /// The next event; `None` after the final one.
+    pub async fn next(&mut self) -> Option<Event> {
+        if self.finished {
+            return None;
+        }
+        let event = self.events.recv().await;
+        self.finished = !matches!(event, Some(Event::Token(_)));
+        event
+    }
+
+    /// [`RequestHandle::next`] for callers outside an async context.
+    pub fn next_blocking(&mut self) -> Option<Event> {
+        futures::executor::block_on(self.next())
+    }
+
+    /// Reads every event; the request's samples and usage, or its error.
+    pub async fn collect(mut self) -> Result<Output, RuntimeError> {
+        let mut samples = vec![SampleOutput::default(); self.n];
+        loop {
+            match self.next().await {
+                Some(Event::Token(t)) => {
+                    let Some(s) = samples.get_mut(t.index) else { continue };
+                    s.tokens.push(t.token);
+                    s.text.push_str(&t.text);
+                    s.finish_reason = t.finish.or(s.finish_reason);
+                }
+                Some(Event::Done(usage)) => return Ok(Output { samples, usage }),
+                Some(Event::Error(e)) => return Err(e),
+                None => return Err(RuntimeError::Unavailable("the runtime stopped before the request finished".into())),
+            }
+        }
+    }
+
+    pub fn collect_blocking(self) -> Result<Output, RuntimeError> {
+        futures::executor::block_on(self.collect())
+    }
+}
