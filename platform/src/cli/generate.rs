@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
+use loraplex_adapters::LoraAdapter;
 use loraplex_kernels::cpu::CpuBackend;
 use serde::{Deserialize, Serialize};
 
@@ -14,6 +15,8 @@ use crate::engine::{Engine, EngineError, TokenLogprobs};
 use crate::memory::AdapterRef;
 use crate::model::{self, Model};
 use crate::request::{GenerationRequest, StopConditions, ValidRequest};
+use crate::runtime::Runtime;
+use crate::scheduler::Placement;
 use crate::tokenizer::{ChatMessage, Tokenizer};
 
 #[derive(Serialize)]
@@ -54,10 +57,10 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let backend = Arc::new(CpuBackend::new());
     let model = Arc::new(model::load(backend, &args.model)?);
     let tokenizer = Arc::new(Tokenizer::from_dir(&args.model)?);
-    let mut engine = Engine::new(model.clone(), tokenizer.clone(), args.engine.engine_config())?;
     if let Some(path) = &args.input.batch {
-        return run_batch(args, path, &model, &tokenizer, &mut engine);
+        return run_batch(args, path, model, tokenizer);
     }
+    let mut engine = Engine::new(model.clone(), tokenizer.clone(), args.engine.engine_config())?;
     let adapter = args.adapter.as_deref().map(adapter_ref).transpose()?;
     if let Some(a) = &adapter {
         engine.load_adapter(a)?;
@@ -127,14 +130,23 @@ struct BatchLine {
 struct BatchOutput<'a> {
     id: &'a serde_json::Value,
     prompt_tokens: usize,
+    cached_prompt_tokens: usize,
     tokens: &'a [u32],
     text: &'a str,
     finish_reason: &'static str,
 }
 
-/// Parses and validates every line (adapters included) before anything runs, so a bad line
-/// fails the command with its line number and nothing half-done.
-fn parse_batch(args: &GenerateArgs, path: &Path, model: &Model<CpuBackend>, tokenizer: &Tokenizer, engine: &mut Engine<CpuBackend>) -> anyhow::Result<Vec<(serde_json::Value, ValidRequest)>> {
+#[derive(Serialize)]
+struct BatchError<'a> {
+    id: &'a serde_json::Value,
+    error: String,
+}
+
+/// Parses and validates every line (adapters included: each is read and checked against the
+/// model) before anything runs, so a bad line fails the command with its line number and
+/// nothing half-done.
+fn parse_batch(args: &GenerateArgs, path: &Path, model: &Model<CpuBackend>, tokenizer: &Tokenizer) -> anyhow::Result<Vec<(serde_json::Value, ValidRequest)>> {
+    let limits = args.engine.engine_config().adapters.limits;
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let mut requests = Vec::new();
     for (n, line) in text.lines().enumerate() {
@@ -151,7 +163,7 @@ fn parse_batch(args: &GenerateArgs, path: &Path, model: &Model<CpuBackend>, toke
         let adapter = match &l.adapter {
             Some(dir) => {
                 let a = adapter_ref(dir).with_context(at)?;
-                engine.load_adapter(&a).with_context(at)?;
+                LoraAdapter::load(&a.dir, &model.base_shape(), &limits).with_context(at)?;
                 Some(a)
             }
             None => None,
@@ -176,22 +188,43 @@ fn parse_batch(args: &GenerateArgs, path: &Path, model: &Model<CpuBackend>, toke
     Ok(requests)
 }
 
-fn run_batch(args: &GenerateArgs, path: &Path, model: &Model<CpuBackend>, tokenizer: &Tokenizer, engine: &mut Engine<CpuBackend>) -> anyhow::Result<()> {
-    let requests = parse_batch(args, path, model, tokenizer, engine)?;
-    let mut ids = Vec::with_capacity(requests.len());
+/// Runs every line through the serving runtime at once (one continuous batch); prints one
+/// line per input, in input order. A request that fails prints `{"id", "error"}` and makes the
+/// command fail once all lines are out.
+fn run_batch(args: &GenerateArgs, path: &Path, model: Arc<Model<CpuBackend>>, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
+    let requests = parse_batch(args, path, &model, &tokenizer)?;
+    let runtime = Runtime::start(vec![model], tokenizer, args.engine.engine_config())?;
+    let mut handles = Vec::with_capacity(requests.len());
     for (id, request) in requests {
-        let seq = engine.add(request)?;
-        ids.push((seq, id));
+        let handle = futures::executor::block_on(runtime.submit_valid(request, Placement::default()))?;
+        handles.push((id, handle));
     }
-    // Completions come back in the order the requests were added.
-    let done = engine.run_to_completion()?;
     let mut stdout = std::io::stdout().lock();
-    for ((seq, id), c) in ids.iter().zip(&done) {
-        if *seq != c.seq {
-            bail!("internal error: completions out of order");
+    let mut failed = 0;
+    for (id, handle) in handles {
+        match handle.collect_blocking() {
+            Ok(out) => {
+                let s = out.samples.first().context("a finished request has its sample")?;
+                let finish_reason = s.finish_reason.map_or("length", |r| r.as_str());
+                let line = BatchOutput {
+                    id: &id,
+                    prompt_tokens: out.usage.prompt_tokens,
+                    cached_prompt_tokens: out.usage.cached_prompt_tokens,
+                    tokens: &s.tokens,
+                    text: &s.text,
+                    finish_reason,
+                };
+                writeln!(stdout, "{}", serde_json::to_string(&line)?)?;
+            }
+            Err(e) => {
+                failed += 1;
+                writeln!(stdout, "{}", serde_json::to_string(&BatchError { id: &id, error: e.to_string() })?)?;
+            }
         }
-        let out = BatchOutput { id, prompt_tokens: c.prompt_tokens, tokens: &c.tokens, text: &c.text, finish_reason: c.finish_reason.as_str() };
-        writeln!(stdout, "{}", serde_json::to_string(&out)?)?;
+    }
+    runtime.shutdown();
+    if failed > 0 {
+        bail!("{failed} request(s) failed");
     }
     Ok(())
 }
