@@ -207,6 +207,66 @@ pub enum BenchCommand {
     /// Batched multi-adapter decode against the base model and one adapter at a time, and
     /// adapter residency times.
     Lora(BenchLoraArgs),
+    /// The serving runtime: tenant fairness, prefix caching, adapter churn, preemption.
+    Runtime(BenchRuntimeArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchRuntimeArgs {
+    /// Synthesized model size to measure (ignored with --model).
+    #[arg(long, value_enum, default_value_t = Preset::Bench)]
+    pub preset: Preset,
+    /// Measure this model directory instead of a synthesized one.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Scenarios to run: fairness, prefix, churn, preemption or all.
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    pub scenarios: Vec<String>,
+    /// Prompt tokens of each request (fairness, churn, preemption).
+    #[arg(long, default_value_t = 64)]
+    pub prompt: usize,
+    /// Tokens generated per request (twice this in the preemption scenario).
+    #[arg(long, default_value_t = 32)]
+    pub max_new_tokens: usize,
+    /// Most tokens per step.
+    #[arg(long, default_value_t = 512)]
+    pub max_batch_tokens: usize,
+    /// Most sequences running at once.
+    #[arg(long, default_value_t = 32)]
+    pub max_running: usize,
+    /// Page pool for the fairness and prefix scenarios, in MiB (churn and preemption size
+    /// their own).
+    #[arg(long, default_value_t = 1024)]
+    pub pool_mb: usize,
+    /// Fairness: tenant B's requests and the time between them.
+    #[arg(long, default_value_t = 40)]
+    pub b_requests: usize,
+    #[arg(long, default_value_t = 250)]
+    pub b_interval_ms: u64,
+    /// Fairness: tenant A sends this many requests for each of B's.
+    #[arg(long, default_value_t = 10)]
+    pub a_factor: usize,
+    /// Prefix: tokens of the shared system prompt.
+    #[arg(long, default_value_t = 1024)]
+    pub system_prompt: usize,
+    /// Churn: adapters, their popularity exponent, and how many fit in the pool.
+    #[arg(long, default_value_t = 1000)]
+    pub adapters: usize,
+    #[arg(long, default_value_t = 1.0)]
+    pub zipf: f64,
+    #[arg(long, default_value_t = 100)]
+    pub adapter_room: usize,
+    /// Churn: rank of every adapter (on q and v).
+    #[arg(long, default_value_t = 8)]
+    pub rank: usize,
+    /// Churn: requests in the run.
+    #[arg(long, default_value_t = 256)]
+    pub churn_requests: usize,
+    /// Where the JSON report goes.
+    #[arg(long, default_value = "bench-runtime.json")]
+    pub out: PathBuf,
+    #[arg(long, env = "LORAPLEX_THREADS")]
+    pub threads: Option<usize>,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -13,6 +13,7 @@ fn main() -> ExitCode {
         Command::Synth(args) => cli::synth(args),
         Command::Bench { which: BenchCommand::Engine(args) } => loraplex::bench::engine::run(args),
         Command::Bench { which: BenchCommand::Lora(args) } => loraplex::bench::lora::run(args),
+        Command::Bench { which: BenchCommand::Runtime(args) } => loraplex::bench::runtime::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

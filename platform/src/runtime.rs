@@ -17,8 +17,9 @@ use loraplex_kernels::Backend;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 pub use crate::actors::{Event, RequestId, RuntimeError, TokenOut, Usage, WorkerStats};
-use crate::actors::{Cancel, GetStats, InjectFault, Submit, Supervisor};
+use crate::actors::{Cancel, GetStats, InjectFault, LoadAdapter, Submit, Supervisor, UnloadAdapter};
 use crate::engine::EngineConfig;
+use crate::memory::{AdapterRef, Residency};
 use crate::model::{Model, ModelConfig};
 use crate::request::{FinishReason, GenerationRequest, RequestError, ValidRequest};
 use crate::scheduler::Placement;
@@ -92,6 +93,49 @@ impl<B: Backend> Runtime<B> {
         let msg = Submit { id, request, placement, events, submitted: Instant::now() };
         self.supervisor.send(msg).await.map_err(|e| RuntimeError::Unavailable(e.to_string().into()))??;
         Ok(RequestHandle { id, n, events: rx, finished: false })
+    }
+
+    /// Queues an already validated request without waiting for the worker to take it (the
+    /// worker may be in the middle of a step): a refusal then arrives as the stream's
+    /// [`Event::Error`]. For callers that must not block, such as load generators.
+    pub fn submit_detached(&self, request: ValidRequest, placement: Placement) -> RequestHandle {
+        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let (events, rx) = unbounded_channel();
+        let n = request.get().n;
+        self.supervisor.do_send(Submit { id, request, placement, events, submitted: Instant::now() });
+        RequestHandle { id, n, events: rx, finished: false }
+    }
+
+    /// Asks every worker to bring `adapter` into its pool (and, with `hold`, to keep it there
+    /// until [`Runtime::unload_adapter`]); returns each worker's residency now.
+    pub async fn load_adapter(&self, adapter: AdapterRef, hold: bool) -> Vec<Residency> {
+        self.supervisor.send(LoadAdapter { adapter, hold }).await.unwrap_or_default()
+    }
+
+    /// [`Runtime::load_adapter`], repeated until every worker has the adapter resident (and
+    /// held, with `hold`) or one reports it failed.
+    pub fn load_adapter_blocking(&self, adapter: &AdapterRef, hold: bool) -> Result<(), RuntimeError> {
+        loop {
+            let states = futures::executor::block_on(self.load_adapter(adapter.clone(), hold));
+            if let Some(Residency::Failed(e)) = states.iter().find(|s| matches!(s, Residency::Failed(_))) {
+                return Err(RuntimeError::Failed(e.clone()));
+            }
+            if !states.is_empty() && states.iter().all(|s| *s == Residency::Resident) {
+                return Ok(());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+    }
+
+    /// Lets a held adapter go (it stays cached until evicted); with `forget`, drops it from
+    /// every tier so the next request reloads it from disk.
+    pub async fn unload_adapter(&self, key: Arc<str>, forget: bool) -> bool {
+        self.supervisor.send(UnloadAdapter { key, forget }).await.unwrap_or(false)
+    }
+
+    /// [`Runtime::submit_valid`] for callers outside an async context.
+    pub fn submit_blocking_valid(&self, request: ValidRequest, placement: Placement) -> Result<RequestHandle, SubmitError> {
+        futures::executor::block_on(self.submit_valid(request, placement))
     }
 
     /// [`Runtime::submit`] for callers outside an async context.
@@ -180,6 +224,16 @@ impl RequestHandle {
         let event = self.events.recv().await;
         self.finished = !matches!(event, Some(Event::Token(_)));
         event
+    }
+
+    /// The next event if it has already arrived.
+    pub fn try_next(&mut self) -> Option<Event> {
+        if self.finished {
+            return None;
+        }
+        let event = self.events.try_recv().ok()?;
+        self.finished = !matches!(event, Event::Token(_));
+        Some(event)
     }
 
     /// [`RequestHandle::next`] for callers outside an async context.

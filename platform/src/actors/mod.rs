@@ -25,7 +25,7 @@ use std::time::Duration;
 use actix::Message;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::memory::{PoolStats, PrefixStats};
+use crate::memory::{AdapterRef, PoolStats, PrefixStats, Residency};
 use crate::request::{FinishReason, ValidRequest};
 use crate::scheduler::Placement;
 
@@ -120,6 +120,25 @@ pub struct Cancel(pub RequestId);
 #[derive(Message, Clone, Copy)]
 #[rtype(result = "Vec<WorkerStats>")]
 pub struct GetStats;
+
+/// Brings an adapter into every worker's pool ahead of its requests (or `hold`s it there,
+/// pinned, until [`UnloadAdapter`]). Answers each worker's residency now; ask again to follow
+/// a load.
+#[derive(Message, Clone)]
+#[rtype(result = "Vec<Residency>")]
+pub struct LoadAdapter {
+    pub adapter: AdapterRef,
+    pub hold: bool,
+}
+
+/// Lets a held adapter be evicted again once no request uses it; `forget` also drops it from
+/// host memory (a deleted adapter). Answers whether any worker held it.
+#[derive(Message, Clone)]
+#[rtype(result = "bool")]
+pub struct UnloadAdapter {
+    pub key: Arc<str>,
+    pub forget: bool,
+}
 
 /// Makes the next step of a worker fail with this reason, as a real failure would: for tests
 /// and failure drills of the supervision path.

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use actix::{Actor, Addr, Arbiter, AsyncContext, Context, Handler, ResponseFuture};
 use loraplex_kernels::Backend;
 
-use super::{Cancel, GetStats, InjectFault, RuntimeError, Submit, Worker, WorkerReport, WorkerStats};
+use super::{Cancel, GetStats, InjectFault, LoadAdapter, RuntimeError, Submit, UnloadAdapter, Worker, WorkerReport, WorkerStats};
+use crate::memory::Residency;
 use crate::engine::EngineConfig;
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
@@ -94,6 +95,30 @@ impl<B: Backend> Handler<GetStats> for Supervisor<B> {
     fn handle(&mut self, _: GetStats, _ctx: &mut Self::Context) -> Self::Result {
         let sends: Vec<_> = self.workers.iter().map(|w| w.addr.send(GetStats)).collect();
         Box::pin(async move { futures::future::join_all(sends).await.into_iter().flat_map(|r| r.unwrap_or_default()).collect() })
+    }
+}
+
+impl<B: Backend> Handler<LoadAdapter> for Supervisor<B> {
+    type Result = ResponseFuture<Vec<Residency>>;
+
+    fn handle(&mut self, msg: LoadAdapter, _ctx: &mut Self::Context) -> Self::Result {
+        let sends: Vec<_> = self.workers.iter().map(|w| w.addr.send(msg.clone())).collect();
+        Box::pin(async move {
+            futures::future::join_all(sends)
+                .await
+                .into_iter()
+                .map(|r| r.ok().and_then(|v| v.into_iter().next()).unwrap_or_else(|| Residency::Failed("a worker is unreachable".into())))
+                .collect()
+        })
+    }
+}
+
+impl<B: Backend> Handler<UnloadAdapter> for Supervisor<B> {
+    type Result = ResponseFuture<bool>;
+
+    fn handle(&mut self, msg: UnloadAdapter, _ctx: &mut Self::Context) -> Self::Result {
+        let sends: Vec<_> = self.workers.iter().map(|w| w.addr.send(msg.clone())).collect();
+        Box::pin(async move { futures::future::join_all(sends).await.into_iter().any(|r| r.unwrap_or(false)) })
     }
 }
 

@@ -9,7 +9,10 @@ use actix::{Actor, ActorContext, AsyncContext, Context, Handler, Recipient, Supe
 use loraplex_kernels::Backend;
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::{Cancel, Event, GetStats, InjectFault, RequestId, RuntimeError, Step, Submit, TokenOut, Usage, WorkerReport, WorkerStats};
+use super::{
+    Cancel, Event, GetStats, InjectFault, LoadAdapter, RequestId, RuntimeError, Step, Submit, TokenOut, UnloadAdapter, Usage, WorkerReport, WorkerStats,
+};
+use crate::memory::Residency;
 use crate::engine::{Engine, EngineConfig, EngineError, SeqId, TokenEvent};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
@@ -159,7 +162,19 @@ impl<B: Backend> Worker<B> {
         }
         let Ok(engine) = &mut self.engine else { return Ok(false) };
         if !engine.has_work() {
-            return Ok(false);
+            // No requests, but adapter loads may be under way: place them as they arrive.
+            engine.poll_adapters_now().map_err(|e| Arc::<str>::from(e.to_string()))?;
+            let placed = !engine.take_residency_events().is_empty();
+            // Staged adapters are retried only while others are still being placed: with
+            // nothing running, no pages free up by themselves.
+            let loading = engine.adapters().is_loading() || (placed && engine.adapters().has_staged());
+            if placed {
+                self.report(true);
+            }
+            if loading {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            return Ok(loading);
         }
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| engine.step()));
         let events = match outcome {
@@ -241,9 +256,20 @@ impl<B: Backend> Handler<Submit> for Worker<B> {
     type Result = Result<(), RuntimeError>;
 
     fn handle(&mut self, msg: Submit, ctx: &mut Self::Context) -> Self::Result {
-        let engine = self.engine.as_mut().map_err(|e| RuntimeError::Unavailable(e.clone()))?;
+        let refuse = |e: RuntimeError| {
+            // Callers that did not wait for the answer learn it from the stream.
+            let _ = msg.events.send(Event::Error(e.clone()));
+            e
+        };
+        let engine = match self.engine.as_mut() {
+            Ok(engine) => engine,
+            Err(e) => return Err(refuse(RuntimeError::Unavailable(e.clone()))),
+        };
         let n = msg.request.get().n.max(1);
-        let first = engine.add_placed(msg.request, msg.placement).map_err(|e| RuntimeError::Rejected(e.to_string().into()))?;
+        let first = match engine.add_placed(msg.request, msg.placement) {
+            Ok(id) => id,
+            Err(e) => return Err(refuse(RuntimeError::Rejected(e.to_string().into()))),
+        };
         let seqs: Vec<SeqId> = (0..n as u64).map(|i| SeqId(first.0 + i)).collect();
         for (index, seq) in seqs.iter().enumerate() {
             self.seqs.insert(*seq, (msg.id, index));
@@ -301,5 +327,36 @@ impl<B: Backend> Handler<InjectFault> for Worker<B> {
         self.fault = Some(msg.reason);
         self.kick(ctx);
         true
+    }
+}
+
+impl<B: Backend> Handler<LoadAdapter> for Worker<B> {
+    type Result = Vec<Residency>;
+
+    fn handle(&mut self, msg: LoadAdapter, ctx: &mut Self::Context) -> Self::Result {
+        let Ok(engine) = &mut self.engine else { return vec![Residency::Failed("the worker has no engine".into())] };
+        let mut now = engine.prefetch(&msg.adapter);
+        if msg.hold && now == Residency::Resident {
+            engine.adapters().hold(&msg.adapter.key);
+        }
+        if now != Residency::Resident && !matches!(now, Residency::Failed(_)) {
+            // Loads complete inside steps; make sure one runs.
+            engine.poll_adapters_now().unwrap_or_else(|e| now = Residency::Failed(e.to_string().into()));
+            self.kick(ctx);
+        }
+        vec![now]
+    }
+}
+
+impl<B: Backend> Handler<UnloadAdapter> for Worker<B> {
+    type Result = bool;
+
+    fn handle(&mut self, msg: UnloadAdapter, _ctx: &mut Self::Context) -> bool {
+        let Ok(engine) = &mut self.engine else { return false };
+        let held = engine.adapters().release(&msg.key);
+        if msg.forget {
+            engine.adapters().forget(&msg.key);
+        }
+        held
     }
 }

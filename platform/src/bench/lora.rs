@@ -12,10 +12,11 @@ use serde::Serialize;
 use crate::config::BenchLoraArgs;
 use crate::engine::{Engine, EngineConfig, SeqId};
 use crate::memory::{AdapterLoader, AdapterRef, AdapterResidency, DevicePool, LoaderConfig, Residency, ResidencyEvent, Tier};
-use crate::model::{self, Model, ModelConfig};
+use crate::model::{self, Model};
 use crate::request::{GenerationRequest, StopConditions};
 use crate::sampling::SamplingParams;
-use crate::synth::{self, AdapterSynthOptions, AdapterTargets, FileDType, ModelDims};
+use super::{dims_of, prompt};
+use crate::synth::{self, AdapterSynthOptions, AdapterTargets, FileDType};
 use crate::tokenizer::Tokenizer;
 
 /// (c) distinct adapters against (a) the base model alone.
@@ -144,27 +145,6 @@ pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
     std::fs::write(&args.out, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", args.out.display()))?;
     println!("report written to {}", args.out.display());
     Ok(())
-}
-
-/// The synthesis dimensions of a loaded model, so adapters can be made for any checkpoint.
-fn dims_of(c: &ModelConfig) -> ModelDims {
-    ModelDims {
-        vocab_size: c.vocab_size,
-        hidden_size: c.hidden_size,
-        intermediate_size: c.intermediate_size,
-        num_hidden_layers: c.num_layers,
-        num_attention_heads: c.num_heads,
-        num_key_value_heads: c.num_kv_heads,
-        head_dim: c.head_dim,
-        max_position_embeddings: c.max_position_embeddings,
-        rope_theta: c.rope_theta,
-        rms_norm_eps: c.rms_norm_eps as f64,
-    }
-}
-
-fn prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
-    // Deterministic, varied ids; ids below 5 are special tokens in synthesized vocabularies.
-    (0..len).map(|i| (5 + (i * 7919 + salt * 104_729) % (vocab - 5)) as u32).collect()
 }
 
 struct Bench<'a> {

@@ -3,3 +3,29 @@
 
 pub mod engine;
 pub mod lora;
+pub mod runtime;
+
+use crate::model::ModelConfig;
+use crate::synth::ModelDims;
+
+/// The synthesis dimensions of a loaded model, so adapters can be made for any checkpoint.
+pub(crate) fn dims_of(c: &ModelConfig) -> ModelDims {
+    ModelDims {
+        vocab_size: c.vocab_size,
+        hidden_size: c.hidden_size,
+        intermediate_size: c.intermediate_size,
+        num_hidden_layers: c.num_layers,
+        num_attention_heads: c.num_heads,
+        num_key_value_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+        max_position_embeddings: c.max_position_embeddings,
+        rope_theta: c.rope_theta,
+        rms_norm_eps: c.rms_norm_eps as f64,
+    }
+}
+
+pub(crate) fn prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
+    // Deterministic, varied ids; ids below 5 are special tokens in synthesized vocabularies.
+    (0..len).map(|i| (5 + (i * 7919 + salt * 104_729) % (vocab - 5)) as u32).collect()
+}
+

@@ -367,6 +367,16 @@ impl<B: Backend> Engine<B> {
         Ok(events)
     }
 
+    /// Takes finished adapter loads and places what fits, without waiting (for callers that
+    /// load adapters while no request runs).
+    pub fn poll_adapters_now(&mut self) -> Result<(), EngineError> {
+        let backend = self.model.backend().clone();
+        self.adapters.poll(backend.as_ref(), &mut self.mem)?;
+        let events = self.adapters.take_events();
+        self.residency_events.extend(events);
+        Ok(())
+    }
+
     /// Takes finished adapter loads and places what fits. When nothing runs, waits briefly for
     /// a load instead of spinning. Requests whose adapter failed are dropped by the scheduler.
     fn poll_adapters(&mut self) -> Result<(), EngineError> {

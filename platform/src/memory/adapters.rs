@@ -209,6 +209,11 @@ impl AdapterResidency {
             .collect()
     }
 
+    /// Whether an adapter waits in host memory for pool pages.
+    pub fn has_staged(&self) -> bool {
+        !self.staged.is_empty()
+    }
+
     /// Whether any disk load is in flight.
     pub fn is_loading(&self) -> bool {
         self.states.values().any(|s| matches!(s, State::Loading { .. }))
