@@ -241,11 +241,19 @@ pub struct BenchRuntimeArgs {
     /// Fairness: tenant B's requests and the time between them.
     #[arg(long, default_value_t = 40)]
     pub b_requests: usize,
-    #[arg(long, default_value_t = 250)]
+    #[arg(long, default_value_t = 500)]
     pub b_interval_ms: u64,
     /// Fairness: tenant A sends this many requests for each of B's.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 25)]
     pub a_factor: usize,
+    /// Fairness: prompt tokens per request, and the server's limits (a latency-oriented
+    /// setting: a step's length bounds every newcomer's wait).
+    #[arg(long, default_value_t = 16)]
+    pub fairness_prompt: usize,
+    #[arg(long, default_value_t = 8)]
+    pub fairness_max_running: usize,
+    #[arg(long, default_value_t = 24)]
+    pub fairness_batch_tokens: usize,
     /// Prefix: tokens of the shared system prompt.
     #[arg(long, default_value_t = 1024)]
     pub system_prompt: usize,

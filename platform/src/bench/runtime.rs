@@ -112,7 +112,16 @@ pub struct FairnessOptions {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct FairnessResult {
+    pub max_running: usize,
+    pub max_batch_tokens: usize,
+    pub prompt: usize,
+    pub max_new_tokens: usize,
     pub b_requests: usize,
+    /// Requests per second: what A sent, and what the server completed (A and B) while B's
+    /// stream ran; A's share is half of the latter.
+    pub a_offered_per_s: f64,
+    pub served_per_s: f64,
+    pub a_over_share: f64,
     pub a_requests_sent: usize,
     /// A's requests that completed while B's stream ran.
     pub a_completed: usize,
@@ -120,6 +129,9 @@ pub struct FairnessResult {
     pub b_alone_p99_ms: f64,
     pub b_loaded_p50_ms: f64,
     pub b_loaded_p99_ms: f64,
+    /// B's queue time (submission to first start) with A flooding.
+    pub b_loaded_queue_p50_ms: f64,
+    pub b_loaded_queue_p99_ms: f64,
     /// A's median time to first token under its own flood.
     pub a_p50_ms: f64,
     pub ratio: f64,
@@ -138,7 +150,16 @@ pub fn fairness(setup: &Setup, opts: &FairnessOptions) -> anyhow::Result<Fairnes
     let complete = |us: &[Usage]| us.len() == opts.b_requests && us.iter().all(|u| u.completion_tokens == opts.max_new_tokens);
     let p99_alone = quantile(&b_alone, 0.99);
     let p99_loaded = quantile(&b_loaded, 0.99);
+    let served_per_s = (loaded.a.len() + loaded.b.len()) as f64 / loaded.seconds;
+    let a_offered_per_s = loaded.a_sent as f64 / loaded.seconds;
     Ok(FairnessResult {
+        max_running: opts.engine.max_running,
+        max_batch_tokens: opts.engine.max_batch_tokens,
+        prompt: opts.prompt,
+        max_new_tokens: opts.max_new_tokens,
+        a_offered_per_s,
+        served_per_s,
+        a_over_share: a_offered_per_s / (served_per_s / 2.0),
         b_requests: opts.b_requests,
         a_requests_sent: loaded.a_sent,
         a_completed: loaded.a.len(),
@@ -146,6 +167,8 @@ pub fn fairness(setup: &Setup, opts: &FairnessOptions) -> anyhow::Result<Fairnes
         b_alone_p99_ms: p99_alone,
         b_loaded_p50_ms: quantile(&b_loaded, 0.5),
         b_loaded_p99_ms: p99_loaded,
+        b_loaded_queue_p50_ms: quantile(&loaded.b.iter().map(|u| ms(u.queue_time)).collect::<Vec<_>>(), 0.5),
+        b_loaded_queue_p99_ms: quantile(&loaded.b.iter().map(|u| ms(u.queue_time)).collect::<Vec<_>>(), 0.99),
         a_p50_ms: quantile(&a, 0.5),
         ratio: p99_loaded / p99_alone,
         target: FAIRNESS_TARGET,
@@ -157,12 +180,19 @@ struct Phase {
     b: Vec<Usage>,
     a: Vec<Usage>,
     a_sent: usize,
+    /// From the first request to B's last completion.
+    seconds: f64,
 }
 
 fn fairness_phase(setup: &Setup, opts: &FairnessOptions, flood: bool) -> anyhow::Result<Phase> {
     let rt = setup.runtime(opts.engine.clone())?;
     let (a, b) = (Placement::tenant(TenantId::new("tenant-a"), 1.0), Placement::tenant(TenantId::new("tenant-b"), 1.0));
     let a_every = opts.b_interval / opts.a_factor as u32;
+    // Untimed: the first requests of a fresh runtime pay for cold caches.
+    for i in 0..2 {
+        let req = setup.request(prompt(opts.prompt, setup.vocab(), 2_000_000 + i), opts.max_new_tokens, SamplingParams::greedy(), None)?;
+        finish(rt.submit_detached(req, b.clone()))?;
+    }
     let start = Instant::now();
     let mut b_handles = Vec::new();
     let mut a_handles = Vec::new();
@@ -189,6 +219,7 @@ fn fairness_phase(setup: &Setup, opts: &FairnessOptions, flood: bool) -> anyhow:
     for h in b_handles {
         b_usage.push(finish(h)?.usage);
     }
+    let seconds = start.elapsed().as_secs_f64();
     // A's requests that are done by now; the rest are cancelled with their handles.
     let mut a_usage = Vec::new();
     for mut h in a_handles {
@@ -199,7 +230,7 @@ fn fairness_phase(setup: &Setup, opts: &FairnessOptions, flood: bool) -> anyhow:
         }
     }
     rt.shutdown();
-    Ok(Phase { b: b_usage, a: a_usage, a_sent: next_a })
+    Ok(Phase { b: b_usage, a: a_usage, a_sent: next_a, seconds })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -515,8 +546,8 @@ pub fn run(args: &BenchRuntimeArgs) -> anyhow::Result<()> {
     if want("fairness") {
         eprintln!("fairness: tenant B alone, then with tenant A sending {}x as much ...", args.a_factor);
         let opts = FairnessOptions {
-            engine: engine.clone(),
-            prompt: args.prompt,
+            engine: EngineConfig { max_running: args.fairness_max_running, max_batch_tokens: args.fairness_batch_tokens, ..engine.clone() },
+            prompt: args.fairness_prompt,
             max_new_tokens: args.max_new_tokens,
             b_requests: args.b_requests,
             b_interval: Duration::from_millis(args.b_interval_ms),
@@ -524,9 +555,14 @@ pub fn run(args: &BenchRuntimeArgs) -> anyhow::Result<()> {
         };
         let r = fairness(&setup, &opts)?;
         println!(
-            "fairness: B p99 TTFT alone {:.1} ms, with A flooding {:.1} ms (p50 {:.1} / {:.1}; A's p50 {:.1} ms, {} of {} A requests done): {:.2}x, target <= {:.1}x",
-            r.b_alone_p99_ms, r.b_loaded_p99_ms, r.b_alone_p50_ms, r.b_loaded_p50_ms, r.a_p50_ms, r.a_completed, r.a_requests_sent, r.ratio, r.target
+            "fairness: {} running, {} tokens/step, {}-token prompts, {} new tokens; B 1 request / {} ms; A offered {:.1} req/s, the server completed {:.1} req/s: A sent {:.1}x its share",
+            r.max_running, r.max_batch_tokens, r.prompt, r.max_new_tokens, args.b_interval_ms, r.a_offered_per_s, r.served_per_s, r.a_over_share
         );
+        println!(
+            "fairness: B's time to first token alone p50 {:.1} ms p99 {:.1} ms; with A flooding p50 {:.1} ms p99 {:.1} ms (queued p50 {:.1} p99 {:.1}); A's p50 {:.1} ms",
+            r.b_alone_p50_ms, r.b_alone_p99_ms, r.b_loaded_p50_ms, r.b_loaded_p99_ms, r.b_loaded_queue_p50_ms, r.b_loaded_queue_p99_ms, r.a_p50_ms
+        );
+        println!("fairness: B p99 with A / alone = {:.2}x, target <= {:.1}x", r.ratio, r.target);
         report.fairness = Some(r);
     }
     if want("prefix") {

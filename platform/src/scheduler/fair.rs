@@ -130,6 +130,23 @@ impl<S> FairQueues<S> {
         t.counter += tokens as f64 / t.weight;
     }
 
+    /// Every tenant seen.
+    pub fn tenants(&self) -> impl Iterator<Item = &TenantId> {
+        self.tenants.keys()
+    }
+
+    /// A tenant's weight (1 for one never seen).
+    pub fn weight(&self, tenant: &TenantId) -> f64 {
+        self.tenants.get(tenant).map_or(1.0, |t| t.weight)
+    }
+
+    /// The summed weights of the tenants with queued requests or among `running`.
+    pub fn active_weights<'a>(&self, running: impl Iterator<Item = &'a TenantId>) -> f64 {
+        let mut seen: std::collections::HashSet<&TenantId> = running.collect();
+        seen.extend(self.tenants.iter().filter(|(_, t)| t.backlogged()).map(|(id, _)| id));
+        seen.iter().map(|t| self.weight(t)).sum()
+    }
+
     pub fn counter(&self, tenant: &TenantId) -> Option<f64> {
         self.tenants.get(tenant).map(|t| t.counter)
     }
@@ -147,18 +164,20 @@ impl<S> FairQueues<S> {
     }
 
     /// Takes the next request: in the most urgent class that has a ready one, from the tenant
-    /// with the smallest counter among those with a ready one, that tenant's first ready
-    /// request. `ready` is asked about queued requests (it may start loads for those it turns
-    /// down); `None` when no queued request is ready.
-    pub fn pop_next(&mut self, mut ready: impl FnMut(&Job<S>) -> bool) -> Option<Job<S>> {
+    /// with the smallest counter among those with a ready one (on equal counters, the one with
+    /// the smaller `in_service`, then by name), that tenant's first ready request. `ready` is
+    /// asked about queued requests (it may start loads for those it turns down); `None` when
+    /// no queued request is ready.
+    pub fn pop_next(&mut self, mut ready: impl FnMut(&Job<S>) -> bool, in_service: impl Fn(&TenantId) -> usize) -> Option<Job<S>> {
         for class in Priority::ALL.map(Priority::index) {
-            let mut best: Option<(&TenantId, f64, usize)> = None;
+            let mut best: Option<(&TenantId, (f64, usize), usize)> = None;
             for (id, t) in &self.tenants {
-                if best.is_some_and(|(bid, c, _)| (t.counter, id) >= (c, bid)) {
+                let rank = (t.counter, in_service(id));
+                if best.is_some_and(|(bid, r, _)| (rank, id) >= (r, bid)) {
                     continue;
                 }
                 if let Some(pos) = t.queues[class].iter().position(&mut ready) {
-                    best = Some((id, t.counter, pos));
+                    best = Some((id, rank, pos));
                 }
             }
             if let Some((id, _, pos)) = best {

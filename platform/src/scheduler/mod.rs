@@ -20,11 +20,17 @@ mod fair;
 #[cfg(test)]
 mod tests;
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use crate::engine::SeqId;
 pub use fair::{Priority, TenantId};
 use fair::{FairQueues, Job};
+
+/// Tokens of a job not computed yet.
+fn pending<S: Schedulable>(job: &Job<S>) -> usize {
+    job.seq.num_tokens().saturating_sub(job.seq.computed())
+}
 
 /// What the scheduler reads of a sequence it holds.
 pub trait Schedulable {
@@ -225,50 +231,149 @@ impl<S: Schedulable> Scheduler<S> {
         self.finish(id).or_else(|| self.queues.remove_where(|j| j.seq.id() == id).pop().map(|j| j.seq))
     }
 
-    /// Decides this step: room for the running sequences' next tokens (preempting when the pool
-    /// is short), then new sequences while the budget and the running limit allow.
+    /// Decides this step. First a running slot for a tenant below its share, if the running
+    /// set is full with another tenant's sequences. Then one token for every decoding sequence
+    /// (preempting when the pool is short). The rest of the budget goes to prompt work (chunks of
+    /// running prefills, and new sequences) in fair order: class, then tenant counter, then
+    /// arrival. So a tenant that just arrived is not stuck behind the long prompts of one that
+    /// floods the server.
     pub fn schedule(&mut self, mem: &mut impl StepMemory<S>) -> StepPlan<S> {
         let mut plan = StepPlan::default();
         let mut budget = self.config.max_batch_tokens;
         self.running.sort_by_key(|j| (j.priority, j.arrival));
-        let mut i = 0;
-        while i < self.running.len() && budget > 0 {
-            let job = &self.running[i];
-            let pending = job.seq.num_tokens().saturating_sub(job.seq.computed());
-            if pending == 0 {
-                i += 1;
-                continue;
+        let slot = self.rebalance(mem, &mut plan);
+        let mut done: HashSet<SeqId> = HashSet::new();
+        let decoding: Vec<SeqId> = self.running.iter().filter(|j| pending(j) == 1).map(|j| j.seq.id()).collect();
+        for id in decoding {
+            if budget == 0 {
+                break;
             }
-            let n = pending.min(budget);
-            let target = job.seq.computed() + n;
-            if !self.make_room(i, target, mem, &mut plan) {
-                // Sequence i itself was preempted; the next one moved into its place.
-                continue;
+            if self.give(id, 1, mem, &mut plan, &mut done) {
+                budget -= 1;
             }
-            self.charge(i, n);
-            plan.chunks.push((self.running[i].seq.id(), n));
-            budget -= n;
-            i += 1;
         }
-        self.admit(&mut budget, mem, &mut plan);
+        let mut admitting = true;
+        if let Some(job) = slot {
+            // The slot made free for it is not given to anyone else this step.
+            match self.start(job, budget, mem, &mut plan, &mut done) {
+                Some(n) => budget -= n,
+                None => admitting = false,
+            }
+        }
+        while budget > 0 {
+            let best_running = self
+                .running
+                .iter()
+                .filter(|j| pending(j) > 0 && !done.contains(&j.seq.id()))
+                .map(|j| (self.key(j), j.seq.id()))
+                .min_by(|a, b| a.0.partial_cmp(&b.0).unwrap_or(std::cmp::Ordering::Equal));
+            let queued = if admitting && self.running.len() < self.config.max_running { self.next_ready(mem, &mut plan) } else { None };
+            let run_first = match (&best_running, &queued) {
+                (None, None) => break,
+                (Some((key, _)), Some(q)) => *key <= self.key(q),
+                (Some(_), None) => true,
+                (None, Some(_)) => false,
+            };
+            if run_first {
+                if let Some(q) = queued {
+                    self.queues.push_front(q);
+                }
+                let Some((_, id)) = best_running else { break };
+                let n = self.get(id).map_or(0, |s| s.num_tokens() - s.computed()).min(budget);
+                if self.give(id, n, mem, &mut plan, &mut done) {
+                    budget -= n;
+                }
+            } else if let Some(job) = queued {
+                match self.start(job, budget, mem, &mut plan, &mut done) {
+                    Some(n) => budget -= n,
+                    None => admitting = false,
+                }
+            }
+        }
         self.prefetch(mem);
         plan
     }
 
-    /// Grows running sequence `i` to `target` tokens, preempting the last running sequences
-    /// (lowest priority, latest arrival; `i` itself last of all) until it fits. False when `i`
-    /// was preempted.
-    fn make_room(&mut self, i: usize, target: usize, mem: &mut impl StepMemory<S>, plan: &mut StepPlan<S>) -> bool {
-        loop {
-            if mem.grow(&mut self.running[i].seq, target) {
-                return true;
+    /// The fair order of prompt work: class, tenant counter, then (on equal counters, as when
+    /// a tenant returns from idle) the tenant with fewer sequences running, then arrival.
+    fn key(&self, job: &Job<S>) -> (Priority, f64, usize, u64) {
+        let running = self.running.iter().filter(|j| j.tenant == job.tenant).count();
+        (job.priority, self.queues.counter(&job.tenant).unwrap_or(0.0), running, job.arrival)
+    }
+
+    /// Running sequences per tenant.
+    fn in_service(&self) -> HashMap<TenantId, usize> {
+        let mut n = HashMap::new();
+        for j in &self.running {
+            *n.entry(j.tenant.clone()).or_default() += 1;
+        }
+        n
+    }
+
+    /// The queued sequence to start next, if one is ready; those that can never run go to
+    /// `plan.failed`.
+    fn next_ready(&mut self, mem: &mut impl StepMemory<S>, plan: &mut StepPlan<S>) -> Option<Job<S>> {
+        let mut failed = Vec::new();
+        let in_service = self.in_service();
+        let ready = |job: &Job<S>| match mem.readiness(&job.seq) {
+            Readiness::Ready => true,
+            Readiness::Waiting => false,
+            Readiness::Failed(why) => {
+                failed.push((job.seq.id(), why));
+                false
             }
-            let victim = self.running.len() - 1;
-            self.preempt(victim, mem, plan);
-            if victim == i {
-                return false;
+        };
+        let next = self.queues.pop_next(ready, |t| in_service.get(t).copied().unwrap_or(0));
+        for (id, why) in failed {
+            for job in self.queues.remove_where(|j| j.seq.id() == id) {
+                plan.failed.push((job.seq, why.clone()));
             }
         }
+        next
+    }
+
+    /// Gives running sequence `id` room for `n` more tokens and puts them in the plan. False if
+    /// it was preempted instead (the pool could not make room).
+    fn give(&mut self, id: SeqId, n: usize, mem: &mut impl StepMemory<S>, plan: &mut StepPlan<S>, done: &mut HashSet<SeqId>) -> bool {
+        if n == 0 || !self.make_room(id, n, mem, plan, done) {
+            return false;
+        }
+        let Some(i) = self.index_of(id) else { return false };
+        self.charge(i, n);
+        plan.chunks.push((id, n));
+        done.insert(id);
+        true
+    }
+
+    /// Starts a queued sequence with as much of its prompt as the budget allows; the tokens
+    /// taken, or `None` (the job back at the front of its queue) when the pool is short.
+    fn start(&mut self, mut job: Job<S>, budget: usize, mem: &mut impl StepMemory<S>, plan: &mut StepPlan<S>, done: &mut HashSet<SeqId>) -> Option<usize> {
+        match mem.start(&mut job.seq, self.running.is_empty()) {
+            Ok(true) => {}
+            Ok(false) => {
+                self.queues.push_front(job);
+                return None;
+            }
+            Err(why) => {
+                plan.failed.push((job.seq, why));
+                return Some(0);
+            }
+        }
+        // Tokens found cached are not charged.
+        job.charged = job.charged.max(job.seq.computed());
+        let n = pending(&job).min(budget);
+        let target = job.seq.computed() + n;
+        if n == 0 || !mem.grow(&mut job.seq, target) {
+            mem.release(&mut job.seq);
+            self.queues.push_front(job);
+            return None;
+        }
+        let id = job.seq.id();
+        self.running.push(job);
+        self.charge(self.running.len() - 1, n);
+        plan.chunks.push((id, n));
+        done.insert(id);
+        Some(n)
     }
 
     fn preempt(&mut self, i: usize, mem: &mut impl StepMemory<S>, plan: &mut StepPlan<S>) {
@@ -289,53 +394,75 @@ impl<S: Schedulable> Scheduler<S> {
         self.queues.charge(&tenant, fresh);
     }
 
-    /// Starts queued sequences in fair order while there is budget, room in the running set and
-    /// memory. Stops at the first ready sequence that does not fit rather than letting later
-    /// ones jump ahead of it.
-    fn admit(&mut self, budget: &mut usize, mem: &mut impl StepMemory<S>, plan: &mut StepPlan<S>) {
-        while *budget > 0 && self.running.len() < self.config.max_running {
-            let mut failed = Vec::new();
-            let next = self.queues.pop_next(|job| match mem.readiness(&job.seq) {
-                Readiness::Ready => true,
-                Readiness::Waiting => false,
-                Readiness::Failed(why) => {
-                    failed.push((job.seq.id(), why));
-                    false
-                }
-            });
-            for (id, why) in failed {
-                for job in self.queues.remove_where(|j| j.seq.id() == id) {
-                    plan.failed.push((job.seq, why.clone()));
-                }
+    fn index_of(&self, id: SeqId) -> Option<usize> {
+        self.running.iter().position(|j| j.seq.id() == id)
+    }
+
+    /// Grows running sequence `id` by `n` tokens, preempting the last running sequences not yet
+    /// given work this step (lowest priority, latest arrival; `id` itself last of all) until it
+    /// fits. False when `id` was preempted.
+    fn make_room(&mut self, id: SeqId, n: usize, mem: &mut impl StepMemory<S>, plan: &mut StepPlan<S>, done: &HashSet<SeqId>) -> bool {
+        loop {
+            let Some(i) = self.index_of(id) else { return false };
+            let target = self.running[i].seq.computed() + n;
+            if mem.grow(&mut self.running[i].seq, target) {
+                return true;
             }
-            let Some(mut job) = next else { break };
-            match mem.start(&mut job.seq, self.running.is_empty()) {
-                Ok(true) => {}
-                Ok(false) => {
-                    self.queues.push_front(job);
-                    break;
-                }
-                Err(why) => {
-                    plan.failed.push((job.seq, why));
-                    continue;
-                }
+            let Some(victim) = self.running.iter().rposition(|j| !done.contains(&j.seq.id())) else { return false };
+            let victim_id = self.running[victim].seq.id();
+            self.preempt(victim, mem, plan);
+            if victim_id == id {
+                return false;
             }
-            // Tokens found cached are not charged.
-            job.charged = job.charged.max(job.seq.computed());
-            let pending = job.seq.num_tokens().saturating_sub(job.seq.computed());
-            let n = pending.min(*budget);
-            let target = job.seq.computed() + n;
-            if n == 0 || !mem.grow(&mut job.seq, target) {
-                mem.release(&mut job.seq);
-                self.queues.push_front(job);
-                break;
-            }
-            self.running.push(job);
-            let i = self.running.len() - 1;
-            self.charge(i, n);
-            plan.chunks.push((self.running[i].seq.id(), n));
-            *budget -= n;
         }
+    }
+
+    /// When the running set is full, a ready queued sequence of a tenant running fewer
+    /// sequences than its share of the running slots (by weight, among tenants with work)
+    /// takes the slot of the latest sequence of the tenant most over its share, which resumes
+    /// later from the front of its tenant's queue (its full blocks usually still cached).
+    /// Returns the sequence to start this step.
+    fn rebalance(&mut self, mem: &mut impl StepMemory<S>, plan: &mut StepPlan<S>) -> Option<Job<S>> {
+        if self.running.len() < self.config.max_running {
+            return None;
+        }
+        let running = self.in_service();
+        let active = self.queues.active_weights(running.keys()).max(f64::MIN_POSITIVE);
+        let slots = self.config.max_running as f64;
+        let share = |queues: &FairQueues<S>, t: &TenantId| slots * queues.weight(t) / active;
+        let count = |t: &TenantId| running.get(t).copied().unwrap_or(0) as f64;
+        let over = running
+            .keys()
+            .filter(|t| count(t) > share(&self.queues, t))
+            .max_by(|a, b| (count(a) / share(&self.queues, a)).total_cmp(&(count(b) / share(&self.queues, b))))
+            .cloned()?;
+        let shares: HashMap<TenantId, f64> = self.queues.tenants().map(|t| (t.clone(), share(&self.queues, t))).collect();
+        let under = |t: &TenantId| count(t) + 1.0 <= shares.get(t).copied().unwrap_or(0.0);
+        let mut failed = Vec::new();
+        let job = self.queues.pop_next(
+            |j| {
+                under(&j.tenant)
+                    && match mem.readiness(&j.seq) {
+                        Readiness::Ready => true,
+                        Readiness::Waiting => false,
+                        Readiness::Failed(why) => {
+                            failed.push((j.seq.id(), why));
+                            false
+                        }
+                    }
+            },
+            |t| running.get(t).copied().unwrap_or(0),
+        );
+        for (id, why) in failed {
+            for job in self.queues.remove_where(|j| j.seq.id() == id) {
+                plan.failed.push((job.seq, why.clone()));
+            }
+        }
+        let job = job?;
+        if let Some(v) = self.running.iter().rposition(|j| j.tenant == over) {
+            self.preempt(v, mem, plan);
+        }
+        Some(job)
     }
 
     /// Asks for the adapters of the next queued requests, in the order they would be picked.
