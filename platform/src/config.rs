@@ -239,7 +239,7 @@ pub struct BenchRuntimeArgs {
     #[arg(long, default_value_t = 1024)]
     pub pool_mb: usize,
     /// Fairness: tenant B's requests and the time between them.
-    #[arg(long, default_value_t = 40)]
+    #[arg(long, default_value_t = 100)]
     pub b_requests: usize,
     #[arg(long, default_value_t = 500)]
     pub b_interval_ms: u64,
@@ -268,7 +268,7 @@ pub struct BenchRuntimeArgs {
     #[arg(long, default_value_t = 8)]
     pub rank: usize,
     /// Churn: requests in the run.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 512)]
     pub churn_requests: usize,
     /// Where the JSON report goes.
     #[arg(long, default_value = "bench-runtime.json")]
