@@ -135,6 +135,7 @@ fn a_failed_step_errors_every_request_in_flight_and_the_worker_is_rebuilt() {
     wait_for(&rt, "the restart", |s| s[0].restarts == 1);
     let stats = rt.stats_blocking();
     assert_eq!((stats[0].in_flight, stats[0].pool.kv, stats[0].pool.adapter), (0, 0, 0), "a fresh engine: {stats:?}");
+    assert!(stats[0].host_adapter_bytes > 0, "the host tier outlives the worker: {stats:?}");
     let after = submit(&rt, request(prompt(4), Some(adapter("a1_r8_qv")), 16, 1)).collect_blocking().unwrap();
     assert_eq!(after.samples[0].tokens, expected("a1_r8_qv", 4), "the rebuilt worker serves again");
 }
@@ -183,4 +184,6 @@ fn requests_go_where_their_adapter_is_resident() {
     assert_eq!(after[1].generated_tokens - before[1].generated_tokens, 32, "{after:?}");
     assert_eq!(after[0].generated_tokens, before[0].generated_tokens);
     assert_eq!(after[0].pool.adapter, 0, "worker 0 never loaded the adapter");
+    // The host tier is the machine's: worker 0 would get the adapter from memory, not disk.
+    assert!(after[0].host_adapter_bytes > 0 && after[0].host_adapter_bytes == after[1].host_adapter_bytes, "{after:?}");
 }

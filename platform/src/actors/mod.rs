@@ -180,4 +180,6 @@ pub struct WorkerStats {
     pub restarts: u64,
     pub pool: PoolStats,
     pub prefix: PrefixStats,
+    /// Bytes of adapters in the host tier (one tier shared by every worker).
+    pub host_adapter_bytes: u64,
 }

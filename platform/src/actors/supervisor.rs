@@ -7,7 +7,7 @@ use actix::{Actor, Addr, Arbiter, AsyncContext, Context, Handler, ResponseFuture
 use loraplex_kernels::Backend;
 
 use super::{Cancel, GetStats, InjectFault, LoadAdapter, RuntimeError, Submit, UnloadAdapter, Worker, WorkerReport, WorkerStats};
-use crate::memory::Residency;
+use crate::memory::{LoaderPool, Residency};
 use crate::engine::EngineConfig;
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
@@ -52,10 +52,16 @@ impl<B: Backend> Actor for Supervisor<B> {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         let me = ctx.address().recipient();
+        // One host tier (loader threads and host-memory cache) for the machine. Without it
+        // (the threads could not start) each worker tries its own and reports the failure.
+        let host = self.devices.first().and_then(|m| {
+            let page_elems = m.kv_layout(self.config.block_size).page_elems();
+            LoaderPool::new(&self.config.adapters, m.base_shape(), page_elems).ok()
+        });
         for (index, model) in self.devices.iter().enumerate() {
             let arbiter = Arbiter::new();
-            let (model, tokenizer, config, me) = (model.clone(), self.tokenizer.clone(), self.config.clone(), me.clone());
-            let addr = actix::Supervisor::start_in_arbiter(&arbiter.handle(), move |_| Worker::new(index, model, tokenizer, config, Some(me)));
+            let (model, tokenizer, config, host, me) = (model.clone(), self.tokenizer.clone(), self.config.clone(), host.clone(), me.clone());
+            let addr = actix::Supervisor::start_in_arbiter(&arbiter.handle(), move |_| Worker::new(index, model, tokenizer, config, host, Some(me)));
             self.workers.push(Slot { addr, _arbiter: arbiter, in_flight: 0, resident: HashSet::new() });
         }
     }

@@ -12,7 +12,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::{
     Cancel, Event, GetStats, InjectFault, LoadAdapter, RequestId, RuntimeError, Step, Submit, TokenOut, UnloadAdapter, Usage, WorkerReport, WorkerStats,
 };
-use crate::memory::Residency;
+use crate::memory::{LoaderPool, Residency};
 use crate::engine::{Engine, EngineConfig, EngineError, SeqId, TokenEvent};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
@@ -36,6 +36,8 @@ pub struct Worker<B: Backend> {
     model: Arc<Model<B>>,
     tokenizer: Arc<Tokenizer>,
     config: EngineConfig,
+    /// The machine's host tier of adapters, shared by every worker and kept across rebuilds.
+    host: Option<Arc<LoaderPool>>,
     /// The reason, while an engine cannot be built. Boxed: actors must be `Unpin`, and device
     /// buffers need not be.
     engine: Result<Box<Engine<B>>, Arc<str>>,
@@ -54,13 +56,21 @@ pub struct Worker<B: Backend> {
 }
 
 impl<B: Backend> Worker<B> {
-    pub(crate) fn new(index: usize, model: Arc<Model<B>>, tokenizer: Arc<Tokenizer>, config: EngineConfig, supervisor: Option<Recipient<WorkerReport>>) -> Self {
-        let engine = Self::build(&model, &tokenizer, &config);
+    pub(crate) fn new(
+        index: usize,
+        model: Arc<Model<B>>,
+        tokenizer: Arc<Tokenizer>,
+        config: EngineConfig,
+        host: Option<Arc<LoaderPool>>,
+        supervisor: Option<Recipient<WorkerReport>>,
+    ) -> Self {
+        let engine = Self::build(&model, &tokenizer, &config, &host);
         Self {
             index,
             model,
             tokenizer,
             config,
+            host,
             engine,
             flights: HashMap::new(),
             seqs: HashMap::new(),
@@ -74,8 +84,8 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    fn build(model: &Arc<Model<B>>, tokenizer: &Arc<Tokenizer>, config: &EngineConfig) -> Result<Box<Engine<B>>, Arc<str>> {
-        match Engine::new(model.clone(), tokenizer.clone(), config.clone()) {
+    fn build(model: &Arc<Model<B>>, tokenizer: &Arc<Tokenizer>, config: &EngineConfig, host: &Option<Arc<LoaderPool>>) -> Result<Box<Engine<B>>, Arc<str>> {
+        match Engine::with_host_tier(model.clone(), tokenizer.clone(), config.clone(), host.clone()) {
             Ok(engine) => Ok(Box::new(engine)),
             Err(e) => Err(format!("building the engine: {e}").into()),
         }
@@ -222,7 +232,7 @@ impl<B: Backend> Supervised for Worker<B> {
         if let Ok(old) = &self.engine {
             self.past_preemptions += old.preemptions();
         }
-        self.engine = Self::build(&self.model, &self.tokenizer, &self.config);
+        self.engine = Self::build(&self.model, &self.tokenizer, &self.config, &self.host);
         self.flights.clear();
         self.seqs.clear();
         self.stepping = false;
@@ -297,10 +307,11 @@ impl<B: Backend> Handler<GetStats> for Worker<B> {
     type Result = Vec<WorkerStats>;
 
     fn handle(&mut self, _: GetStats, _ctx: &mut Self::Context) -> Self::Result {
-        let (running, waiting, pool, prefix, preemptions) = match &self.engine {
+        let (running, waiting, pool, prefix, preemptions, host_adapter_bytes) = match &mut self.engine {
             Ok(e) => {
                 let (running, waiting) = e.load();
-                (running, waiting, e.pool_stats(), e.prefix_stats(), e.preemptions())
+                let host = e.adapters().loader().host_bytes();
+                (running, waiting, e.pool_stats(), e.prefix_stats(), e.preemptions(), host)
             }
             Err(_) => Default::default(),
         };
@@ -316,6 +327,7 @@ impl<B: Backend> Handler<GetStats> for Worker<B> {
             restarts: self.restarts,
             pool,
             prefix,
+            host_adapter_bytes,
         }]
     }
 }

@@ -23,7 +23,7 @@ use std::time::Duration;
 use loraplex_kernels::{Backend, KernelError, NO_ADAPTER};
 
 use crate::memory::{
-    AdapterLoader, AdapterRef, AdapterResidency, BlockHash, BlockTable, DevicePool, LoaderConfig, PoolStats, PrefixCache, PrefixStats, Residency,
+    AdapterLoader, AdapterRef, AdapterResidency, BlockHash, BlockTable, DevicePool, LoaderConfig, LoaderPool, PoolStats, PrefixCache, PrefixStats, Residency,
     ResidencyEvent, ResidentRows,
 };
 use crate::model::{LoraBatch, Model};
@@ -136,12 +136,21 @@ pub struct Engine<B: Backend> {
 
 impl<B: Backend> Engine<B> {
     pub fn new(model: Arc<Model<B>>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Result<Self, EngineError> {
+        Self::with_host_tier(model, tokenizer, config, None)
+    }
+
+    /// An engine whose adapters come through `host` (a host tier shared with other devices),
+    /// or through a host tier of its own when `None`.
+    pub fn with_host_tier(model: Arc<Model<B>>, tokenizer: Arc<Tokenizer>, config: EngineConfig, host: Option<Arc<LoaderPool>>) -> Result<Self, EngineError> {
         if config.block_size == 0 || config.max_batch_tokens == 0 || config.max_running == 0 {
             return Err(EngineError::Config(format!("block size, batch tokens and running sequences must be positive: {config:?}")));
         }
         let layout = model.kv_layout(config.block_size);
         let mem = DevicePool::with_bytes(model.backend().as_ref(), layout, config.pool_bytes)?;
-        let loader = AdapterLoader::new(&config.adapters, model.base_shape(), mem.page_elems()).map_err(EngineError::Loader)?;
+        let loader = match host {
+            Some(pool) => AdapterLoader::on(pool),
+            None => AdapterLoader::new(&config.adapters, model.base_shape(), mem.page_elems()).map_err(EngineError::Loader)?,
+        };
         let adapters = AdapterResidency::new(loader, model.config().num_layers);
         Ok(Self {
             model,

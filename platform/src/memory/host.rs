@@ -53,9 +53,10 @@ pub struct LoadDone {
 struct Job {
     key: Arc<str>,
     dir: Arc<Path>,
+    /// Where the outcome goes: the channel of the [`AdapterLoader`] that asked.
+    reply: Sender<LoadDone>,
 }
 
-/// What every loader thread needs to turn files into a [`HostAdapter`].
 struct LoadContext {
     shape: BaseShape,
     limits: AdapterLimits,
@@ -79,12 +80,14 @@ impl LoadContext {
     }
 }
 
-/// The host tier: a byte-weighted cache of packed adapters and the threads that load them.
-pub struct AdapterLoader {
+/// The host tier of one machine: a byte-weighted cache of packed adapters and the threads that
+/// load them. Shared (through [`AdapterLoader`]s) by every device's adapter residency, so an
+/// adapter is read from disk once per machine, and the tier outlives a device worker that is
+/// rebuilt.
+pub struct LoaderPool {
     cache: Cache<Arc<str>, Arc<HostAdapter>>,
-    jobs: Option<Sender<Job>>,
-    done: Receiver<LoadDone>,
-    workers: Vec<JoinHandle<()>>,
+    jobs: Mutex<Option<Sender<Job>>>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
 }
 
 /// moka weighs entries with a u32; weights are in KiB so that entries up to 4 TiB fit.
@@ -92,10 +95,10 @@ fn weight_kib(bytes: usize) -> u32 {
     u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX)
 }
 
-impl AdapterLoader {
+impl LoaderPool {
     /// Starts the loader threads. `shape` is what adapters are validated against and
     /// `page_elems` the page size they are packed for.
-    pub fn new(config: &LoaderConfig, shape: BaseShape, page_elems: usize) -> std::io::Result<Self> {
+    pub fn new(config: &LoaderConfig, shape: BaseShape, page_elems: usize) -> std::io::Result<Arc<Self>> {
         let cache: Cache<Arc<str>, Arc<HostAdapter>> = Cache::builder()
             .max_capacity(config.host_cache_bytes / 1024)
             .weigher(|_k, v: &Arc<HostAdapter>| weight_kib(v.packed.bytes()))
@@ -103,43 +106,71 @@ impl AdapterLoader {
         let ctx = Arc::new(LoadContext { shape, limits: config.limits, page_elems, cache: cache.clone() });
         let (jobs, job_rx) = mpsc::channel::<Job>();
         let job_rx = Arc::new(Mutex::new(job_rx));
-        let (done_tx, done) = mpsc::channel();
         let mut workers = Vec::new();
         for i in 0..config.threads.max(1) {
-            let (ctx, job_rx, done_tx) = (ctx.clone(), job_rx.clone(), done_tx.clone());
+            let (ctx, job_rx) = (ctx.clone(), job_rx.clone());
             let worker = std::thread::Builder::new().name(format!("adapter-loader-{i}")).spawn(move || {
                 loop {
-                    // The lock is only held while waiting for the next job.
                     let job = match job_rx.lock() {
                         Ok(rx) => rx.recv(),
                         Err(poisoned) => poisoned.into_inner().recv(),
                     };
                     let Ok(job) = job else { break };
-                    // A panic in a load must not leave the adapter loading forever.
                     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ctx.load(&job.key, &job.dir)))
                         .unwrap_or_else(|_| Err(format!("{}: the loader failed unexpectedly", job.dir.display())))
                         .map_err(Arc::from);
-                    if done_tx.send(LoadDone { key: job.key, result }).is_err() {
-                        break;
-                    }
+                    // The asker may be gone (a rebuilt worker); the adapter stays cached.
+                    let _ = job.reply.send(LoadDone { key: job.key, result });
                 }
             })?;
             workers.push(worker);
         }
-        Ok(Self { cache, jobs: Some(jobs), done, workers })
+        Ok(Arc::new(Self { cache, jobs: Mutex::new(Some(jobs)), workers: Mutex::new(workers) }))
+    }
+
+    fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl Drop for LoaderPool {
+    fn drop(&mut self) {
+        Self::lock(&self.jobs).take();
+        for w in Self::lock(&self.workers).drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+/// One device's access to the host tier: it submits loads and receives their outcomes on its
+/// own channel.
+pub struct AdapterLoader {
+    pool: Arc<LoaderPool>,
+    reply: Sender<LoadDone>,
+    done: Receiver<LoadDone>,
+}
+
+impl AdapterLoader {
+    /// A host tier of its own (see [`LoaderPool::new`]).
+    pub fn new(config: &LoaderConfig, shape: BaseShape, page_elems: usize) -> std::io::Result<Self> {
+        Ok(Self::on(LoaderPool::new(config, shape, page_elems)?))
+    }
+
+    /// Access to a shared host tier.
+    pub fn on(pool: Arc<LoaderPool>) -> Self {
+        let (reply, done) = mpsc::channel();
+        Self { pool, reply, done }
     }
 
     /// The adapter if it is in host memory.
     pub fn cached(&self, key: &str) -> Option<Arc<HostAdapter>> {
-        self.cache.get(key)
+        self.pool.cache.get(key)
     }
 
     /// Queues a load from `dir`; its outcome comes out of [`Self::completed`].
     pub fn submit(&self, key: Arc<str>, dir: Arc<Path>) {
-        if let Some(jobs) = &self.jobs {
-            // The workers only stop when `jobs` is dropped (they catch panics of a load), so
-            // the send cannot fail while `self` exists.
-            let _ = jobs.send(Job { key, dir });
+        if let Some(jobs) = LoaderPool::lock(&self.pool.jobs).as_ref() {
+            let _ = jobs.send(Job { key, dir, reply: self.reply.clone() });
         }
     }
 
@@ -155,22 +186,13 @@ impl AdapterLoader {
 
     /// Drops an adapter from host memory (a deleted adapter).
     pub fn invalidate(&self, key: &str) {
-        self.cache.invalidate(key);
+        self.pool.cache.invalidate(key);
     }
 
     /// Bytes of packed adapters held in host memory (approximate until the cache's pending
     /// maintenance runs).
     pub fn host_bytes(&self) -> u64 {
-        self.cache.run_pending_tasks();
-        self.cache.weighted_size() * 1024
-    }
-}
-
-impl Drop for AdapterLoader {
-    fn drop(&mut self) {
-        self.jobs = None;
-        for w in self.workers.drain(..) {
-            let _ = w.join();
-        }
+        self.pool.cache.run_pending_tasks();
+        self.pool.cache.weighted_size() * 1024
     }
 }

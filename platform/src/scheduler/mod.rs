@@ -261,16 +261,17 @@ impl<S: Schedulable> Scheduler<S> {
             }
         }
         while budget > 0 {
+            let in_service = self.in_service();
             let best_running = self
                 .running
                 .iter()
                 .filter(|j| pending(j) > 0 && !done.contains(&j.seq.id()))
-                .map(|j| (self.key(j), j.seq.id()))
+                .map(|j| (self.key(j, &in_service), j.seq.id()))
                 .min_by(|a, b| a.0.partial_cmp(&b.0).unwrap_or(std::cmp::Ordering::Equal));
-            let queued = if admitting && self.running.len() < self.config.max_running { self.next_ready(mem, &mut plan) } else { None };
+            let queued = if admitting && self.running.len() < self.config.max_running { self.next_ready(mem, &mut plan, &in_service) } else { None };
             let run_first = match (&best_running, &queued) {
                 (None, None) => break,
-                (Some((key, _)), Some(q)) => *key <= self.key(q),
+                (Some((key, _)), Some(q)) => *key <= self.key(q, &in_service),
                 (Some(_), None) => true,
                 (None, Some(_)) => false,
             };
@@ -296,8 +297,8 @@ impl<S: Schedulable> Scheduler<S> {
 
     /// The fair order of prompt work: class, tenant counter, then (on equal counters, as when
     /// a tenant returns from idle) the tenant with fewer sequences running, then arrival.
-    fn key(&self, job: &Job<S>) -> (Priority, f64, usize, u64) {
-        let running = self.running.iter().filter(|j| j.tenant == job.tenant).count();
+    fn key(&self, job: &Job<S>, in_service: &HashMap<TenantId, usize>) -> (Priority, f64, usize, u64) {
+        let running = in_service.get(&job.tenant).copied().unwrap_or(0);
         (job.priority, self.queues.counter(&job.tenant).unwrap_or(0.0), running, job.arrival)
     }
 
@@ -312,9 +313,8 @@ impl<S: Schedulable> Scheduler<S> {
 
     /// The queued sequence to start next, if one is ready; those that can never run go to
     /// `plan.failed`.
-    fn next_ready(&mut self, mem: &mut impl StepMemory<S>, plan: &mut StepPlan<S>) -> Option<Job<S>> {
+    fn next_ready(&mut self, mem: &mut impl StepMemory<S>, plan: &mut StepPlan<S>, in_service: &HashMap<TenantId, usize>) -> Option<Job<S>> {
         let mut failed = Vec::new();
-        let in_service = self.in_service();
         let ready = |job: &Job<S>| match mem.readiness(&job.seq) {
             Readiness::Ready => true,
             Readiness::Waiting => false,
