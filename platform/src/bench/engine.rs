@@ -15,7 +15,6 @@ use crate::engine::{Engine, EngineConfig};
 use crate::model::{self, Model, ModelConfig};
 use crate::request::{GenerationRequest, StopConditions};
 use crate::sampling::SamplingParams;
-use crate::synth;
 use crate::tokenizer::Tokenizer;
 
 /// MFU target at the largest decode batch and MBU target at batch 1.
@@ -102,16 +101,8 @@ impl Costs {
 
 pub fn run(args: &BenchEngineArgs) -> anyhow::Result<()> {
     crate::cli::init_threads(args.threads)?;
-    let tmp;
-    let (dir, source) = match &args.model {
-        Some(dir) => (dir.clone(), dir.display().to_string()),
-        None => {
-            tmp = tempfile::tempdir().context("creating a directory for the synthesized model")?;
-            eprintln!("synthesizing the {:?} model ...", args.preset);
-            synth::synthesize_model(&synth::SynthOptions { out: tmp.path().to_path_buf(), preset: args.preset, seed: 0 })?;
-            (tmp.path().to_path_buf(), format!("synth {:?}", args.preset).to_lowercase())
-        }
-    };
+    let tmp = tempfile::tempdir().context("creating a directory for the synthesized model")?;
+    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, tmp.path())?;
     let backend = Arc::new(CpuBackend::new());
     let model = Arc::new(model::load(backend.clone(), &dir)?);
     let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);

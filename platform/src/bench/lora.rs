@@ -70,15 +70,7 @@ pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
     crate::cli::init_threads(args.threads)?;
     ensure!(args.batch > 0 && args.steps > 0 && args.rank > 0, "--batch, --steps and --rank must be positive");
     let tmp = tempfile::tempdir().context("creating a directory for the synthesized model and adapters")?;
-    let (dir, source) = match &args.model {
-        Some(dir) => (dir.clone(), dir.display().to_string()),
-        None => {
-            eprintln!("synthesizing the {:?} model ...", args.preset);
-            let out = tmp.path().join("model");
-            synth::synthesize_model(&synth::SynthOptions { out: out.clone(), preset: args.preset, seed: 0 })?;
-            (out, format!("synth {:?}", args.preset).to_lowercase())
-        }
-    };
+    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, tmp.path())?;
     let backend = Arc::new(CpuBackend::new());
     let model = Arc::new(model::load(backend.clone(), &dir)?);
     let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);

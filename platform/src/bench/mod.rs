@@ -5,8 +5,22 @@ pub mod engine;
 pub mod lora;
 pub mod runtime;
 
+use std::path::{Path, PathBuf};
+
 use crate::model::ModelConfig;
-use crate::synth::ModelDims;
+use crate::synth::{self, ModelDims, Preset};
+
+/// The model a benchmark measures: `model` if given, else one of `preset`'s size synthesized
+/// under `scratch`. Returns its directory and how the report names it.
+pub(crate) fn model_dir(model: Option<&PathBuf>, preset: Preset, scratch: &Path) -> anyhow::Result<(PathBuf, String)> {
+    if let Some(dir) = model {
+        return Ok((dir.clone(), dir.display().to_string()));
+    }
+    eprintln!("synthesizing the {preset:?} model ...");
+    let out = scratch.join("model");
+    synth::synthesize_model(&synth::SynthOptions { out: out.clone(), preset, seed: 0 })?;
+    Ok((out, format!("synth {preset:?}").to_lowercase()))
+}
 
 /// The synthesis dimensions of a loaded model, so adapters can be made for any checkpoint.
 pub(crate) fn dims_of(c: &ModelConfig) -> ModelDims {

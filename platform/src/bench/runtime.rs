@@ -520,15 +520,7 @@ struct Report {
 pub fn run(args: &BenchRuntimeArgs) -> anyhow::Result<()> {
     crate::cli::init_threads(args.threads)?;
     let tmp = tempfile::tempdir().context("creating a scratch directory")?;
-    let (dir, source) = match &args.model {
-        Some(dir) => (dir.clone(), dir.display().to_string()),
-        None => {
-            eprintln!("synthesizing the {:?} model ...", args.preset);
-            let out = tmp.path().join("model");
-            synth::synthesize_model(&synth::SynthOptions { out: out.clone(), preset: args.preset, seed: 0 })?;
-            (out, format!("synth {:?}", args.preset).to_lowercase())
-        }
-    };
+    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, tmp.path())?;
     let setup = load_setup(&dir, tmp.path())?;
     let engine = EngineConfig {
         max_batch_tokens: args.max_batch_tokens,
