@@ -3,7 +3,8 @@
 //! - A [`Worker`] owns one device: its engine (page pool, adapter residency, scheduler) over
 //!   the shared base model. It runs one engine step per [`Step`] message and re-notifies itself
 //!   while work remains, so submits, cancels and stats requests are handled between steps.
-//!   Its adapters come from disk to host memory on the engine's loader threads.
+//! - The [`Loader`] reads, validates and packs adapters from disk into the machine's one host
+//!   tier, on threads of its own (a `SyncArbiter`); every worker's adapters come through it.
 //! - The [`Supervisor`] starts one worker per device, each on its own arbiter (thread), routes
 //!   each request to a worker where its adapter is resident (else to the least loaded one) and
 //!   has actix restart a worker whose step failed.
@@ -16,6 +17,7 @@
 //!
 //! [`crate::runtime::Runtime`] is the handle the rest of the program uses.
 
+mod loader;
 mod supervisor;
 mod worker;
 
@@ -29,6 +31,7 @@ use crate::memory::{AdapterRef, PoolStats, PrefixStats, Residency};
 use crate::request::{FinishReason, ValidRequest};
 use crate::scheduler::Placement;
 
+pub use loader::{Loader, RunLoad};
 pub use supervisor::Supervisor;
 pub use worker::Worker;
 

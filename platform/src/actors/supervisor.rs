@@ -3,10 +3,10 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use actix::{Actor, Addr, Arbiter, AsyncContext, Context, Handler, ResponseFuture};
+use actix::{Actor, Addr, Arbiter, AsyncContext, Context, Handler, ResponseFuture, SyncArbiter};
 use loraplex_kernels::Backend;
 
-use super::{Cancel, GetStats, InjectFault, LoadAdapter, RuntimeError, Submit, UnloadAdapter, Worker, WorkerReport, WorkerStats};
+use super::{Cancel, GetStats, InjectFault, LoadAdapter, Loader, RunLoad, RuntimeError, Submit, UnloadAdapter, Worker, WorkerReport, WorkerStats};
 use crate::memory::{LoaderPool, Residency};
 use crate::engine::EngineConfig;
 use crate::model::Model;
@@ -52,11 +52,20 @@ impl<B: Backend> Actor for Supervisor<B> {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         let me = ctx.address().recipient();
-        // One host tier (loader threads and host-memory cache) for the machine. Without it
-        // (the threads could not start) each worker tries its own and reports the failure.
-        let host = self.devices.first().and_then(|m| {
+        // One host tier for the machine, filled by the loader actor's threads.
+        let threads = self.config.adapters.threads.max(1);
+        let loader = SyncArbiter::start(threads, || Loader);
+        let host = self.devices.first().map(|m| {
             let page_elems = m.kv_layout(self.config.block_size).page_elems();
-            LoaderPool::new(&self.config.adapters, m.base_shape(), page_elems).ok()
+            LoaderPool::with_executor(&self.config.adapters, m.base_shape(), page_elems, move |task| {
+                // `do_send` queues past the mailbox's capacity: a burst of prefetches must
+                // not be refused.
+                let alive = loader.connected();
+                if alive {
+                    loader.do_send(RunLoad(task));
+                }
+                alive
+            })
         });
         for (index, model) in self.devices.iter().enumerate() {
             let arbiter = Arbiter::new();

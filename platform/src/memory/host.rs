@@ -50,12 +50,8 @@ pub struct LoadDone {
     pub result: Result<Arc<HostAdapter>, Arc<str>>,
 }
 
-struct Job {
-    key: Arc<str>,
-    dir: Arc<Path>,
-    /// Where the outcome goes: the channel of the [`AdapterLoader`] that asked.
-    reply: Sender<LoadDone>,
-}
+/// One load, ready to run on whichever thread executes loads.
+pub type LoadTask = Box<dyn FnOnce() + Send>;
 
 struct LoadContext {
     shape: BaseShape,
@@ -85,9 +81,16 @@ impl LoadContext {
 /// adapter is read from disk once per machine, and the tier outlives a device worker that is
 /// rebuilt.
 pub struct LoaderPool {
-    cache: Cache<Arc<str>, Arc<HostAdapter>>,
-    jobs: Mutex<Option<Sender<Job>>>,
-    workers: Mutex<Vec<JoinHandle<()>>>,
+    ctx: Arc<LoadContext>,
+    runner: Runner,
+}
+
+/// Where loads run.
+enum Runner {
+    /// Threads of the pool's own.
+    Threads { tasks: Mutex<Option<Sender<LoadTask>>>, threads: Mutex<Vec<JoinHandle<()>>> },
+    /// An executor the owner provides (the runtime's loader actor); false when it is gone.
+    External(Box<dyn Fn(LoadTask) -> bool + Send + Sync>),
 }
 
 /// moka weighs entries with a u32; weights are in KiB so that entries up to 4 TiB fit.
@@ -95,49 +98,80 @@ fn weight_kib(bytes: usize) -> u32 {
     u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX)
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 impl LoaderPool {
-    /// Starts the loader threads. `shape` is what adapters are validated against and
-    /// `page_elems` the page size they are packed for.
-    pub fn new(config: &LoaderConfig, shape: BaseShape, page_elems: usize) -> std::io::Result<Arc<Self>> {
+    fn context(config: &LoaderConfig, shape: BaseShape, page_elems: usize) -> Arc<LoadContext> {
         let cache: Cache<Arc<str>, Arc<HostAdapter>> = Cache::builder()
             .max_capacity(config.host_cache_bytes / 1024)
             .weigher(|_k, v: &Arc<HostAdapter>| weight_kib(v.packed.bytes()))
             .build();
-        let ctx = Arc::new(LoadContext { shape, limits: config.limits, page_elems, cache: cache.clone() });
-        let (jobs, job_rx) = mpsc::channel::<Job>();
-        let job_rx = Arc::new(Mutex::new(job_rx));
-        let mut workers = Vec::new();
-        for i in 0..config.threads.max(1) {
-            let (ctx, job_rx) = (ctx.clone(), job_rx.clone());
-            let worker = std::thread::Builder::new().name(format!("adapter-loader-{i}")).spawn(move || {
-                loop {
-                    let job = match job_rx.lock() {
-                        Ok(rx) => rx.recv(),
-                        Err(poisoned) => poisoned.into_inner().recv(),
-                    };
-                    let Ok(job) = job else { break };
-                    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ctx.load(&job.key, &job.dir)))
-                        .unwrap_or_else(|_| Err(format!("{}: the loader failed unexpectedly", job.dir.display())))
-                        .map_err(Arc::from);
-                    // The asker may be gone (a rebuilt worker); the adapter stays cached.
-                    let _ = job.reply.send(LoadDone { key: job.key, result });
-                }
-            })?;
-            workers.push(worker);
-        }
-        Ok(Arc::new(Self { cache, jobs: Mutex::new(Some(jobs)), workers: Mutex::new(workers) }))
+        Arc::new(LoadContext { shape, limits: config.limits, page_elems, cache })
     }
 
-    fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-        m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    /// Starts `config.threads` loader threads. `shape` is what adapters are validated against
+    /// and `page_elems` the page size they are packed for.
+    pub fn new(config: &LoaderConfig, shape: BaseShape, page_elems: usize) -> std::io::Result<Arc<Self>> {
+        let (tasks, task_rx) = mpsc::channel::<LoadTask>();
+        let task_rx = Arc::new(Mutex::new(task_rx));
+        let mut threads = Vec::new();
+        for i in 0..config.threads.max(1) {
+            let task_rx = task_rx.clone();
+            let thread = std::thread::Builder::new().name(format!("adapter-loader-{i}")).spawn(move || {
+                loop {
+                    let task = lock(&task_rx).recv();
+                    let Ok(task) = task else { break };
+                    task();
+                }
+            })?;
+            threads.push(thread);
+        }
+        let runner = Runner::Threads { tasks: Mutex::new(Some(tasks)), threads: Mutex::new(threads) };
+        Ok(Arc::new(Self { ctx: Self::context(config, shape, page_elems), runner }))
+    }
+
+    /// A host tier whose loads run on `execute` (which returns false when it can no longer
+    /// run anything).
+    pub fn with_executor(
+        config: &LoaderConfig,
+        shape: BaseShape,
+        page_elems: usize,
+        execute: impl Fn(LoadTask) -> bool + Send + Sync + 'static,
+    ) -> Arc<Self> {
+        Arc::new(Self { ctx: Self::context(config, shape, page_elems), runner: Runner::External(Box::new(execute)) })
+    }
+
+    /// Runs a load off the caller's thread; its outcome goes to `reply`.
+    fn submit(&self, key: Arc<str>, dir: Arc<Path>, reply: Sender<LoadDone>) {
+        let ctx = self.ctx.clone();
+        let failed = reply.clone();
+        let failed_key = key.clone();
+        let task: LoadTask = Box::new(move || {
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ctx.load(&key, &dir)))
+                .unwrap_or_else(|_| Err(format!("{}: the loader failed unexpectedly", dir.display())))
+                .map_err(Arc::from);
+            // The asker may be gone (a rebuilt worker); the adapter stays cached.
+            let _ = reply.send(LoadDone { key, result });
+        });
+        let queued = match &self.runner {
+            Runner::Threads { tasks, .. } => lock(tasks).as_ref().is_some_and(|t| t.send(task).is_ok()),
+            Runner::External(execute) => execute(task),
+        };
+        if !queued {
+            let _ = failed.send(LoadDone { key: failed_key, result: Err("the adapter loader has stopped".into()) });
+        }
     }
 }
 
 impl Drop for LoaderPool {
     fn drop(&mut self) {
-        Self::lock(&self.jobs).take();
-        for w in Self::lock(&self.workers).drain(..) {
-            let _ = w.join();
+        if let Runner::Threads { tasks, threads } = &self.runner {
+            lock(tasks).take();
+            for t in lock(threads).drain(..) {
+                let _ = t.join();
+            }
         }
     }
 }
@@ -164,14 +198,12 @@ impl AdapterLoader {
 
     /// The adapter if it is in host memory.
     pub fn cached(&self, key: &str) -> Option<Arc<HostAdapter>> {
-        self.pool.cache.get(key)
+        self.pool.ctx.cache.get(key)
     }
 
     /// Queues a load from `dir`; its outcome comes out of [`Self::completed`].
     pub fn submit(&self, key: Arc<str>, dir: Arc<Path>) {
-        if let Some(jobs) = LoaderPool::lock(&self.pool.jobs).as_ref() {
-            let _ = jobs.send(Job { key, dir, reply: self.reply.clone() });
-        }
+        self.pool.submit(key, dir, self.reply.clone());
     }
 
     /// Loads finished since the last call, without waiting.
@@ -186,13 +218,13 @@ impl AdapterLoader {
 
     /// Drops an adapter from host memory (a deleted adapter).
     pub fn invalidate(&self, key: &str) {
-        self.pool.cache.invalidate(key);
+        self.pool.ctx.cache.invalidate(key);
     }
 
     /// Bytes of packed adapters held in host memory (approximate until the cache's pending
     /// maintenance runs).
     pub fn host_bytes(&self) -> u64 {
-        self.pool.cache.run_pending_tasks();
-        self.pool.cache.weighted_size() * 1024
+        self.pool.ctx.cache.run_pending_tasks();
+        self.pool.ctx.cache.weighted_size() * 1024
     }
 }

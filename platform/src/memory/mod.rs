@@ -13,7 +13,7 @@ mod pool;
 mod prefix;
 
 pub use adapters::{AdapterRef, AdapterResidency, ResidencyEvent, ResidentAdapter, ResidentRows, Residency, Tier};
-pub use host::{AdapterLoader, HostAdapter, LoaderConfig, LoaderPool};
+pub use host::{AdapterLoader, HostAdapter, LoadTask, LoaderConfig, LoaderPool};
 pub use kv::{BlockTable, DevicePool};
 pub use pool::{CachedPages, EntryKind, PageLease, PagePin, PagePool, PoolStats};
 pub use prefix::{BlockHash, PrefixCache, PrefixStats};
