@@ -14,5 +14,6 @@ pub mod request;
 pub mod runtime;
 pub mod sampling;
 pub mod scheduler;
+pub mod store;
 pub mod synth;
 pub mod tokenizer;

@@ -1,0 +1,608 @@
+//! Durable state: tenants, API keys, adapters' metadata and the usage ledger.
+//!
+//! sqlx over SQLite by default (a file, WAL) or PostgreSQL by URL, through sqlx's `Any` driver so
+//! that one set of queries serves both: `$N` placeholders, BIGINT integers, times as Unix
+//! milliseconds. The migrations under `migrations/` are embedded in the binary and run at
+//! connect.
+
+mod ledger;
+#[cfg(test)]
+mod tests;
+
+use std::sync::Once;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use rand::Rng;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use sqlx::AnyPool;
+use sqlx::any::AnyPoolOptions;
+
+pub use ledger::{BillingLine, BillingReport, Ledger, Totals, UsageRecord};
+
+/// The columns of [`Tenant`], in order.
+macro_rules! tenant_columns {
+    () => {
+        "id, name, weight, plan, requests_per_min, tokens_per_min, max_concurrent, max_adapters, max_adapter_bytes, created_at"
+    };
+}
+
+/// The columns of [`AdapterRecord`], in order.
+macro_rules! adapter_columns {
+    () => {
+        "id, owner, name, version, public, rank, targets, bytes, content_hash, blob, created_at"
+    };
+}
+
+/// Errors of the store. Messages are for the caller where the caller got something wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("migrating the database: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("unsupported database URL {0:?}: use sqlite://PATH or postgres://...")]
+    Url(String),
+    #[error("{what} {name:?} already exists")]
+    Conflict { what: &'static str, name: String },
+    #[error("{0} not found")]
+    NotFound(&'static str),
+    #[error("invalid {field}: {why}")]
+    Invalid { field: &'static str, why: String },
+}
+
+/// Which database a store talks to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DbKind {
+    Sqlite,
+    Postgres,
+}
+
+/// The connection pool and the queries.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: AnyPool,
+    kind: DbKind,
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
+fn random_id(prefix: &str) -> String {
+    let bytes: [u8; 12] = rand::rng().random();
+    format!("{prefix}_{}", hex(&bytes))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn is_unique_violation(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.is_unique_violation())
+}
+
+impl Store {
+    /// Connects (creating a SQLite file if needed) and brings the schema up to date.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        static DRIVERS: Once = Once::new();
+        DRIVERS.call_once(sqlx::any::install_default_drivers);
+        let (kind, url) = if let Some(rest) = url.strip_prefix("sqlite:") {
+            let url = if rest.contains("mode=") { url.to_string() } else { format!("{url}{}mode=rwc", if rest.contains('?') { '&' } else { '?' }) };
+            (DbKind::Sqlite, url)
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            (DbKind::Postgres, url.to_string())
+        } else {
+            return Err(StoreError::Url(url.to_string()));
+        };
+        let mut options = AnyPoolOptions::new().max_connections(if kind == DbKind::Sqlite { 4 } else { 8 });
+        if kind == DbKind::Sqlite {
+            options = options.after_connect(|conn, _| {
+                Box::pin(async move {
+                    sqlx::query("PRAGMA foreign_keys = ON").execute(&mut *conn).await?;
+                    sqlx::query("PRAGMA busy_timeout = 10000").execute(&mut *conn).await?;
+                    Ok(())
+                })
+            });
+        }
+        let pool = options.connect(&url).await?;
+        if kind == DbKind::Sqlite {
+            sqlx::query("PRAGMA journal_mode = WAL").execute(&pool).await?;
+        }
+        sqlx::migrate!("../migrations").run(&pool).await?;
+        Ok(Self { pool, kind })
+    }
+
+    pub fn kind(&self) -> DbKind {
+        self.kind
+    }
+
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
+    /// Waits for connections to finish and closes them.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Plans and tenants
+
+    pub async fn plan(&self, name: &str) -> Result<Option<Plan>, StoreError> {
+        Ok(sqlx::query_as("SELECT name, prompt_price, cached_prompt_price, completion_price FROM plans WHERE name = $1")
+            .bind(name)
+            .fetch_optional(&self.pool)
+            .await?)
+    }
+
+    pub async fn plans(&self) -> Result<Vec<Plan>, StoreError> {
+        Ok(sqlx::query_as("SELECT name, prompt_price, cached_prompt_price, completion_price FROM plans ORDER BY name").fetch_all(&self.pool).await?)
+    }
+
+    pub async fn create_tenant(&self, new: &NewTenant) -> Result<Tenant, StoreError> {
+        new.validate()?;
+        if self.plan(&new.plan).await?.is_none() {
+            return Err(StoreError::Invalid { field: "plan", why: format!("no plan named {:?}", new.plan) });
+        }
+        let t = Tenant {
+            id: random_id("ten"),
+            name: new.name.clone(),
+            weight: new.weight,
+            plan: new.plan.clone(),
+            requests_per_min: new.limits.requests_per_min,
+            tokens_per_min: new.limits.tokens_per_min,
+            max_concurrent: new.limits.max_concurrent,
+            max_adapters: new.limits.max_adapters,
+            max_adapter_bytes: new.limits.max_adapter_bytes,
+            created_at: now_ms(),
+        };
+        let done = sqlx::query(
+            "INSERT INTO tenants (id, name, weight, plan, requests_per_min, tokens_per_min, max_concurrent, max_adapters, max_adapter_bytes, created_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+        )
+        .bind(&t.id)
+        .bind(&t.name)
+        .bind(t.weight)
+        .bind(&t.plan)
+        .bind(t.requests_per_min)
+        .bind(t.tokens_per_min)
+        .bind(t.max_concurrent)
+        .bind(t.max_adapters)
+        .bind(t.max_adapter_bytes)
+        .bind(t.created_at)
+        .execute(&self.pool)
+        .await;
+        match done {
+            Ok(_) => Ok(t),
+            Err(e) if is_unique_violation(&e) => Err(StoreError::Conflict { what: "tenant", name: new.name.clone() }),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+
+    /// A tenant that has not been deleted.
+    pub async fn tenant(&self, id: &str) -> Result<Option<Tenant>, StoreError> {
+        let sql = concat!("SELECT ", tenant_columns!(), " FROM tenants WHERE id = $1 AND deleted_at IS NULL");
+        Ok(sqlx::query_as(sql).bind(id).fetch_optional(&self.pool).await?)
+    }
+
+    pub async fn tenants(&self) -> Result<Vec<Tenant>, StoreError> {
+        let sql = concat!("SELECT ", tenant_columns!(), " FROM tenants WHERE deleted_at IS NULL ORDER BY name");
+        Ok(sqlx::query_as(sql).fetch_all(&self.pool).await?)
+    }
+
+    /// Changes what `patch` sets; the tenant as it is now.
+    pub async fn update_tenant(&self, id: &str, patch: &TenantPatch) -> Result<Tenant, StoreError> {
+        let mut t = self.tenant(id).await?.ok_or(StoreError::NotFound("tenant"))?;
+        if let Some(w) = patch.weight {
+            t.weight = w;
+        }
+        if let Some(plan) = &patch.plan {
+            if self.plan(plan).await?.is_none() {
+                return Err(StoreError::Invalid { field: "plan", why: format!("no plan named {plan:?}") });
+            }
+            t.plan = plan.clone();
+        }
+        if let Some(l) = &patch.limits {
+            t.requests_per_min = l.requests_per_min;
+            t.tokens_per_min = l.tokens_per_min;
+            t.max_concurrent = l.max_concurrent;
+            t.max_adapters = l.max_adapters;
+            t.max_adapter_bytes = l.max_adapter_bytes;
+        }
+        validate_weight(t.weight)?;
+        t.limits().validate()?;
+        sqlx::query(
+            "UPDATE tenants SET weight = $1, plan = $2, requests_per_min = $3, tokens_per_min = $4, max_concurrent = $5, \
+             max_adapters = $6, max_adapter_bytes = $7 WHERE id = $8 AND deleted_at IS NULL",
+        )
+        .bind(t.weight)
+        .bind(&t.plan)
+        .bind(t.requests_per_min)
+        .bind(t.tokens_per_min)
+        .bind(t.max_concurrent)
+        .bind(t.max_adapters)
+        .bind(t.max_adapter_bytes)
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(t)
+    }
+
+    /// Deletes a tenant and revokes its keys, in one transaction. Its usage stays in the
+    /// ledger. False if there was no such tenant.
+    pub async fn delete_tenant(&self, id: &str) -> Result<bool, StoreError> {
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
+        let n = sqlx::query("UPDATE tenants SET deleted_at = $1 WHERE id = $2 AND deleted_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
+        sqlx::query("UPDATE api_keys SET revoked_at = $1 WHERE tenant_id = $2 AND revoked_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(n.rows_affected() > 0)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // API keys
+
+    /// A new key for `tenant` (`None`: an operator key) with `scopes`. The secret is returned
+    /// once and only its hash is stored.
+    pub async fn create_key(&self, tenant: Option<&str>, scopes: &[Scope]) -> Result<(ApiKey, String), StoreError> {
+        if scopes.is_empty() {
+            return Err(StoreError::Invalid { field: "scopes", why: "a key needs at least one scope".into() });
+        }
+        if let Some(t) = tenant
+            && self.tenant(t).await?.is_none()
+        {
+            return Err(StoreError::NotFound("tenant"));
+        }
+        let bytes: [u8; 32] = rand::rng().random();
+        let secret = format!("lpx_{}", hex(&bytes));
+        let key = ApiKey {
+            id: random_id("key"),
+            tenant_id: tenant.map(str::to_string),
+            prefix: secret[..12].to_string(),
+            scopes: Scope::join(scopes),
+            created_at: now_ms(),
+        };
+        sqlx::query("INSERT INTO api_keys (id, tenant_id, secret_hash, prefix, scopes, created_at) VALUES ($1, $2, $3, $4, $5, $6)")
+            .bind(&key.id)
+            .bind(&key.tenant_id)
+            .bind(hash_secret(&secret))
+            .bind(&key.prefix)
+            .bind(&key.scopes)
+            .bind(key.created_at)
+            .execute(&self.pool)
+            .await?;
+        Ok((key, secret))
+    }
+
+    /// The key a secret belongs to, if it is live (not revoked, its tenant not deleted).
+    pub async fn authenticate(&self, secret: &str) -> Result<Option<ApiKey>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT k.id, k.tenant_id, k.prefix, k.scopes, k.created_at FROM api_keys k LEFT JOIN tenants t ON t.id = k.tenant_id \
+             WHERE k.secret_hash = $1 AND k.revoked_at IS NULL AND (k.tenant_id IS NULL OR t.deleted_at IS NULL)",
+        )
+        .bind(hash_secret(secret))
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
+    /// Revokes a key; false if it was unknown or already revoked.
+    pub async fn revoke_key(&self, id: &str) -> Result<bool, StoreError> {
+        let n = sqlx::query("UPDATE api_keys SET revoked_at = $1 WHERE id = $2 AND revoked_at IS NULL").bind(now_ms()).bind(id).execute(&self.pool).await?;
+        Ok(n.rows_affected() > 0)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Adapters
+
+    /// Records a new version of `owner`'s adapter `name` (version 1 for a new name).
+    pub async fn insert_adapter(&self, new: &NewAdapter) -> Result<AdapterRecord, StoreError> {
+        validate_adapter_name(&new.name)?;
+        // A concurrent upload of the same name may take the version first; try again then.
+        for _ in 0..5 {
+            let mut tx = self.pool.begin().await?;
+            let (latest,): (Option<i64>,) = sqlx::query_as("SELECT MAX(version) FROM adapters WHERE owner = $1 AND name = $2")
+                .bind(&new.owner)
+                .bind(&new.name)
+                .fetch_one(&mut *tx)
+                .await?;
+            let record = AdapterRecord {
+                id: random_id("ada"),
+                owner: new.owner.clone(),
+                name: new.name.clone(),
+                version: latest.unwrap_or(0) + 1,
+                public: 0,
+                rank: new.rank,
+                targets: new.targets.clone(),
+                bytes: new.bytes,
+                content_hash: new.content_hash.clone(),
+                blob: new.blob.clone(),
+                created_at: now_ms(),
+            };
+            let inserted = sqlx::query(
+                "INSERT INTO adapters (id, owner, name, version, public, rank, targets, bytes, content_hash, blob, created_at) \
+                 VALUES ($1, $2, $3, $4, 0, $5, $6, $7, $8, $9, $10)",
+            )
+            .bind(&record.id)
+            .bind(&record.owner)
+            .bind(&record.name)
+            .bind(record.version)
+            .bind(record.rank)
+            .bind(&record.targets)
+            .bind(record.bytes)
+            .bind(&record.content_hash)
+            .bind(&record.blob)
+            .bind(record.created_at)
+            .execute(&mut *tx)
+            .await;
+            match inserted {
+                Ok(_) => {
+                    tx.commit().await?;
+                    return Ok(record);
+                }
+                Err(e) if is_unique_violation(&e) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(StoreError::Conflict { what: "adapter version", name: new.name.clone() })
+    }
+
+
+    /// The latest live version of `owner`'s adapter `name`.
+    pub async fn adapter(&self, owner: &str, name: &str) -> Result<Option<AdapterRecord>, StoreError> {
+        let sql = concat!("SELECT ", adapter_columns!(), " FROM adapters WHERE owner = $1 AND name = $2 AND deleted_at IS NULL ORDER BY version DESC LIMIT 1");
+        Ok(sqlx::query_as(sql).bind(owner).bind(name).fetch_optional(&self.pool).await?)
+    }
+
+    /// The adapter `name` as `tenant` sees it: its own, else a published one. Another tenant's
+    /// private adapter is never returned (it reads as unknown).
+    pub async fn visible_adapter(&self, tenant: &str, name: &str) -> Result<Option<AdapterRecord>, StoreError> {
+        if let Some(own) = self.adapter(tenant, name).await? {
+            return Ok(Some(own));
+        }
+        let sql = concat!("SELECT ", adapter_columns!(), " FROM adapters WHERE name = $1 AND public = 1 AND deleted_at IS NULL ORDER BY version DESC LIMIT 1");
+        Ok(sqlx::query_as(sql).bind(name).fetch_optional(&self.pool).await?)
+    }
+
+    /// The latest version of every adapter `tenant` may use: its own and the published ones.
+    pub async fn visible_adapters(&self, tenant: &str) -> Result<Vec<AdapterRecord>, StoreError> {
+        let sql = concat!(
+            "SELECT ",
+            adapter_columns!(),
+            " FROM adapters a WHERE deleted_at IS NULL AND (owner = $1 OR public = 1) \
+             AND version = (SELECT MAX(version) FROM adapters b WHERE b.owner = a.owner AND b.name = a.name AND b.deleted_at IS NULL) \
+             ORDER BY name, owner"
+        );
+        Ok(sqlx::query_as(sql).bind(tenant).fetch_all(&self.pool).await?)
+    }
+
+    /// Deletes every version of `owner`'s adapter `name`; false if there was none.
+    pub async fn delete_adapter(&self, owner: &str, name: &str) -> Result<bool, StoreError> {
+        let n = sqlx::query("UPDATE adapters SET deleted_at = $1 WHERE owner = $2 AND name = $3 AND deleted_at IS NULL")
+            .bind(now_ms())
+            .bind(owner)
+            .bind(name)
+            .execute(&self.pool)
+            .await?;
+        Ok(n.rows_affected() > 0)
+    }
+
+    /// Makes every version of `owner`'s adapter visible to all tenants, or private again.
+    pub async fn publish_adapter(&self, owner: &str, name: &str, public: bool) -> Result<bool, StoreError> {
+        let n = sqlx::query("UPDATE adapters SET public = $1 WHERE owner = $2 AND name = $3 AND deleted_at IS NULL")
+            .bind(public as i64)
+            .bind(owner)
+            .bind(name)
+            .execute(&self.pool)
+            .await?;
+        Ok(n.rows_affected() > 0)
+    }
+
+    /// Live adapters and their bytes, for a tenant's quota.
+    pub async fn adapter_footprint(&self, owner: &str) -> Result<(i64, i64), StoreError> {
+        let (n, bytes): (i64, Option<i64>) =
+            sqlx::query_as("SELECT COUNT(*), CAST(SUM(bytes) AS BIGINT) FROM adapters WHERE owner = $1 AND deleted_at IS NULL")
+                .bind(owner)
+                .fetch_one(&self.pool)
+                .await?;
+        Ok((n, bytes.unwrap_or(0)))
+    }
+}
+
+/// SHA-256 of a key's secret, hex.
+fn hash_secret(secret: &str) -> String {
+    hex(&Sha256::digest(secret.as_bytes()))
+}
+
+/// A price list, in micro-dollars per million tokens.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow, Serialize)]
+pub struct Plan {
+    pub name: String,
+    pub prompt_price: i64,
+    pub cached_prompt_price: i64,
+    pub completion_price: i64,
+}
+
+/// Per-tenant limits; `None` is unlimited.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantLimits {
+    pub requests_per_min: Option<i64>,
+    pub tokens_per_min: Option<i64>,
+    pub max_concurrent: Option<i64>,
+    pub max_adapters: Option<i64>,
+    pub max_adapter_bytes: Option<i64>,
+}
+
+impl TenantLimits {
+    fn validate(&self) -> Result<(), StoreError> {
+        let all = [
+            ("requests_per_min", self.requests_per_min),
+            ("tokens_per_min", self.tokens_per_min),
+            ("max_concurrent", self.max_concurrent),
+            ("max_adapters", self.max_adapters),
+            ("max_adapter_bytes", self.max_adapter_bytes),
+        ];
+        for (field, v) in all {
+            if let Some(v) = v
+                && v < 0
+            {
+                return Err(StoreError::Invalid { field, why: format!("{v} is negative") });
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow, Serialize)]
+pub struct Tenant {
+    pub id: String,
+    pub name: String,
+    pub weight: f64,
+    pub plan: String,
+    pub requests_per_min: Option<i64>,
+    pub tokens_per_min: Option<i64>,
+    pub max_concurrent: Option<i64>,
+    pub max_adapters: Option<i64>,
+    pub max_adapter_bytes: Option<i64>,
+    pub created_at: i64,
+}
+
+impl Tenant {
+    pub fn limits(&self) -> TenantLimits {
+        TenantLimits {
+            requests_per_min: self.requests_per_min,
+            tokens_per_min: self.tokens_per_min,
+            max_concurrent: self.max_concurrent,
+            max_adapters: self.max_adapters,
+            max_adapter_bytes: self.max_adapter_bytes,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewTenant {
+    pub name: String,
+    pub weight: f64,
+    pub plan: String,
+    pub limits: TenantLimits,
+}
+
+impl NewTenant {
+    fn validate(&self) -> Result<(), StoreError> {
+        validate_name("name", &self.name)?;
+        validate_weight(self.weight)?;
+        self.limits.validate()
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TenantPatch {
+    pub weight: Option<f64>,
+    pub plan: Option<String>,
+    pub limits: Option<TenantLimits>,
+}
+
+/// The largest weight a tenant may have against another's.
+pub const MAX_WEIGHT: f64 = 1000.0;
+
+fn validate_weight(w: f64) -> Result<(), StoreError> {
+    if !(w.is_finite() && w > 0.0 && w <= MAX_WEIGHT) {
+        return Err(StoreError::Invalid { field: "weight", why: format!("{w} is not in (0, {MAX_WEIGHT}]") });
+    }
+    Ok(())
+}
+
+/// Names of tenants and adapters: 1 to 64 of `a-z A-Z 0-9 - _ .`, not starting with a dot,
+/// so that they are safe in paths and URLs.
+fn validate_name(field: &'static str, name: &str) -> Result<(), StoreError> {
+    let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    if name.is_empty() || name.len() > 64 || name.starts_with('.') || !name.chars().all(ok_char) {
+        return Err(StoreError::Invalid { field, why: format!("{name:?}: use 1 to 64 letters, digits, '-', '_' or '.', not starting with '.'") });
+    }
+    Ok(())
+}
+
+fn validate_adapter_name(name: &str) -> Result<(), StoreError> {
+    validate_name("adapter name", name)
+}
+
+/// What a key may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    Inference,
+    Adapters,
+    Admin,
+}
+
+impl Scope {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::Inference => "inference",
+            Scope::Adapters => "adapters",
+            Scope::Admin => "admin",
+        }
+    }
+
+    fn join(scopes: &[Scope]) -> String {
+        let mut names: Vec<&str> = scopes.iter().map(|s| s.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        names.join(",")
+    }
+}
+
+/// A key as stored (never its secret).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow, Serialize)]
+pub struct ApiKey {
+    pub id: String,
+    pub tenant_id: Option<String>,
+    pub prefix: String,
+    pub scopes: String,
+    pub created_at: i64,
+}
+
+impl ApiKey {
+    pub fn has(&self, scope: Scope) -> bool {
+        self.scopes.split(',').any(|s| s == scope.as_str())
+    }
+}
+
+/// One version of an adapter.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow, Serialize)]
+pub struct AdapterRecord {
+    pub id: String,
+    /// The owning tenant's id; empty for the operator's adapters.
+    pub owner: String,
+    pub name: String,
+    pub version: i64,
+    /// 1 when published to every tenant.
+    pub public: i64,
+    pub rank: i64,
+    pub targets: String,
+    pub bytes: i64,
+    pub content_hash: String,
+    pub blob: String,
+    pub created_at: i64,
+}
+
+impl AdapterRecord {
+    /// `name@version`, as the ledger names it.
+    pub fn label(&self) -> String {
+        format!("{}@{}", self.name, self.version)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewAdapter {
+    pub owner: String,
+    pub name: String,
+    pub rank: i64,
+    pub targets: String,
+    pub bytes: i64,
+    pub content_hash: String,
+    pub blob: String,
+}
