@@ -25,6 +25,8 @@ pub enum Command {
     Generate(Box<GenerateArgs>),
     /// Write a random model in the HuggingFace layout.
     Synth(SynthArgs),
+    /// Run the HTTP server (so far: health, readiness and the admin API for tenants and keys).
+    Serve(ServeArgs),
     /// Measure performance.
     Bench {
         #[command(subcommand)]
@@ -198,6 +200,24 @@ pub struct SynthArgs {
     /// Directory for the adapters, one sub-directory each (default: OUT/adapters).
     #[arg(long)]
     pub adapters_out: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Where the database (by default) and adapter files live.
+    #[arg(long, env = "LORAPLEX_DATA_DIR", default_value = "./data")]
+    pub data_dir: PathBuf,
+    /// sqlite://PATH or postgres://...; default: a SQLite file in the data directory.
+    #[arg(long, env = "LORAPLEX_DATABASE_URL")]
+    pub database_url: Option<String>,
+    #[arg(long, env = "LORAPLEX_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    /// 0 picks a free port (printed at start).
+    #[arg(long, env = "LORAPLEX_PORT", default_value_t = 8080)]
+    pub port: u16,
+    /// The operator's key. Without one, a key is generated on first start and printed once.
+    #[arg(long, env = "LORAPLEX_ADMIN_KEY")]
+    pub admin_key: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]

@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod actors;
+pub mod api;
 pub mod bench;
 pub mod cli;
 pub mod config;

@@ -10,6 +10,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Generate(args) => cli::generate::run(args),
+        Command::Serve(args) => cli::serve::run(args),
         Command::Synth(args) => cli::synth(args),
         Command::Bench { which: BenchCommand::Engine(args) } => loraplex::bench::engine::run(args),
         Command::Bench { which: BenchCommand::Lora(args) } => loraplex::bench::lora::run(args),

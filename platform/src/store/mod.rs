@@ -277,6 +277,31 @@ impl Store {
         Ok((key, secret))
     }
 
+    /// Makes `secret` a live operator key (as given on the command line); true if it was new.
+    pub async fn ensure_admin_key(&self, secret: &str) -> Result<bool, StoreError> {
+        if secret.len() < 16 {
+            return Err(StoreError::Invalid { field: "admin key", why: "use at least 16 characters".into() });
+        }
+        if self.authenticate(secret).await?.is_some_and(|k| k.has(Scope::Admin)) {
+            return Ok(false);
+        }
+        sqlx::query("INSERT INTO api_keys (id, tenant_id, secret_hash, prefix, scopes, created_at) VALUES ($1, NULL, $2, $3, $4, $5)")
+            .bind(random_id("key"))
+            .bind(hash_secret(secret))
+            .bind(secret.chars().take(8).collect::<String>())
+            .bind(Scope::Admin.as_str())
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await?;
+        Ok(true)
+    }
+
+    /// Whether any live operator key exists.
+    pub async fn has_admin_key(&self) -> Result<bool, StoreError> {
+        let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM api_keys WHERE tenant_id IS NULL AND revoked_at IS NULL").fetch_one(&self.pool).await?;
+        Ok(n > 0)
+    }
+
     /// The key a secret belongs to, if it is live (not revoked, its tenant not deleted).
     pub async fn authenticate(&self, secret: &str) -> Result<Option<ApiKey>, StoreError> {
         Ok(sqlx::query_as(

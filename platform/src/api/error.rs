@@ -1,0 +1,75 @@
+//! The one table from errors to HTTP statuses and stable codes, with OpenAI's error body:
+//! `{"error": {"message", "type", "code"}}`.
+
+use actix_web::http::StatusCode;
+use actix_web::{HttpResponse, ResponseError};
+
+use crate::store::StoreError;
+
+/// Everything a handler can answer with besides success. Messages are for the caller.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("missing or malformed Authorization header: send `Authorization: Bearer KEY`")]
+    MissingKey,
+    #[error("invalid or revoked API key")]
+    BadKey,
+    #[error("this key does not have the {0:?} scope")]
+    Forbidden(&'static str),
+    #[error("{0} not found")]
+    NotFound(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    /// The stable machine-readable code and OpenAI's error type.
+    pub fn code(&self) -> (&'static str, &'static str) {
+        match self {
+            ApiError::MissingKey => ("missing_api_key", "authentication_error"),
+            ApiError::BadKey => ("invalid_api_key", "authentication_error"),
+            ApiError::Forbidden(_) => ("insufficient_scope", "permission_error"),
+            ApiError::NotFound(_) => ("not_found", "not_found_error"),
+            ApiError::Invalid(_) => ("invalid_request", "invalid_request_error"),
+            ApiError::Conflict(_) => ("conflict", "invalid_request_error"),
+            ApiError::Internal(_) => ("internal_error", "server_error"),
+        }
+    }
+
+    /// The body, also sent inside event streams.
+    pub fn body(&self) -> serde_json::Value {
+        let (code, kind) = self.code();
+        serde_json::json!({"error": {"message": self.to_string(), "type": kind, "code": code}})
+    }
+}
+
+impl ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        match self {
+            ApiError::MissingKey | ApiError::BadKey => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Invalid(_) => StatusCode::BAD_REQUEST,
+            ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        HttpResponse::build(self.status_code()).json(self.body())
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Conflict { .. } => ApiError::Conflict(e.to_string()),
+            StoreError::NotFound(what) => ApiError::NotFound(what.to_string()),
+            StoreError::Invalid { .. } => ApiError::Invalid(e.to_string()),
+            StoreError::Database(_) | StoreError::Migrate(_) | StoreError::Url(_) => ApiError::Internal(e.to_string()),
+        }
+    }
+}
