@@ -113,9 +113,14 @@ impl<B: Backend> Runtime<B> {
     }
 
     /// [`Runtime::load_adapter`], repeated until every worker has the adapter resident (and
-    /// held, with `hold`) or one reports it failed.
-    pub fn load_adapter_blocking(&self, adapter: &AdapterRef, hold: bool) -> Result<(), RuntimeError> {
+    /// held, with `hold`), one reports it failed, or `timeout` passes (the pool may be full of
+    /// held adapters and pinned pages).
+    pub fn load_adapter_blocking(&self, adapter: &AdapterRef, hold: bool, timeout: std::time::Duration) -> Result<(), RuntimeError> {
+        let deadline = Instant::now() + timeout;
         loop {
+            if Instant::now() > deadline {
+                return Err(RuntimeError::Failed(format!("adapter {} did not become resident within {timeout:?}; the pool may be full", adapter.key).into()));
+            }
             let states = futures::executor::block_on(self.load_adapter(adapter.clone(), hold));
             if let Some(Residency::Failed(e)) = states.iter().find(|s| matches!(s, Residency::Failed(_))) {
                 return Err(RuntimeError::Failed(e.clone()));

@@ -13,7 +13,7 @@ use super::{
     Cancel, Event, GetStats, InjectFault, LoadAdapter, RequestId, RuntimeError, Step, Submit, TokenOut, UnloadAdapter, Usage, WorkerReport, WorkerStats,
 };
 use crate::memory::{LoaderPool, Residency};
-use crate::engine::{Engine, EngineConfig, EngineError, SeqId, TokenEvent};
+use crate::engine::{Engine, EngineConfig, SeqId, TokenEvent};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 
@@ -189,7 +189,7 @@ impl<B: Backend> Worker<B> {
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| engine.step()));
         let events = match outcome {
             Ok(Ok(events)) => events,
-            Ok(Err(e)) => return Err(describe(&e).into()),
+            Ok(Err(e)) => return Err(e.to_string().into()),
             Err(panic) => {
                 let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
                 return Err(format!("panic in a step: {}", what.unwrap_or_default()).into());
@@ -208,10 +208,6 @@ impl<B: Backend> Worker<B> {
         self.report(residency);
         Ok(matches!(&self.engine, Ok(e) if e.has_work()))
     }
-}
-
-fn describe(e: &EngineError) -> String {
-    e.to_string()
 }
 
 impl<B: Backend> Actor for Worker<B> {

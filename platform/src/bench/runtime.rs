@@ -385,7 +385,7 @@ pub fn churn(setup: &Setup, opts: &ChurnOptions) -> anyhow::Result<ChurnResult> 
     // Every adapter resident, held in the pool, before the clock starts.
     let rt = setup.runtime(sized(opts.adapters))?;
     for a in &refs {
-        rt.load_adapter_blocking(a, true).map_err(|e| anyhow::anyhow!("loading {}: {e}", a.key))?;
+        rt.load_adapter_blocking(a, true, Duration::from_secs(120)).map_err(|e| anyhow::anyhow!("loading {}: {e}", a.key))?;
     }
     let (resident_rate, resident_out, _) = churn_run(setup, &rt, &requests, opts)?;
     rt.shutdown();
@@ -394,7 +394,7 @@ pub fn churn(setup: &Setup, opts: &ChurnOptions) -> anyhow::Result<ChurnResult> 
     // server that has been up), the pool is not.
     let rt = setup.runtime(sized(opts.room))?;
     for a in &refs {
-        rt.load_adapter_blocking(a, false).map_err(|e| anyhow::anyhow!("loading {}: {e}", a.key))?;
+        rt.load_adapter_blocking(a, false, Duration::from_secs(120)).map_err(|e| anyhow::anyhow!("loading {}: {e}", a.key))?;
     }
     let (churn_rate, churn_out, evictions) = churn_run(setup, &rt, &requests, opts)?;
     rt.shutdown();

@@ -389,12 +389,11 @@ impl<B: Backend> Engine<B> {
     /// Takes finished adapter loads and places what fits. When nothing runs, waits briefly for
     /// a load instead of spinning. Requests whose adapter failed are dropped by the scheduler.
     fn poll_adapters(&mut self) -> Result<(), EngineError> {
-        let backend = self.model.backend().clone();
-        if self.sched.running_len() == 0 && self.sched.waiting_len() > 0 {
-            self.adapters.poll_wait(backend.as_ref(), &mut self.mem, Duration::from_millis(10))?;
-        } else {
-            self.adapters.poll(backend.as_ref(), &mut self.mem)?;
+        if self.sched.running_len() > 0 || self.sched.waiting_len() == 0 {
+            return self.poll_adapters_now();
         }
+        let backend = self.model.backend().clone();
+        self.adapters.poll_wait(backend.as_ref(), &mut self.mem, Duration::from_millis(10))?;
         let events = self.adapters.take_events();
         self.residency_events.extend(events);
         Ok(())
