@@ -25,7 +25,7 @@ pub enum Command {
     Generate(Box<GenerateArgs>),
     /// Write a random model in the HuggingFace layout.
     Synth(SynthArgs),
-    /// Run the HTTP server (so far: health, readiness and the admin API for tenants and keys).
+    /// Run the HTTP server: OpenAI- and LoRAX-compatible inference, adapters, tenants, billing.
     Serve(ServeArgs),
     /// Measure performance.
     Bench {
@@ -204,6 +204,19 @@ pub struct SynthArgs {
 
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
+    /// A HuggingFace model directory. Without one, a synthetic tiny model is generated in the
+    /// data directory on first start (for trying the server out; its text is gibberish).
+    #[arg(long, env = "LORAPLEX_MODEL")]
+    pub model: Option<PathBuf>,
+    /// The name clients use for the base model (default: the model directory's name).
+    #[arg(long, env = "LORAPLEX_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// The compute device.
+    #[arg(long, env = "LORAPLEX_DEVICE", value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
+    /// Device workers (one per GPU; on the CPU, workers share the cores).
+    #[arg(long, env = "LORAPLEX_WORKERS", default_value_t = 1)]
+    pub workers: usize,
     /// Where the database (by default) and adapter files live.
     #[arg(long, env = "LORAPLEX_DATA_DIR", default_value = "./data")]
     pub data_dir: PathBuf,
@@ -218,6 +231,24 @@ pub struct ServeArgs {
     /// The operator's key. Without one, a key is generated on first start and printed once.
     #[arg(long, env = "LORAPLEX_ADMIN_KEY")]
     pub admin_key: Option<String>,
+    /// Largest adapter weights file an upload may send, in MiB.
+    #[arg(long, env = "LORAPLEX_MAX_UPLOAD_MB", default_value_t = 1024)]
+    pub max_upload_mb: u64,
+    /// HTTP worker threads (default: one per core).
+    #[arg(long, env = "LORAPLEX_HTTP_WORKERS")]
+    pub http_workers: Option<usize>,
+    /// On SIGINT or SIGTERM, how long requests in flight may take to finish, in seconds.
+    #[arg(long, env = "LORAPLEX_SHUTDOWN_TIMEOUT", default_value_t = 30)]
+    pub shutdown_timeout: u64,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Device {
+    Cpu,
+    Cuda,
 }
 
 #[derive(Debug, Subcommand)]

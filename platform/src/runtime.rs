@@ -13,10 +13,11 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use actix::{Actor, Addr, System};
+use loraplex_adapters::{AdapterLimits, BaseShape};
 use loraplex_kernels::Backend;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
-pub use crate::actors::{Event, RequestId, RuntimeError, TokenOut, Usage, WorkerStats};
+pub use crate::actors::{AdapterCounters, Event, RequestId, RuntimeError, TokenOut, Usage, WorkerStats};
 use crate::actors::{Cancel, GetStats, InjectFault, LoadAdapter, Submit, Supervisor, UnloadAdapter};
 use crate::engine::EngineConfig;
 use crate::memory::{AdapterRef, Residency};
@@ -32,6 +33,9 @@ pub struct Runtime<B: Backend> {
     thread: Option<JoinHandle<()>>,
     next_id: AtomicU64,
     model: ModelConfig,
+    shape: BaseShape,
+    adapter_limits: AdapterLimits,
+    device: String,
 }
 
 /// Why a request was refused before it was queued.
@@ -53,6 +57,9 @@ impl<B: Backend> Runtime<B> {
             return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "the runtime needs at least one device"));
         };
         let model = first.config().clone();
+        let shape = first.base_shape();
+        let device = first.backend().device_name();
+        let adapter_limits = config.adapters.limits;
         let (tx, rx) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new().name("loraplex-runtime".into()).spawn(move || {
             let system = System::new();
@@ -63,12 +70,27 @@ impl<B: Backend> Runtime<B> {
             let _ = system.run();
         })?;
         let (supervisor, system) = rx.recv().map_err(|_| std::io::Error::other("the runtime thread did not start"))?;
-        Ok(Self { supervisor, system, thread: Some(thread), next_id: AtomicU64::new(0), model })
+        Ok(Self { supervisor, system, thread: Some(thread), next_id: AtomicU64::new(0), model, shape, adapter_limits, device })
     }
 
     /// The base model's configuration (what requests are validated against).
     pub fn model_config(&self) -> &ModelConfig {
         &self.model
+    }
+
+    /// The projection shapes adapters must match.
+    pub fn base_shape(&self) -> &BaseShape {
+        &self.shape
+    }
+
+    /// What an adapter may be (rank, file size) to be accepted.
+    pub fn adapter_limits(&self) -> &AdapterLimits {
+        &self.adapter_limits
+    }
+
+    /// The first device, in words.
+    pub fn device_name(&self) -> &str {
+        &self.device
     }
 
     /// Checks a request (prompt, limits, sampling, adapter) without queueing it.

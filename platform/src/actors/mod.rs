@@ -185,4 +185,37 @@ pub struct WorkerStats {
     pub prefix: PrefixStats,
     /// Bytes of adapters in the host tier (one tier shared by every worker).
     pub host_adapter_bytes: u64,
+    pub adapters: AdapterCounters,
+}
+
+/// Where requests found their adapters, and the loads that followed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct AdapterCounters {
+    /// Requests whose adapter was already in the device pool when they arrived.
+    pub device_hits: u64,
+    /// ... in host memory (only a copy into the pool was needed).
+    pub host_hits: u64,
+    /// ... on disk only.
+    pub disk_misses: u64,
+    /// Adapters placed into the pool from host memory, and from disk.
+    pub loads_from_host: u64,
+    pub loads_from_disk: u64,
+    /// Loads that failed.
+    pub failures: u64,
+}
+
+impl AdapterCounters {
+    /// Counts residency events; true if there were any.
+    pub(crate) fn count(&mut self, events: Vec<crate::memory::ResidencyEvent>) -> bool {
+        use crate::memory::{ResidencyEvent, Tier};
+        let any = !events.is_empty();
+        for e in events {
+            match e {
+                ResidencyEvent::Resident { from: Tier::Host, .. } => self.loads_from_host += 1,
+                ResidencyEvent::Resident { from: Tier::Disk, .. } => self.loads_from_disk += 1,
+                ResidencyEvent::Failed { .. } => self.failures += 1,
+            }
+        }
+        any
+    }
 }

@@ -10,6 +10,7 @@ use loraplex_kernels::Backend;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::{
+    AdapterCounters,
     Cancel, Event, GetStats, InjectFault, LoadAdapter, RequestId, RuntimeError, Step, Submit, TokenOut, UnloadAdapter, Usage, WorkerReport, WorkerStats,
 };
 use crate::memory::{LoaderPool, Residency};
@@ -53,6 +54,7 @@ pub struct Worker<B: Backend> {
     restarts: u64,
     /// Preemptions of engines before the current one.
     past_preemptions: u64,
+    adapters: AdapterCounters,
 }
 
 impl<B: Backend> Worker<B> {
@@ -81,6 +83,7 @@ impl<B: Backend> Worker<B> {
             generated: 0,
             restarts: 0,
             past_preemptions: 0,
+            adapters: AdapterCounters::default(),
         }
     }
 
@@ -174,7 +177,7 @@ impl<B: Backend> Worker<B> {
         if !engine.has_work() {
             // No requests, but adapter loads may be under way: place them as they arrive.
             engine.poll_adapters_now().map_err(|e| Arc::<str>::from(e.to_string()))?;
-            let placed = !engine.take_residency_events().is_empty();
+            let placed = self.adapters.count(engine.take_residency_events());
             // Staged adapters are retried only while others are still being placed: with
             // nothing running, no pages free up by themselves.
             let loading = engine.adapters().is_loading() || (placed && engine.adapters().has_staged());
@@ -197,7 +200,7 @@ impl<B: Backend> Worker<B> {
         };
         self.steps += 1;
         let failures = engine.take_failures();
-        let residency = !engine.take_residency_events().is_empty();
+        let residency = self.adapters.count(engine.take_residency_events());
         self.deliver(events);
         for f in failures {
             if let Some(&(id, _)) = self.seqs.get(&f.seq) {
@@ -272,6 +275,13 @@ impl<B: Backend> Handler<Submit> for Worker<B> {
             Err(e) => return Err(refuse(RuntimeError::Unavailable(e.clone()))),
         };
         let n = msg.request.get().n.max(1);
+        if let Some(a) = &msg.request.get().adapter {
+            match engine.adapters().status(&a.key) {
+                Residency::Resident => self.adapters.device_hits += 1,
+                _ if engine.adapters().loader().cached(&a.key).is_some() => self.adapters.host_hits += 1,
+                _ => self.adapters.disk_misses += 1,
+            }
+        }
         let first = match engine.add_placed(msg.request, msg.placement) {
             Ok(id) => id,
             Err(e) => return Err(refuse(RuntimeError::Rejected(e.to_string().into()))),
@@ -324,6 +334,7 @@ impl<B: Backend> Handler<GetStats> for Worker<B> {
             pool,
             prefix,
             host_adapter_bytes,
+            adapters: self.adapters,
         }]
     }
 }

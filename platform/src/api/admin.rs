@@ -3,7 +3,7 @@
 use actix_web::{HttpRequest, HttpResponse, web};
 use serde::Deserialize;
 
-use super::{ApiError, AppState, authorize};
+use super::{ApiError, AppState, authorize, json_body};
 use crate::store::{NewTenant, Scope, TenantLimits, TenantPatch};
 
 pub fn routes(cfg: &mut web::ServiceConfig) {
@@ -36,9 +36,9 @@ fn standard() -> String {
     "standard".into()
 }
 
-async fn create_tenant(req: HttpRequest, state: web::Data<AppState>, body: web::Json<CreateTenant>) -> Result<HttpResponse, ApiError> {
+async fn create_tenant(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state, Scope::Admin).await?;
-    let b = body.into_inner();
+    let b: CreateTenant = json_body(payload).await?;
     let t = state.store.create_tenant(&NewTenant { name: b.name, weight: b.weight, plan: b.plan, limits: b.limits }).await?;
     Ok(HttpResponse::Created().json(t))
 }
@@ -62,9 +62,9 @@ struct PatchTenant {
     limits: Option<TenantLimits>,
 }
 
-async fn patch_tenant(req: HttpRequest, state: web::Data<AppState>, id: web::Path<String>, body: web::Json<PatchTenant>) -> Result<HttpResponse, ApiError> {
+async fn patch_tenant(req: HttpRequest, state: web::Data<AppState>, id: web::Path<String>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state, Scope::Admin).await?;
-    let b = body.into_inner();
+    let b: PatchTenant = json_body(payload).await?;
     let t = state.store.update_tenant(&id, &TenantPatch { weight: b.weight, plan: b.plan, limits: b.limits }).await?;
     Ok(HttpResponse::Ok().json(t))
 }
@@ -88,9 +88,11 @@ fn tenant_scopes() -> Vec<Scope> {
     vec![Scope::Inference, Scope::Adapters]
 }
 
-async fn create_key(req: HttpRequest, state: web::Data<AppState>, id: web::Path<String>, body: Option<web::Json<CreateKey>>) -> Result<HttpResponse, ApiError> {
+async fn create_key(req: HttpRequest, state: web::Data<AppState>, id: web::Path<String>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state, Scope::Admin).await?;
-    let scopes = body.map_or_else(tenant_scopes, |b| b.into_inner().scopes);
+    // The body is optional: without one, the key gets the inference and adapters scopes.
+    let body = super::read_body(payload).await?;
+    let scopes = if body.iter().all(u8::is_ascii_whitespace) { tenant_scopes() } else { super::parse_json::<CreateKey>(&body)?.scopes };
     if scopes.contains(&Scope::Admin) {
         return Err(ApiError::Invalid("a tenant's key cannot have the admin scope".into()));
     }

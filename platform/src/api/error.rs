@@ -4,6 +4,7 @@
 use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
 
+use crate::runtime::{RuntimeError, SubmitError};
 use crate::store::StoreError;
 
 /// Everything a handler can answer with besides success. Messages are for the caller.
@@ -21,6 +22,14 @@ pub enum ApiError {
     Invalid(String),
     #[error("{0}")]
     Conflict(String),
+    #[error("{0}")]
+    TooLarge(String),
+    /// A per-tenant limit; retry after this many seconds.
+    #[error("{message}")]
+    RateLimited { message: String, retry_after: u64 },
+    /// The server cannot take the request now (shutting down, a worker restarting).
+    #[error("{0}")]
+    Unavailable(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -35,6 +44,9 @@ impl ApiError {
             ApiError::NotFound(_) => ("not_found", "not_found_error"),
             ApiError::Invalid(_) => ("invalid_request", "invalid_request_error"),
             ApiError::Conflict(_) => ("conflict", "invalid_request_error"),
+            ApiError::TooLarge(_) => ("payload_too_large", "invalid_request_error"),
+            ApiError::RateLimited { .. } => ("rate_limit_exceeded", "rate_limit_error"),
+            ApiError::Unavailable(_) => ("unavailable", "server_error"),
             ApiError::Internal(_) => ("internal_error", "server_error"),
         }
     }
@@ -54,12 +66,46 @@ impl ResponseError for ApiError {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Invalid(_) => StatusCode::BAD_REQUEST,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
     fn error_response(&self) -> HttpResponse {
-        HttpResponse::build(self.status_code()).json(self.body())
+        let mut res = HttpResponse::build(self.status_code());
+        match self {
+            ApiError::RateLimited { retry_after, .. } => {
+                res.insert_header(("retry-after", retry_after.to_string()));
+            }
+            ApiError::Unavailable(_) => {
+                res.insert_header(("retry-after", "1"));
+            }
+            _ => {}
+        }
+        res.json(self.body())
+    }
+}
+
+impl From<RuntimeError> for ApiError {
+    fn from(e: RuntimeError) -> Self {
+        match e {
+            RuntimeError::Rejected(why) => ApiError::Invalid(why.to_string()),
+            RuntimeError::Failed(_) => ApiError::Internal(e.to_string()),
+            RuntimeError::WorkerFailed(_) | RuntimeError::Unavailable(_) => ApiError::Unavailable(e.to_string()),
+        }
+    }
+}
+
+impl From<SubmitError> for ApiError {
+    fn from(e: SubmitError) -> Self {
+        match e {
+            SubmitError::Invalid(e) => ApiError::Invalid(e.to_string()),
+            // The adapter was resolved from the database but its files are gone: a server fault.
+            SubmitError::UnknownAdapter { .. } => ApiError::Internal(e.to_string()),
+            SubmitError::Runtime(e) => e.into(),
+        }
     }
 }
 

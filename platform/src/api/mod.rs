@@ -1,43 +1,210 @@
-//! The HTTP API (actix-web). This part: authentication, the admin API for tenants and keys,
-//! health and readiness. Every error goes through [`ApiError`].
+//! The HTTP API (actix-web): OpenAI- and LoRAX-compatible inference, adapters, tenants and
+//! keys, usage and billing, metrics. Every error goes through [`ApiError`].
 
+mod adapters;
 mod admin;
 mod error;
+mod infer;
+mod limits;
+mod lorax;
+mod metrics;
+mod openai;
+pub mod openapi;
+mod serving;
+mod usage;
+
+use std::path::Path;
+use std::sync::Arc;
 
 use actix_web::{HttpRequest, HttpResponse, web};
 
+pub use adapters::{Blobs, sweep};
 pub use error::ApiError;
+pub use limits::Limiter;
+pub use metrics::Metrics;
+pub use serving::Serving;
 
-use crate::store::{ApiKey, Scope, Store};
+use crate::store::{ApiKey, Ledger, Scope, Store};
+use crate::tokenizer::Tokenizer;
+
+/// Limits of the HTTP layer.
+#[derive(Debug, Clone)]
+pub struct ApiSettings {
+    /// Largest adapter weights file accepted by an upload.
+    pub max_upload_bytes: u64,
+    /// Most sequences one worker runs at once (reported as `max_lora`).
+    pub max_running: usize,
+}
 
 /// What every handler can reach.
 #[derive(Clone)]
 pub struct AppState {
     pub store: Store,
+    pub ledger: Ledger,
+    pub serving: Arc<dyn Serving>,
+    pub tokenizer: Arc<Tokenizer>,
+    /// The name clients use for the base model.
+    pub model_name: Arc<str>,
+    pub data_dir: Arc<Path>,
+    pub limiter: Arc<Limiter>,
+    pub metrics: Arc<Metrics>,
+    pub blobs: Arc<Blobs>,
+    pub jobs: Arc<Jobs>,
+    pub settings: Arc<ApiSettings>,
+    /// Unix milliseconds.
+    pub started_at: i64,
+}
+
+impl AppState {
+    /// State over a started runtime; starts the ledger writer (call inside the server's
+    /// async runtime).
+    pub fn new(store: Store, serving: Arc<dyn Serving>, tokenizer: Arc<Tokenizer>, model_name: &str, data_dir: &Path, settings: ApiSettings) -> Self {
+        Self {
+            ledger: Ledger::start(store.clone()),
+            store,
+            serving,
+            tokenizer,
+            model_name: model_name.into(),
+            data_dir: data_dir.into(),
+            limiter: Limiter::new(),
+            metrics: Arc::new(Metrics::default()),
+            blobs: Blobs::new(),
+            jobs: Arc::new(Jobs::default()),
+            settings: Arc::new(settings),
+            started_at: crate::store::now_ms(),
+        }
+    }
+}
+
+/// The inference jobs in flight. Their tasks run on the server's main thread, which outlives
+/// the HTTP workers, so a shutdown can wait for them to record their usage.
+#[derive(Debug, Default)]
+pub struct Jobs {
+    running: std::sync::atomic::AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+struct JobToken(Arc<Jobs>);
+
+impl Drop for JobToken {
+    fn drop(&mut self) {
+        if self.0.running.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+impl Jobs {
+    /// Runs `job` on the system's arbiter (the main thread).
+    pub fn spawn(self: &Arc<Self>, job: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.running.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        let token = JobToken(self.clone());
+        actix_web::rt::System::current().arbiter().spawn(async move {
+            let _token = token;
+            job.await;
+        });
+    }
+
+    pub fn running(&self) -> usize {
+        self.running.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Waits until no job runs, or `timeout` passes; true if none runs.
+    pub async fn drain(&self, timeout: std::time::Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.running() > 0 {
+            let idle = self.idle.notified();
+            if self.running() == 0 {
+                break;
+            }
+            if tokio::time::timeout_at(deadline, idle).await.is_err() {
+                return self.running() == 0;
+            }
+        }
+        true
+    }
 }
 
 /// Mounts every route.
 pub fn routes(cfg: &mut web::ServiceConfig) {
-    cfg.app_data(json_config())
-        .app_data(web::PathConfig::default().error_handler(|e, _| ApiError::Invalid(e.to_string()).into()))
+    cfg.app_data(web::PathConfig::default().error_handler(|e, _| ApiError::Invalid(e.to_string()).into()))
+        .app_data(web::QueryConfig::default().error_handler(|e, _| ApiError::Invalid(format!("invalid query string: {e}")).into()))
         .route("/health", web::get().to(health))
         .route("/ready", web::get().to(ready))
-        .configure(admin::routes);
+        .route("/metrics", web::get().to(metrics))
+        .route("/openapi.json", web::get().to(openapi_json))
+        .configure(admin::routes)
+        .configure(openai::routes)
+        .configure(lorax::routes)
+        .configure(adapters::routes)
+        .configure(usage::routes)
+        .default_service(web::to(unknown_route));
 }
 
-/// JSON bodies: a clear 400 for malformed JSON, wrong types or unknown fields, and a size cap.
-fn json_config() -> web::JsonConfig {
-    web::JsonConfig::default().limit(4 << 20).error_handler(|e, _| ApiError::Invalid(format!("invalid JSON body: {e}")).into())
+/// Largest JSON body accepted.
+const MAX_JSON_BYTES: usize = 4 << 20;
+
+/// Parses a JSON body (after the caller is authorized, so that an unauthenticated request
+/// learns nothing but that it needs a key): a clear 400 for malformed JSON, wrong types or
+/// unknown fields.
+pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Err(ApiError::Invalid("the request needs a JSON body".into()));
+    }
+    serde_json::from_slice(body).map_err(|e| ApiError::Invalid(format!("invalid JSON body: {e}")))
+}
+
+/// Reads a request body of at most [`MAX_JSON_BYTES`].
+pub async fn read_body(mut payload: web::Payload) -> Result<web::Bytes, ApiError> {
+    use futures::StreamExt;
+    let mut out = web::BytesMut::new();
+    while let Some(chunk) = payload.next().await {
+        let chunk = chunk.map_err(|e| ApiError::Invalid(format!("reading the body: {e}")))?;
+        if out.len() + chunk.len() > MAX_JSON_BYTES {
+            return Err(ApiError::TooLarge(format!("the body is larger than {MAX_JSON_BYTES} bytes")));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out.freeze())
+}
+
+/// [`read_body`], then [`parse_json`].
+pub async fn json_body<T: serde::de::DeserializeOwned>(payload: web::Payload) -> Result<T, ApiError> {
+    parse_json(&read_body(payload).await?)
+}
+
+/// Parses a query string (after authorization, as [`parse_json`]).
+pub fn parse_query<T: serde::de::DeserializeOwned>(req: &HttpRequest) -> Result<T, ApiError> {
+    web::Query::<T>::from_query(req.query_string()).map(web::Query::into_inner).map_err(|e| ApiError::Invalid(format!("invalid query string: {e}")))
+}
+
+async fn unknown_route(req: HttpRequest) -> HttpResponse {
+    use actix_web::ResponseError;
+    ApiError::NotFound(format!("route {} {}", req.method(), req.path())).error_response()
 }
 
 async fn health() -> HttpResponse {
     HttpResponse::Ok().json(serde_json::json!({"status": "ok"}))
 }
 
-/// Ready once the database answers.
+/// Ready once the database answers and every worker has an engine.
 async fn ready(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     state.store.plans().await?;
-    Ok(HttpResponse::Ok().json(serde_json::json!({"status": "ready"})))
+    let workers = state.serving.stats().await;
+    if workers.is_empty() {
+        return Err(ApiError::Unavailable("no worker is running".into()));
+    }
+    Ok(HttpResponse::Ok().json(serde_json::json!({"status": "ready", "workers": workers.len()})))
+}
+
+async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+    let workers = state.serving.stats().await;
+    let body = state.metrics.render(&metrics::Snapshot { workers: &workers, max_lora: state.settings.max_running });
+    HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(body)
+}
+
+async fn openapi_json() -> HttpResponse {
+    HttpResponse::Ok().json(openapi::document(env!("CARGO_PKG_VERSION")))
 }
 
 /// The live key behind the request's bearer token, which must carry `scope`.

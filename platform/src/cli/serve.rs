@@ -1,20 +1,75 @@
-//! `loraplex serve`: the HTTP server on the embedded defaults (SQLite under the data
-//! directory). So far it serves health, readiness and the admin API; SIGINT or SIGTERM stop it
-//! gracefully, letting requests in flight finish.
+//! `loraplex serve`: the HTTP server. On the embedded defaults it needs nothing: SQLite under
+//! the data directory, the CPU backend, and a synthetic tiny model generated on first start
+//! when no `--model` is given. SIGINT or SIGTERM stop it gracefully: no new connections,
+//! requests in flight finish, their usage rows are committed, then the workers stop.
 
-use anyhow::Context;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
 use actix_web::{App, HttpServer, web};
+use anyhow::{Context, bail};
+use loraplex_kernels::cpu::CpuBackend;
 
-use crate::api::{self, AppState};
-use crate::config::ServeArgs;
+use crate::api::{self, ApiSettings, AppState, Serving};
+use crate::config::{Device, ServeArgs};
+use crate::model;
+use crate::runtime::Runtime;
 use crate::store::Store;
+use crate::synth::{Preset, SynthOptions};
+use crate::tokenizer::Tokenizer;
+
+/// The synthetic model's name.
+pub const SYNTHETIC_MODEL: &str = "loraplex-tiny";
+
+/// The model directory to serve and its name: `--model`, or the synthetic one in the data
+/// directory (written on first start, atomically).
+fn model_dir(args: &ServeArgs) -> anyhow::Result<(PathBuf, String)> {
+    if let Some(dir) = &args.model {
+        let name = dir.canonicalize().with_context(|| format!("model directory {}", dir.display()))?.file_name().map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned());
+        return Ok((dir.clone(), name));
+    }
+    let dir = args.data_dir.join("model");
+    if !dir.join("config.json").is_file() {
+        let scratch = args.data_dir.join("model.partial");
+        let _ = std::fs::remove_dir_all(&scratch);
+        crate::synth::synthesize_model(&SynthOptions { out: scratch.clone(), preset: Preset::Tiny, seed: 0 }).context("generating the synthetic model")?;
+        std::fs::rename(&scratch, &dir).with_context(|| format!("moving the synthetic model to {}", dir.display()))?;
+        println!("no --model given: generated a synthetic tiny model in {} (random weights, for trying the API)", dir.display());
+    } else {
+        println!("no --model given: serving the synthetic tiny model in {}", dir.display());
+    }
+    Ok((dir, SYNTHETIC_MODEL.to_string()))
+}
+
+fn start_runtime(args: &ServeArgs, dir: &Path) -> anyhow::Result<(Arc<dyn Serving>, Arc<Tokenizer>)> {
+    if args.workers == 0 {
+        bail!("--workers must be at least 1");
+    }
+    match args.device {
+        Device::Cpu => {}
+        Device::Cuda => bail!("--device cuda: this build has no CUDA backend; use --device cpu"),
+    }
+    let backend = Arc::new(CpuBackend::new());
+    let model = Arc::new(model::load(backend, dir).with_context(|| format!("loading the model in {}", dir.display()))?);
+    let tokenizer = Arc::new(Tokenizer::from_dir(dir).with_context(|| format!("loading the tokenizer in {}", dir.display()))?);
+    let devices = vec![model; args.workers];
+    let runtime = Runtime::start(devices, tokenizer.clone(), args.engine.engine_config()).context("starting the workers")?;
+    Ok((Arc::new(runtime), tokenizer))
+}
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
+    super::init_threads(args.engine.threads)?;
     std::fs::create_dir_all(&args.data_dir).with_context(|| format!("creating the data directory {}", args.data_dir.display()))?;
+    let data_dir = args.data_dir.canonicalize()?;
     let url = match &args.database_url {
         Some(url) => url.clone(),
-        None => format!("sqlite://{}", args.data_dir.join("loraplex.db").display()),
+        None => format!("sqlite://{}", data_dir.join("loraplex.db").display()),
     };
+    let (dir, default_name) = model_dir(args)?;
+    let model_name = args.served_model_name.clone().unwrap_or(default_name);
+    let (serving, tokenizer) = start_runtime(args, &dir)?;
+    let settings = ApiSettings { max_upload_bytes: args.max_upload_mb.saturating_mul(1 << 20), max_running: args.engine.max_running };
     actix_web::rt::System::new().block_on(async move {
         let store = Store::connect(&url).await.with_context(|| format!("opening the database {url}"))?;
         match &args.admin_key {
@@ -27,17 +82,30 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             }
             None => {}
         }
-        let state = AppState { store: store.clone() };
-        let server = HttpServer::new(move || App::new().app_data(web::Data::new(state.clone())).configure(api::routes))
-            .bind((args.host.as_str(), args.port))
-            .with_context(|| format!("listening on {}:{}", args.host, args.port))?;
+        api::sweep(&data_dir, &store).await.context("cleaning the data directory")?;
+        let state = AppState::new(store.clone(), serving, tokenizer, &model_name, &data_dir, settings);
+        let app_state = state.clone();
+        let mut server = HttpServer::new(move || App::new().app_data(web::Data::new(app_state.clone())).configure(api::routes))
+            .shutdown_timeout(args.shutdown_timeout);
+        if let Some(n) = args.http_workers {
+            server = server.workers(n.max(1));
+        }
+        let server = server.bind((args.host.as_str(), args.port)).with_context(|| format!("listening on {}:{}", args.host, args.port))?;
+        println!("serving `{model_name}` on {}", state.serving.device_name());
         for addr in server.addrs() {
             println!("listening on http://{addr}");
         }
         use std::io::Write;
         std::io::stdout().flush()?;
         server.run().await?;
+        // The server has stopped taking requests and its responses are done; jobs whose
+        // clients left early may still be recording their usage.
+        if !state.jobs.drain(Duration::from_secs(args.shutdown_timeout)).await {
+            eprintln!("warning: {} requests were still running at shutdown", state.jobs.running());
+        }
+        state.ledger.flush().await;
         store.close().await;
+        println!("stopped");
         anyhow::Ok(())
     })
 }

@@ -53,6 +53,7 @@ struct PoolState {
     clock: u64,
     next_id: u64,
     evictions: u64,
+    adapter_evictions: u64,
 }
 
 impl PoolState {
@@ -78,6 +79,9 @@ impl PoolState {
         *self.kind_pages(kind) -= pages.len();
         self.free.extend(pages);
         self.evictions += 1;
+        if kind == EntryKind::Adapter {
+            self.adapter_evictions += 1;
+        }
     }
 
     /// The page count of entries of `kind`.
@@ -144,6 +148,8 @@ pub struct PoolStats {
     pub reclaimable: usize,
     /// Entries evicted so far.
     pub evictions: u64,
+    /// Of which adapters (the rest are prefix blocks).
+    pub adapter_evictions: u64,
 }
 
 /// The page allocator of one device. Cheap to clone: clones share the same pages.
@@ -168,6 +174,7 @@ impl PagePool {
             clock: 0,
             next_id: 0,
             evictions: 0,
+            adapter_evictions: 0,
         };
         Self { state: Arc::new(Mutex::new(state)) }
     }
@@ -188,6 +195,7 @@ impl PagePool {
             cached: s.prefix_pages,
             reclaimable: s.reclaimable,
             evictions: s.evictions,
+            adapter_evictions: s.adapter_evictions,
         }
     }
 

@@ -32,12 +32,25 @@ pub struct UsageRecord {
 /// Most rows in one transaction.
 const GROUP: usize = 256;
 
-type Pending = (UsageRecord, oneshot::Sender<Result<(), String>>);
+/// A row to commit, or a barrier: answered once every row sent before it is committed.
+enum Pending {
+    Row(UsageRecord, oneshot::Sender<Result<(), String>>),
+    Flush(oneshot::Sender<()>),
+}
 
 /// The writer of the ledger: a task that commits rows in groups. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Ledger {
     tx: mpsc::UnboundedSender<Pending>,
+}
+
+impl std::fmt::Debug for Pending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Pending::Row(r, _) => write!(f, "Row({})", r.id),
+            Pending::Flush(_) => write!(f, "Flush"),
+        }
+    }
 }
 
 impl Ledger {
@@ -47,10 +60,23 @@ impl Ledger {
         tokio::spawn(async move {
             let mut batch = Vec::with_capacity(GROUP);
             while rx.recv_many(&mut batch, GROUP).await > 0 {
-                let rows: Vec<&UsageRecord> = batch.iter().map(|(r, _)| r).collect();
-                let outcome = store.insert_usage(&rows).await.map_err(|e| e.to_string());
-                for (_, done) in batch.drain(..) {
-                    let _ = done.send(outcome.clone());
+                let rows: Vec<&UsageRecord> = batch
+                    .iter()
+                    .filter_map(|p| match p {
+                        Pending::Row(r, _) => Some(r),
+                        Pending::Flush(_) => None,
+                    })
+                    .collect();
+                let outcome = if rows.is_empty() { Ok(()) } else { store.insert_usage(&rows).await.map_err(|e| e.to_string()) };
+                for p in batch.drain(..) {
+                    match p {
+                        Pending::Row(_, done) => {
+                            let _ = done.send(outcome.clone());
+                        }
+                        Pending::Flush(done) => {
+                            let _ = done.send(());
+                        }
+                    }
                 }
             }
         });
@@ -60,11 +86,19 @@ impl Ledger {
     /// Commits one row; returns once it is durable (or why it could not be written).
     pub async fn commit(&self, record: UsageRecord) -> Result<(), StoreError> {
         let (done, wait) = oneshot::channel();
-        self.tx.send((record, done)).map_err(|_| StoreError::Invalid { field: "ledger", why: "the ledger writer has stopped".into() })?;
+        self.tx.send(Pending::Row(record, done)).map_err(|_| StoreError::Invalid { field: "ledger", why: "the ledger writer has stopped".into() })?;
         match wait.await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(why)) => Err(StoreError::Invalid { field: "ledger", why }),
             Err(_) => Err(StoreError::Invalid { field: "ledger", why: "the ledger writer has stopped".into() }),
+        }
+    }
+
+    /// Returns once every row sent before this call has been written (or failed).
+    pub async fn flush(&self) {
+        let (done, wait) = oneshot::channel();
+        if self.tx.send(Pending::Flush(done)).is_ok() {
+            let _ = wait.await;
         }
     }
 }

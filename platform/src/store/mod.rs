@@ -9,6 +9,29 @@ mod ledger;
 #[cfg(test)]
 mod tests;
 
+/// Databases for a test: a SQLite file under `dir`, and, when `LORAPLEX_TEST_POSTGRES` names
+/// a server (`.ci/run` starts one), a new PostgreSQL database on it.
+#[cfg(test)]
+pub(crate) async fn test_urls(dir: &std::path::Path) -> Vec<String> {
+    let mut out = vec![format!("sqlite://{}", dir.join("db.sqlite").display())];
+    match std::env::var("LORAPLEX_TEST_POSTGRES") {
+        Ok(url) => {
+            install_drivers();
+            let admin = AnyPoolOptions::new().max_connections(1).connect(&url).await.unwrap();
+            let name = random_id("test");
+            sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(&admin).await.unwrap();
+            admin.close().await;
+            let base = url.rsplit_once('/').map_or(url.as_str(), |(b, _)| b);
+            out.push(format!("{base}/{name}"));
+        }
+        Err(_) => {
+            assert!(std::env::var_os("LORAPLEX_REQUIRE_POSTGRES").is_none(), "LORAPLEX_REQUIRE_POSTGRES is set but LORAPLEX_TEST_POSTGRES is not");
+            eprintln!("LORAPLEX_TEST_POSTGRES is not set: PostgreSQL skipped (.ci/run starts one)");
+        }
+    }
+    out
+}
+
 use std::sync::Once;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -70,13 +93,19 @@ pub fn now_ms() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
 
-fn random_id(prefix: &str) -> String {
+/// A random id with a readable prefix: `ten_...`, `key_...`.
+pub fn random_id(prefix: &str) -> String {
     let bytes: [u8; 12] = rand::rng().random();
     format!("{prefix}_{}", hex(&bytes))
 }
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn install_drivers() {
+    static DRIVERS: Once = Once::new();
+    DRIVERS.call_once(sqlx::any::install_default_drivers);
 }
 
 fn is_unique_violation(e: &sqlx::Error) -> bool {
@@ -86,8 +115,7 @@ fn is_unique_violation(e: &sqlx::Error) -> bool {
 impl Store {
     /// Connects (creating a SQLite file if needed) and brings the schema up to date.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        static DRIVERS: Once = Once::new();
-        DRIVERS.call_once(sqlx::any::install_default_drivers);
+        install_drivers();
         let (kind, url) = if let Some(rest) = url.strip_prefix("sqlite:") {
             let url = if rest.contains("mode=") { url.to_string() } else { format!("{url}{}mode=rwc", if rest.contains('?') { '&' } else { '?' }) };
             (DbKind::Sqlite, url)
@@ -328,7 +356,10 @@ impl Store {
         // A concurrent upload of the same name may take the version first; try again then.
         for _ in 0..5 {
             let mut tx = self.pool.begin().await?;
-            let (latest,): (Option<i64>,) = sqlx::query_as("SELECT MAX(version) FROM adapters WHERE owner = $1 AND name = $2")
+            // A new version of a published adapter stays published.
+            let (latest, public): (Option<i64>, Option<i64>) = sqlx::query_as(
+                "SELECT MAX(version), MAX(CASE WHEN deleted_at IS NULL THEN public ELSE 0 END) FROM adapters WHERE owner = $1 AND name = $2",
+            )
                 .bind(&new.owner)
                 .bind(&new.name)
                 .fetch_one(&mut *tx)
@@ -338,7 +369,7 @@ impl Store {
                 owner: new.owner.clone(),
                 name: new.name.clone(),
                 version: latest.unwrap_or(0) + 1,
-                public: 0,
+                public: public.unwrap_or(0),
                 rank: new.rank,
                 targets: new.targets.clone(),
                 bytes: new.bytes,
@@ -347,8 +378,8 @@ impl Store {
                 created_at: now_ms(),
             };
             let inserted = sqlx::query(
-                "INSERT INTO adapters (id, owner, name, version, public, rank, targets, bytes, content_hash, blob, created_at) \
-                 VALUES ($1, $2, $3, $4, 0, $5, $6, $7, $8, $9, $10)",
+                "INSERT INTO adapters (id, owner, name, version, rank, targets, bytes, content_hash, blob, created_at, public) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
             )
             .bind(&record.id)
             .bind(&record.owner)
@@ -360,6 +391,7 @@ impl Store {
             .bind(&record.content_hash)
             .bind(&record.blob)
             .bind(record.created_at)
+            .bind(record.public)
             .execute(&mut *tx)
             .await;
             match inserted {
@@ -403,15 +435,43 @@ impl Store {
         Ok(sqlx::query_as(sql).bind(tenant).fetch_all(&self.pool).await?)
     }
 
-    /// Deletes every version of `owner`'s adapter `name`; false if there was none.
-    pub async fn delete_adapter(&self, owner: &str, name: &str) -> Result<bool, StoreError> {
-        let n = sqlx::query("UPDATE adapters SET deleted_at = $1 WHERE owner = $2 AND name = $3 AND deleted_at IS NULL")
+    /// Deletes every version of `owner`'s adapter `name`; returns the versions deleted (none
+    /// if there was no such adapter).
+    pub async fn delete_adapter(&self, owner: &str, name: &str) -> Result<Vec<AdapterRecord>, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let sql = concat!("SELECT ", adapter_columns!(), " FROM adapters WHERE owner = $1 AND name = $2 AND deleted_at IS NULL ORDER BY version");
+        let live: Vec<AdapterRecord> = sqlx::query_as(sql).bind(owner).bind(name).fetch_all(&mut *tx).await?;
+        sqlx::query("UPDATE adapters SET deleted_at = $1 WHERE owner = $2 AND name = $3 AND deleted_at IS NULL")
             .bind(now_ms())
             .bind(owner)
             .bind(name)
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await?;
-        Ok(n.rows_affected() > 0)
+        tx.commit().await?;
+        Ok(live)
+    }
+
+    /// One version of the adapter `name` as `tenant` sees it (its own, else a published one).
+    pub async fn visible_adapter_version(&self, tenant: &str, name: &str, version: i64) -> Result<Option<AdapterRecord>, StoreError> {
+        let sql = concat!(
+            "SELECT ",
+            adapter_columns!(),
+            " FROM adapters WHERE name = $1 AND version = $2 AND deleted_at IS NULL AND (owner = $3 OR public = 1) \
+             ORDER BY CASE WHEN owner = $3 THEN 0 ELSE 1 END LIMIT 1"
+        );
+        Ok(sqlx::query_as(sql).bind(name).bind(version).bind(tenant).fetch_optional(&self.pool).await?)
+    }
+
+    /// Every live version of `owner`'s adapter `name`, oldest first.
+    pub async fn adapter_versions(&self, owner: &str, name: &str) -> Result<Vec<AdapterRecord>, StoreError> {
+        let sql = concat!("SELECT ", adapter_columns!(), " FROM adapters WHERE owner = $1 AND name = $2 AND deleted_at IS NULL ORDER BY version");
+        Ok(sqlx::query_as(sql).bind(owner).bind(name).fetch_all(&self.pool).await?)
+    }
+
+    /// The blob directories of every live adapter version (what the data directory must keep).
+    pub async fn live_adapter_blobs(&self) -> Result<Vec<String>, StoreError> {
+        let rows: Vec<(String,)> = sqlx::query_as("SELECT blob FROM adapters WHERE deleted_at IS NULL").fetch_all(&self.pool).await?;
+        Ok(rows.into_iter().map(|(b,)| b).collect())
     }
 
     /// Makes every version of `owner`'s adapter visible to all tenants, or private again.
@@ -425,10 +485,11 @@ impl Store {
         Ok(n.rows_affected() > 0)
     }
 
-    /// Live adapters and their bytes, for a tenant's quota.
+    /// Live adapters (names; versions count once) and their bytes (every version), for a
+    /// tenant's quota.
     pub async fn adapter_footprint(&self, owner: &str) -> Result<(i64, i64), StoreError> {
         let (n, bytes): (i64, Option<i64>) =
-            sqlx::query_as("SELECT COUNT(*), CAST(SUM(bytes) AS BIGINT) FROM adapters WHERE owner = $1 AND deleted_at IS NULL")
+            sqlx::query_as("SELECT COUNT(DISTINCT name), CAST(SUM(bytes) AS BIGINT) FROM adapters WHERE owner = $1 AND deleted_at IS NULL")
                 .bind(owner)
                 .fetch_one(&self.pool)
                 .await?;
@@ -550,7 +611,8 @@ fn validate_name(field: &'static str, name: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-fn validate_adapter_name(name: &str) -> Result<(), StoreError> {
+/// Checks an adapter name: letters, digits, `-`, `_`, `.`, not starting with `.`.
+pub fn validate_adapter_name(name: &str) -> Result<(), StoreError> {
     validate_name("adapter name", name)
 }
 

@@ -6,22 +6,11 @@ use super::*;
 /// A fresh database of each kind: a SQLite file, and a new PostgreSQL database.
 async fn stores() -> Vec<(Store, Option<tempfile::TempDir>)> {
     let dir = tempfile::tempdir().unwrap();
-    let sqlite = Store::connect(&format!("sqlite://{}", dir.path().join("db.sqlite").display())).await.unwrap();
-    let mut out = vec![(sqlite, Some(dir))];
-    match std::env::var("LORAPLEX_TEST_POSTGRES") {
-        Ok(url) => {
-            let admin = AnyPoolOptions::new().max_connections(1).connect(&url).await.unwrap();
-            let name = random_id("test");
-            sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(&admin).await.unwrap();
-            admin.close().await;
-            let base = url.rsplit_once('/').map_or(url.as_str(), |(b, _)| b);
-            out.push((Store::connect(&format!("{base}/{name}")).await.unwrap(), None));
-        }
-        Err(_) => {
-            assert!(std::env::var_os("LORAPLEX_REQUIRE_POSTGRES").is_none(), "LORAPLEX_REQUIRE_POSTGRES is set but LORAPLEX_TEST_POSTGRES is not");
-            eprintln!("LORAPLEX_TEST_POSTGRES is not set: PostgreSQL skipped (.ci/run starts one)");
-        }
+    let mut out = Vec::new();
+    for url in test_urls(dir.path()).await {
+        out.push((Store::connect(&url).await.unwrap(), None));
     }
+    out[0].1 = Some(dir);
     out
 }
 
@@ -85,7 +74,7 @@ async fn adapter_versions_and_visibility() {
         assert_eq!(s.visible_adapter(&b.id, "support").await.unwrap(), None, "another tenant's private adapter is unknown");
         assert!(s.visible_adapters(&b.id).await.unwrap().is_empty());
         assert_eq!(s.visible_adapters(&a.id).await.unwrap(), std::slice::from_ref(&v2), "only the latest version is listed");
-        assert_eq!(s.adapter_footprint(&a.id).await.unwrap(), (2, 2000));
+        assert_eq!(s.adapter_footprint(&a.id).await.unwrap(), (1, 2000), "one adapter, two versions");
         for bad in ["../etc", "a/b", "", ".hidden", &"x".repeat(65)] {
             assert!(matches!(s.insert_adapter(&new(&a.id, bad)).await, Err(StoreError::Invalid { .. })), "{bad:?}");
         }
@@ -93,12 +82,17 @@ async fn adapter_versions_and_visibility() {
         let shared = s.insert_adapter(&new("", "summarize")).await.unwrap();
         assert_eq!(s.visible_adapter(&b.id, "summarize").await.unwrap(), None);
         assert!(s.publish_adapter("", "summarize", true).await.unwrap());
-        assert_eq!(s.visible_adapter(&b.id, "summarize").await.unwrap().map(|r| r.id), Some(shared.id));
+        assert_eq!(s.visible_adapter(&b.id, "summarize").await.unwrap().map(|r| r.id), Some(shared.id.clone()));
+        let shared2 = s.insert_adapter(&new("", "summarize")).await.unwrap();
+        assert_eq!(shared2.public, 1, "a new version of a published adapter stays published");
+        assert_eq!(s.visible_adapter_version(&b.id, "summarize", 1).await.unwrap().map(|r| r.id), Some(shared.id));
+        assert_eq!(s.visible_adapter_version(&a.id, "support", 1).await.unwrap().map(|r| r.version), Some(1));
+        assert_eq!(s.visible_adapter_version(&b.id, "support", 1).await.unwrap(), None, "nor any version of it");
         // A tenant's own adapter of the same name comes first.
         let own = s.insert_adapter(&new(&b.id, "summarize")).await.unwrap();
         assert_eq!(s.visible_adapter(&b.id, "summarize").await.unwrap().map(|r| r.id), Some(own.id));
-        assert!(s.delete_adapter(&a.id, "support").await.unwrap());
-        assert!(!s.delete_adapter(&a.id, "support").await.unwrap());
+        assert_eq!(s.delete_adapter(&a.id, "support").await.unwrap().len(), 2);
+        assert!(s.delete_adapter(&a.id, "support").await.unwrap().is_empty());
         assert_eq!(s.visible_adapter(&a.id, "support").await.unwrap(), None);
         assert_eq!(s.insert_adapter(&new(&a.id, "support")).await.unwrap().version, 3, "versions are never reused");
     }

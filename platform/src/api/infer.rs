@@ -1,0 +1,322 @@
+//! What every inference endpoint shares: who is calling, which model they named, admission
+//! against their limits, and the job that runs their prompts, records the ledger row and
+//! hands the events to the endpoint's formatter.
+//!
+//! A job runs in a task of its own, so its ledger row is written whatever the client does:
+//! when the client goes away the task sees its event channel closed, cancels the requests and
+//! records what was generated with the outcome `cancelled`. The final event (the usage) is sent
+//! only after the row is committed.
+
+use std::time::{Duration, Instant};
+
+use actix_web::HttpRequest;
+use futures::StreamExt;
+use tokio::sync::mpsc;
+
+use super::adapters::BlobGuard;
+use super::limits::Permit;
+use super::metrics::Observation;
+use super::{ApiError, AppState, authorize};
+use crate::memory::AdapterRef;
+use crate::request::{FinishReason, GenerationRequest};
+use crate::runtime::{Event, RequestHandle, RuntimeError, TokenOut, Usage};
+use crate::scheduler::{Placement, TenantId};
+use crate::store::{AdapterRecord, ApiKey, Scope, Tenant, UsageRecord, now_ms};
+
+/// The most prompts one request may carry.
+pub const MAX_PROMPTS: usize = 64;
+
+/// An authenticated tenant's key.
+pub struct Caller {
+    pub key: ApiKey,
+    pub tenant: Tenant,
+}
+
+/// The caller behind the request's key, which must be a tenant's key with `scope`.
+pub async fn caller(req: &HttpRequest, state: &AppState, scope: Scope) -> Result<Caller, ApiError> {
+    let key = authorize(req, state, scope).await?;
+    let Some(tenant_id) = key.tenant_id.clone() else {
+        return Err(ApiError::Invalid("the operator's key manages tenants; inference and adapters need a tenant's key".into()));
+    };
+    let tenant = state.store.tenant(&tenant_id).await?.ok_or(ApiError::BadKey)?;
+    Ok(Caller { key, tenant })
+}
+
+/// What a request's `model` (or LoRAX `adapter_id`) names.
+#[derive(Debug, Clone)]
+pub enum Target {
+    Base,
+    Adapter(AdapterRecord),
+}
+
+impl Target {
+    /// The ledger's name for it: `name@version`, or empty for the base model.
+    pub fn label(&self) -> String {
+        match self {
+            Target::Base => String::new(),
+            Target::Adapter(a) => a.label(),
+        }
+    }
+}
+
+/// Resolves `name` for `tenant`: the base model's name, an adapter the tenant may use (the
+/// latest version), or `name@version`. Unknown and foreign adapters read the same.
+pub async fn resolve(state: &AppState, tenant: &str, name: &str) -> Result<Target, ApiError> {
+    if name == &*state.model_name {
+        return Ok(Target::Base);
+    }
+    let not_found = || ApiError::NotFound(format!("model `{name}` (neither the base model `{}` nor an adapter you may use)", state.model_name));
+    let record = match name.rsplit_once('@') {
+        Some((base, v)) if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) => {
+            let version: i64 = v.parse().map_err(|_| not_found())?;
+            state.store.visible_adapter_version(tenant, base, version).await?
+        }
+        _ => state.store.visible_adapter(tenant, name).await?,
+    };
+    record.map(Target::Adapter).ok_or_else(not_found)
+}
+
+/// One event of a job.
+#[derive(Debug)]
+pub enum JobEvent {
+    /// A token of sample `token.index` of prompt `prompt`.
+    Token { prompt: usize, token: TokenOut },
+    /// Every prompt finished and the ledger row is committed: the usage over all of them.
+    Done(Usage),
+    /// The job failed; nothing follows.
+    Failed(ApiError),
+}
+
+/// What a job runs: one generation request per prompt, sharing the other fields.
+pub struct JobSpec {
+    pub endpoint: &'static str,
+    pub prompts: Vec<Vec<u32>>,
+    pub request: GenerationRequest,
+    pub target: Target,
+}
+
+/// A started job: its events, and the facts the response headers need.
+pub struct Job {
+    pub events: mpsc::UnboundedReceiver<JobEvent>,
+    pub prompt_tokens: usize,
+}
+
+/// Validates every prompt, admits the job against the tenant's limits, queues it and starts
+/// the task that drives it. Errors here are the response's status.
+pub async fn start(state: &AppState, caller: Caller, spec: JobSpec) -> Result<Job, ApiError> {
+    let started = Instant::now();
+    let started_at = now_ms();
+    if spec.prompts.is_empty() {
+        return Err(ApiError::Invalid("the prompt is empty".into()));
+    }
+    if spec.prompts.len() > MAX_PROMPTS {
+        return Err(ApiError::Invalid(format!("at most {MAX_PROMPTS} prompts per request, got {}", spec.prompts.len())));
+    }
+    let adapter = match &spec.target {
+        Target::Base => None,
+        Target::Adapter(a) => Some(a.clone()),
+    };
+    let guard = match &adapter {
+        Some(a) => Some(state.blobs.enter(&a.id).ok_or_else(|| ApiError::NotFound(format!("model `{}`", a.name)))?),
+        None => None,
+    };
+    let adapter_ref = adapter.as_ref().map(|a| AdapterRef::new(a.id.as_str(), state.data_dir.join(&a.blob)));
+    let mut valid = Vec::with_capacity(spec.prompts.len());
+    for prompt in spec.prompts {
+        let request = GenerationRequest { prompt, adapter: adapter_ref.clone(), ..spec.request.clone() };
+        valid.push(state.serving.validate(request)?);
+    }
+    let prompt_tokens: usize = valid.iter().map(|r| r.get().prompt.len()).sum();
+    let n = spec.request.n.max(1);
+    let budget = (prompt_tokens + valid.len() * n * spec.request.stop.max_new_tokens) as u64;
+    let tenant = caller.tenant.id.clone();
+    let permit = match state.limiter.admit(&tenant, &caller.tenant.limits(), budget) {
+        Ok(p) => p,
+        Err(e) => {
+            state.metrics.limited(&caller.tenant.name);
+            return Err(e);
+        }
+    };
+    let placement = Placement::tenant(TenantId::new(&tenant), caller.tenant.weight);
+    let mut handles = Vec::with_capacity(valid.len());
+    for request in valid {
+        // Handles already queued are dropped (and so cancelled) if a later one is refused.
+        handles.push(state.serving.submit(request, placement.clone()).await?);
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    let label = spec.target.label();
+    state.metrics.job_queued(&label);
+    let run = Run {
+        state: state.clone(),
+        endpoint: spec.endpoint,
+        caller,
+        label,
+        prompt_tokens,
+        started,
+        started_at,
+        permit,
+        _guard: guard,
+    };
+    state.jobs.spawn(run.drive(handles, tx));
+    Ok(Job { events: rx, prompt_tokens })
+}
+
+/// The state of a running job's task.
+struct Run {
+    state: AppState,
+    endpoint: &'static str,
+    caller: Caller,
+    label: String,
+    prompt_tokens: usize,
+    started: Instant,
+    started_at: i64,
+    permit: Permit,
+    /// Keeps the adapter's files while the job runs, even if the adapter is deleted.
+    _guard: Option<BlobGuard>,
+}
+
+enum Outcome {
+    Ok,
+    Cancelled,
+    Error(ApiError),
+}
+
+impl Run {
+    async fn drive(self, handles: Vec<RequestHandle>, tx: mpsc::UnboundedSender<JobEvent>) {
+        let prompts = handles.len();
+        let streams = handles.into_iter().enumerate().map(|(i, h)| {
+            futures::stream::unfold(h, move |mut h| async move { h.next().await.map(|e| ((i, e), h)) }).boxed()
+        });
+        let mut merged = futures::stream::select_all(streams);
+        let mut usage = Usage::default();
+        let mut finished = 0;
+        let mut completion = 0;
+        let mut first_token: Option<Duration> = None;
+        let outcome = loop {
+            match merged.next().await {
+                Some((prompt, Event::Token(token))) => {
+                    completion += 1;
+                    if first_token.is_none() {
+                        first_token = Some(self.started.elapsed());
+                        self.state.metrics.job_running(&self.label);
+                    }
+                    if tx.send(JobEvent::Token { prompt, token }).is_err() {
+                        break Outcome::Cancelled;
+                    }
+                }
+                Some((_, Event::Done(u))) => {
+                    usage.prompt_tokens += u.prompt_tokens;
+                    usage.cached_prompt_tokens += u.cached_prompt_tokens;
+                    usage.completion_tokens += u.completion_tokens;
+                    usage.queue_time = usage.queue_time.max(u.queue_time);
+                    finished += 1;
+                    if finished == prompts {
+                        break Outcome::Ok;
+                    }
+                }
+                Some((_, Event::Error(e))) => break Outcome::Error(e.into()),
+                None => break Outcome::Error(RuntimeError::Unavailable("the runtime stopped before the request finished".into()).into()),
+            }
+        };
+        // Whatever is still queued or running is cancelled here.
+        drop(merged);
+        let total = self.started.elapsed();
+        if !matches!(outcome, Outcome::Ok) {
+            usage.prompt_tokens = self.prompt_tokens;
+            usage.completion_tokens = completion;
+        }
+        usage.time_to_first_token = first_token.unwrap_or(total);
+        usage.total_time = total;
+        let outcome_name = match &outcome {
+            Outcome::Ok => "ok",
+            Outcome::Cancelled => "cancelled",
+            Outcome::Error(_) => "error",
+        };
+        let record = UsageRecord {
+            id: crate::store::random_id("use"),
+            tenant_id: self.caller.tenant.id.clone(),
+            key_id: self.caller.key.id.clone(),
+            adapter: self.label.clone(),
+            prompt_tokens: usage.prompt_tokens as i64,
+            cached_prompt_tokens: usage.cached_prompt_tokens as i64,
+            completion_tokens: usage.completion_tokens as i64,
+            queue_ms: usage.queue_time.as_secs_f64() * 1e3,
+            ttft_ms: usage.time_to_first_token.as_secs_f64() * 1e3,
+            total_ms: total.as_secs_f64() * 1e3,
+            outcome: outcome_name.into(),
+            started_at: self.started_at,
+            finished_at: now_ms(),
+        };
+        let committed = self.state.ledger.commit(record).await;
+        self.permit.settle((usage.prompt_tokens + usage.completion_tokens) as u64);
+        self.state.metrics.job_ended(&self.label, first_token.is_some());
+        self.state.metrics.observe(&Observation {
+            endpoint: self.endpoint,
+            outcome: outcome_name,
+            tenant: &self.caller.tenant.name,
+            usage: &usage,
+            ttft: first_token,
+            total,
+        });
+        let last = match (outcome, committed) {
+            (Outcome::Ok, Ok(())) => JobEvent::Done(usage),
+            (Outcome::Ok, Err(e)) => JobEvent::Failed(ApiError::Internal(format!("the usage ledger could not be written: {e}"))),
+            (Outcome::Error(e), _) => JobEvent::Failed(e),
+            (Outcome::Cancelled, _) => return,
+        };
+        let _ = tx.send(last);
+    }
+}
+
+/// Sample outputs gathered from a job's events, for the non-streaming responses.
+#[derive(Debug, Clone, Default)]
+pub struct Gathered {
+    pub tokens: Vec<TokenOut>,
+    pub text: String,
+    pub finish: Option<FinishReason>,
+}
+
+/// Reads a job to its end: per prompt, per sample, the tokens; and the usage.
+pub async fn gather(mut job: Job, prompts: usize, n: usize) -> Result<(Vec<Vec<Gathered>>, Usage), ApiError> {
+    let mut out = vec![vec![Gathered::default(); n]; prompts];
+    while let Some(event) = job.events.recv().await {
+        match event {
+            JobEvent::Token { prompt, token } => {
+                if let Some(g) = out.get_mut(prompt).and_then(|p| p.get_mut(token.index)) {
+                    g.text.push_str(&token.text);
+                    g.finish = token.finish.or(g.finish);
+                    g.tokens.push(token);
+                }
+            }
+            JobEvent::Done(usage) => return Ok((out, usage)),
+            JobEvent::Failed(e) => return Err(e),
+        }
+    }
+    Err(ApiError::Unavailable("the request ended without a result".into()))
+}
+
+/// OpenAI's usage object.
+pub fn usage_json(u: &Usage) -> serde_json::Value {
+    serde_json::json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+    })
+}
+
+/// Server-sent events: one `data:` line per event.
+pub fn sse(value: &serde_json::Value) -> actix_web::web::Bytes {
+    actix_web::web::Bytes::from(format!("data: {value}\n\n"))
+}
+
+/// A random id for a response object, OpenAI style: `cmpl-...`.
+pub fn response_id(prefix: &str) -> String {
+    crate::store::random_id(prefix).replacen('_', "-", 1)
+}
+
+/// Shared across the crate for the token text of logprobs.
+pub fn token_text(state: &AppState, id: u32) -> String {
+    state.tokenizer.decode(&[id], false).unwrap_or_default()
+}
+

@@ -1,0 +1,173 @@
+//! Per-tenant admission limits: requests per minute, tokens per minute and concurrent
+//! requests, over a sliding one-minute window kept in memory.
+//!
+//! Tokens are reserved when a request is admitted (its prompt plus the most it may generate)
+//! and corrected to what it really used when it ends, so a burst of long requests cannot slip
+//! past the limit while they run.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::ApiError;
+use crate::store::TenantLimits;
+
+const WINDOW: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Default)]
+struct Window {
+    /// Admission times of the requests of the last minute.
+    requests: VecDeque<Instant>,
+    /// (admission time, reservation id, tokens) of the last minute.
+    tokens: VecDeque<(Instant, u64, u64)>,
+    concurrent: usize,
+}
+
+impl Window {
+    fn expire(&mut self, now: Instant) {
+        while self.requests.front().is_some_and(|&t| now.duration_since(t) >= WINDOW) {
+            self.requests.pop_front();
+        }
+        while self.tokens.front().is_some_and(|&(t, _, _)| now.duration_since(t) >= WINDOW) {
+            self.tokens.pop_front();
+        }
+    }
+
+    fn token_sum(&self) -> u64 {
+        self.tokens.iter().map(|&(_, _, n)| n).sum()
+    }
+}
+
+/// The windows of every tenant. Cheap to share.
+#[derive(Debug, Default)]
+pub struct Limiter {
+    tenants: Mutex<HashMap<String, Window>>,
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+/// An admitted request: holds a concurrency slot until dropped.
+#[derive(Debug)]
+pub struct Permit {
+    limiter: Arc<Limiter>,
+    tenant: String,
+    reservation: u64,
+}
+
+fn seconds_until(t: Instant, now: Instant) -> u64 {
+    let left = (t + WINDOW).saturating_duration_since(now);
+    left.as_secs() + u64::from(left.subsec_nanos() > 0)
+}
+
+impl Limiter {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// Admits one request of `tenant` that may use up to `tokens` tokens, or says when to
+    /// retry.
+    pub fn admit(self: &Arc<Self>, tenant: &str, limits: &TenantLimits, tokens: u64) -> Result<Permit, ApiError> {
+        let now = Instant::now();
+        let mut all = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        let w = all.entry(tenant.to_string()).or_default();
+        w.expire(now);
+        if let Some(max) = limits.max_concurrent
+            && w.concurrent as i64 >= max
+        {
+            return Err(ApiError::RateLimited { message: format!("too many concurrent requests: the limit is {max}"), retry_after: 1 });
+        }
+        if let Some(max) = limits.requests_per_min
+            && w.requests.len() as i64 >= max
+        {
+            let retry_after = w.requests.front().map_or(1, |&t| seconds_until(t, now)).max(1);
+            return Err(ApiError::RateLimited { message: format!("too many requests: the limit is {max} per minute"), retry_after });
+        }
+        if let Some(max) = limits.tokens_per_min {
+            let max = max.max(0) as u64;
+            if tokens > max {
+                return Err(ApiError::Invalid(format!(
+                    "this request may use {tokens} tokens (prompt plus max_tokens), more than the limit of {max} tokens per minute; lower max_tokens"
+                )));
+            }
+            let mut sum = w.token_sum();
+            if sum + tokens > max {
+                // Retry once enough of the window has expired.
+                let mut retry_after = 1;
+                for &(t, _, n) in &w.tokens {
+                    sum -= n;
+                    retry_after = seconds_until(t, now).max(1);
+                    if sum + tokens <= max {
+                        break;
+                    }
+                }
+                return Err(ApiError::RateLimited {
+                    message: format!("too many tokens: the limit is {max} per minute and this request may use {tokens}"),
+                    retry_after,
+                });
+            }
+        }
+        let reservation = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        w.requests.push_back(now);
+        w.tokens.push_back((now, reservation, tokens));
+        w.concurrent += 1;
+        Ok(Permit { limiter: self.clone(), tenant: tenant.to_string(), reservation })
+    }
+}
+
+impl Permit {
+    /// Replaces the reservation with the tokens the request really used.
+    pub fn settle(&self, tokens: u64) {
+        let mut all = self.limiter.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(w) = all.get_mut(&self.tenant)
+            && let Some(entry) = w.tokens.iter_mut().find(|(_, id, _)| *id == self.reservation)
+        {
+            entry.2 = tokens;
+        }
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let mut all = self.limiter.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(w) = all.get_mut(&self.tenant) {
+            w.concurrent = w.concurrent.saturating_sub(1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(rpm: Option<i64>, tpm: Option<i64>, conc: Option<i64>) -> TenantLimits {
+        TenantLimits { requests_per_min: rpm, tokens_per_min: tpm, max_concurrent: conc, ..TenantLimits::default() }
+    }
+
+    #[test]
+    fn each_limit_refuses_with_a_retry_time() {
+        let l = Limiter::new();
+        let rpm = limits(Some(2), None, None);
+        let _a = l.admit("t", &rpm, 1).unwrap();
+        let _b = l.admit("t", &rpm, 1).unwrap();
+        match l.admit("t", &rpm, 1) {
+            Err(ApiError::RateLimited { retry_after, .. }) => assert!((59..=60).contains(&retry_after), "{retry_after}"),
+            other => panic!("{other:?}"),
+        }
+        // Another tenant has its own window.
+        assert!(l.admit("u", &rpm, 1).is_ok());
+
+        let conc = limits(None, None, Some(1));
+        let p = l.admit("c", &conc, 1).unwrap();
+        assert!(matches!(l.admit("c", &conc, 1), Err(ApiError::RateLimited { retry_after: 1, .. })));
+        drop(p);
+        assert!(l.admit("c", &conc, 1).is_ok());
+
+        let tpm = limits(None, Some(100), None);
+        let p = l.admit("k", &tpm, 80).unwrap();
+        assert!(matches!(l.admit("k", &tpm, 30), Err(ApiError::RateLimited { .. })));
+        // What was reserved but not used is given back.
+        p.settle(10);
+        assert!(l.admit("k", &tpm, 30).is_ok());
+        // A request that could never fit is a client error, not a retry.
+        assert!(matches!(l.admit("k", &tpm, 101), Err(ApiError::Invalid(_))));
+    }
+}

@@ -1,0 +1,247 @@
+//! Prometheus metrics in the text exposition format: counters and histograms kept by the HTTP
+//! layer, and gauges read from the workers when scraped. Also the names Kubernetes inference
+//! gateways read (`vllm:*`).
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::runtime::{Usage, WorkerStats};
+
+/// Bucket bounds, in seconds.
+const LATENCY_BUCKETS: [f64; 14] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+const TOKEN_BUCKETS: [f64; 10] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0];
+
+#[derive(Debug, Clone)]
+struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Self { bounds, counts: vec![0; bounds.len()], sum: 0.0, count: 0 }
+    }
+
+    fn observe(&mut self, v: f64) {
+        for (b, c) in self.bounds.iter().zip(&mut self.counts) {
+            if v <= *b {
+                *c += 1;
+            }
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}", self.count, self.sum, self.count);
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    /// (endpoint, outcome) -> requests.
+    requests: BTreeMap<(&'static str, String), u64>,
+    /// (tenant, kind) -> tokens.
+    tokens: BTreeMap<(String, &'static str), u64>,
+    /// Requests refused by a tenant limit, by tenant.
+    limited: BTreeMap<String, u64>,
+    /// Adapter label -> (requests waiting for their first token, requests generating).
+    lora: BTreeMap<String, (usize, usize)>,
+    ttft: Histogram,
+    tpot: Histogram,
+    e2e: Histogram,
+    queue: Histogram,
+}
+
+/// The HTTP layer's metrics. One per server.
+#[derive(Debug)]
+pub struct Metrics {
+    inner: Mutex<Inner>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            inner: Mutex::new(Inner {
+                requests: BTreeMap::new(),
+                tokens: BTreeMap::new(),
+                limited: BTreeMap::new(),
+                lora: BTreeMap::new(),
+                ttft: Histogram::new(&LATENCY_BUCKETS),
+                tpot: Histogram::new(&TOKEN_BUCKETS),
+                e2e: Histogram::new(&LATENCY_BUCKETS),
+                queue: Histogram::new(&LATENCY_BUCKETS),
+            }),
+        }
+    }
+}
+
+/// What one finished inference request contributes.
+pub struct Observation<'a> {
+    pub endpoint: &'static str,
+    pub outcome: &'a str,
+    pub tenant: &'a str,
+    pub usage: &'a Usage,
+    /// Time to the first token, when one was produced.
+    pub ttft: Option<Duration>,
+    pub total: Duration,
+}
+
+/// What the workers report, gathered at scrape time.
+pub struct Snapshot<'a> {
+    pub workers: &'a [WorkerStats],
+    /// The most adapters one batch may use.
+    pub max_lora: usize,
+}
+
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+impl Metrics {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn observe(&self, o: &Observation<'_>) {
+        let mut m = self.lock();
+        *m.requests.entry((o.endpoint, o.outcome.to_string())).or_default() += 1;
+        for (kind, n) in [("prompt", o.usage.prompt_tokens), ("cached_prompt", o.usage.cached_prompt_tokens), ("completion", o.usage.completion_tokens)] {
+            *m.tokens.entry((o.tenant.to_string(), kind)).or_default() += n as u64;
+        }
+        m.e2e.observe(o.total.as_secs_f64());
+        if let Some(ttft) = o.ttft {
+            m.ttft.observe(ttft.as_secs_f64());
+            m.queue.observe(o.usage.queue_time.as_secs_f64());
+            if o.usage.completion_tokens > 1 {
+                let decode = o.total.saturating_sub(ttft).as_secs_f64();
+                m.tpot.observe(decode / (o.usage.completion_tokens - 1) as f64);
+            }
+        }
+    }
+
+    /// A job for `adapter` (a label; empty for the base model) was queued.
+    pub fn job_queued(&self, adapter: &str) {
+        if !adapter.is_empty() {
+            self.lock().lora.entry(adapter.to_string()).or_default().0 += 1;
+        }
+    }
+
+    /// ... produced its first token.
+    pub fn job_running(&self, adapter: &str) {
+        if let Some(e) = self.lock().lora.get_mut(adapter) {
+            e.0 = e.0.saturating_sub(1);
+            e.1 += 1;
+        }
+    }
+
+    /// ... ended, after its first token or before.
+    pub fn job_ended(&self, adapter: &str, running: bool) {
+        let mut m = self.lock();
+        if let Some(e) = m.lora.get_mut(adapter) {
+            if running {
+                e.1 = e.1.saturating_sub(1);
+            } else {
+                e.0 = e.0.saturating_sub(1);
+            }
+            if *e == (0, 0) {
+                m.lora.remove(adapter);
+            }
+        }
+    }
+
+    /// A request refused by one of `tenant`'s limits.
+    pub fn limited(&self, tenant: &str) {
+        *self.lock().limited.entry(tenant.to_string()).or_default() += 1;
+    }
+
+    pub fn render(&self, s: &Snapshot<'_>) -> String {
+        let m = self.lock();
+        let mut out = String::with_capacity(8192);
+        let o = &mut out;
+        let _ = writeln!(o, "# HELP loraplex_requests_total Inference requests by endpoint and outcome.\n# TYPE loraplex_requests_total counter");
+        for ((endpoint, outcome), n) in &m.requests {
+            let _ = writeln!(o, "loraplex_requests_total{{endpoint=\"{endpoint}\",outcome=\"{}\"}} {n}", escape(outcome));
+        }
+        let _ = writeln!(o, "# HELP loraplex_rate_limited_total Requests refused by a tenant limit.\n# TYPE loraplex_rate_limited_total counter");
+        for (tenant, n) in &m.limited {
+            let _ = writeln!(o, "loraplex_rate_limited_total{{tenant=\"{}\"}} {n}", escape(tenant));
+        }
+        let _ = writeln!(o, "# HELP loraplex_tokens_total Tokens by tenant and kind (prompt, cached_prompt, completion).\n# TYPE loraplex_tokens_total counter");
+        for ((tenant, kind), n) in &m.tokens {
+            let _ = writeln!(o, "loraplex_tokens_total{{tenant=\"{}\",kind=\"{kind}\"}} {n}", escape(tenant));
+        }
+        m.ttft.render(o, "loraplex_time_to_first_token_seconds", "From arrival to the first token.");
+        m.tpot.render(o, "loraplex_time_per_output_token_seconds", "Mean time between output tokens, per request.");
+        m.e2e.render(o, "loraplex_e2e_request_latency_seconds", "From arrival to the last token.");
+        m.queue.render(o, "loraplex_queue_time_seconds", "From arrival until the request first ran.");
+        let running_adapters: Vec<String> = m.lora.iter().filter(|(_, c)| c.1 > 0).map(|(k, _)| k.clone()).collect();
+        let waiting_adapters: Vec<String> = m.lora.iter().filter(|(_, c)| c.0 > 0).map(|(k, _)| k.clone()).collect();
+        drop(m);
+
+        let sum = |f: &dyn Fn(&WorkerStats) -> u64| s.workers.iter().map(f).sum::<u64>();
+        let gauge = |o: &mut String, name: &str, help: &str, kind: &str, v: f64| {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
+        };
+        let running = sum(&|w| w.running as u64);
+        let waiting = sum(&|w| w.waiting as u64);
+        gauge(o, "loraplex_requests_running", "Sequences generating now.", "gauge", running as f64);
+        gauge(o, "loraplex_requests_waiting", "Sequences queued.", "gauge", waiting as f64);
+        let _ = writeln!(o, "# HELP loraplex_pool_pages Page pool pages by kind, per worker.\n# TYPE loraplex_pool_pages gauge");
+        for w in s.workers {
+            let p = &w.pool;
+            for (kind, n) in [("total", p.total), ("free", p.free), ("kv", p.kv), ("adapter", p.adapter), ("prefix", p.cached), ("reclaimable", p.reclaimable)] {
+                let _ = writeln!(o, "loraplex_pool_pages{{worker=\"{}\",kind=\"{kind}\"}} {n}", w.worker);
+            }
+        }
+        let _ = writeln!(o, "# HELP loraplex_pool_evictions_total Pool entries evicted, by kind.\n# TYPE loraplex_pool_evictions_total counter");
+        let _ = writeln!(o, "loraplex_pool_evictions_total{{kind=\"adapter\"}} {}", sum(&|w| w.pool.adapter_evictions));
+        let _ = writeln!(o, "loraplex_pool_evictions_total{{kind=\"prefix\"}} {}", sum(&|w| w.pool.evictions - w.pool.adapter_evictions));
+        let _ = writeln!(o, "# HELP loraplex_adapter_requests_total Requests by where their adapter was when they arrived (device, host, disk).\n# TYPE loraplex_adapter_requests_total counter");
+        for (tier, n) in [("device", sum(&|w| w.adapters.device_hits)), ("host", sum(&|w| w.adapters.host_hits)), ("disk", sum(&|w| w.adapters.disk_misses))] {
+            let _ = writeln!(o, "loraplex_adapter_requests_total{{tier=\"{tier}\"}} {n}");
+        }
+        let _ = writeln!(o, "# HELP loraplex_adapter_loads_total Adapters placed in a device pool, by the tier they came from.\n# TYPE loraplex_adapter_loads_total counter");
+        for (tier, n) in [("host", sum(&|w| w.adapters.loads_from_host)), ("disk", sum(&|w| w.adapters.loads_from_disk))] {
+            let _ = writeln!(o, "loraplex_adapter_loads_total{{from=\"{tier}\"}} {n}");
+        }
+        gauge(o, "loraplex_adapter_load_failures_total", "Adapter loads that failed.", "counter", sum(&|w| w.adapters.failures) as f64);
+        gauge(o, "loraplex_host_adapter_bytes", "Bytes of adapters in host memory.", "gauge", s.workers.first().map_or(0, |w| w.host_adapter_bytes) as f64);
+        let looked = sum(&|w| w.prefix.looked_up);
+        let hits = sum(&|w| w.prefix.hits);
+        gauge(o, "loraplex_prefix_cache_queries_total", "Prompt blocks looked up in the prefix cache.", "counter", looked as f64);
+        gauge(o, "loraplex_prefix_cache_hits_total", "Prompt blocks found in the prefix cache.", "counter", hits as f64);
+        let rate = if looked == 0 { 0.0 } else { hits as f64 / looked as f64 };
+        gauge(o, "loraplex_prefix_cache_hit_rate", "Prefix-cache hits over lookups since start.", "gauge", rate);
+        gauge(o, "loraplex_preemptions_total", "Sequences preempted to free pages.", "counter", sum(&|w| w.preemptions) as f64);
+        gauge(o, "loraplex_worker_restarts_total", "Workers rebuilt after a failed step.", "counter", sum(&|w| w.restarts) as f64);
+        gauge(o, "loraplex_generated_tokens_total", "Tokens generated by every worker.", "counter", sum(&|w| w.generated_tokens) as f64);
+
+        // The names inference gateways scrape.
+        gauge(o, "vllm:num_requests_running", "Requests running on the engine.", "gauge", running as f64);
+        gauge(o, "vllm:num_requests_waiting", "Requests waiting to run.", "gauge", waiting as f64);
+        let (total, used) = s.workers.iter().fold((0usize, 0usize), |(t, u), w| (t + w.pool.total, u + w.pool.kv));
+        let usage = if total == 0 { 0.0 } else { used as f64 / total as f64 };
+        gauge(o, "vllm:kv_cache_usage_perc", "Fraction of the page pool held by running sequences' KV blocks.", "gauge", usage);
+        gauge(o, "vllm:gpu_cache_usage_perc", "Same as vllm:kv_cache_usage_perc (older name).", "gauge", usage);
+        let list = |v: &[String]| escape(&v.join(","));
+        let now = crate::store::now_ms() as f64 / 1e3;
+        let _ = writeln!(o, "# HELP vllm:lora_requests_info Adapters of running and waiting requests.\n# TYPE vllm:lora_requests_info gauge");
+        let _ = writeln!(
+            o,
+            "vllm:lora_requests_info{{running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\",max_lora=\"{}\"}} {now}",
+            list(&running_adapters),
+            list(&waiting_adapters),
+            s.max_lora
+        );
+        out
+    }
+}

@@ -1,0 +1,181 @@
+//! Usage and bills: `GET /v1/usage` (a tenant's own, grouped by day or adapter) and
+//! `GET /admin/billing/report` (every tenant, JSON or CSV). Both read the ledger.
+
+use std::collections::BTreeMap;
+
+use actix_web::{HttpRequest, HttpResponse, web};
+use serde::Deserialize;
+use serde_json::json;
+
+use super::infer;
+use super::{ApiError, AppState, authorize, parse_query};
+use crate::store::{BillingLine, Scope, Totals, now_ms};
+
+pub fn routes(cfg: &mut web::ServiceConfig) {
+    cfg.route("/v1/usage", web::get().to(usage)).route("/admin/billing/report", web::get().to(report));
+}
+
+/// `YYYY-MM-DD` of a day number since the Unix epoch (proleptic Gregorian, UTC).
+pub fn date(day: i64) -> String {
+    // Howard Hinnant's days-to-civil.
+    let z = day + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+/// Day number of a `YYYY-MM-DD` date.
+fn day_of(date: &str) -> Option<i64> {
+    let mut parts = date.splitn(3, '-');
+    let y: i64 = parts.next()?.parse().ok()?;
+    let m: i64 = parts.next()?.parse().ok()?;
+    let d: i64 = parts.next()?.parse().ok()?;
+    if !(1..=12).contains(&m) || !(1..=31).contains(&d) {
+        return None;
+    }
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = if m > 2 { m - 3 } else { m + 9 };
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let day = era * 146_097 + doe - 719_468;
+    // Reject days that do not exist (2026-02-30).
+    (self::date(day) == format!("{:04}-{:02}-{:02}", if m <= 2 { y + 1 } else { y }, m, d)).then_some(day)
+}
+
+/// A bound: Unix seconds, or a `YYYY-MM-DD` date (its midnight, UTC). In milliseconds.
+fn bound(field: &str, v: Option<&str>, default: i64) -> Result<i64, ApiError> {
+    let Some(v) = v else { return Ok(default) };
+    if let Ok(secs) = v.parse::<i64>() {
+        return secs.checked_mul(1000).ok_or_else(|| ApiError::Invalid(format!("`{field}` is out of range")));
+    }
+    day_of(v).map(|d| d * 86_400_000).ok_or_else(|| ApiError::Invalid(format!("`{field}` must be Unix seconds or a YYYY-MM-DD date; given {v:?}")))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UsageQuery {
+    from: Option<String>,
+    to: Option<String>,
+    group_by: Option<String>,
+}
+
+fn totals_json(t: &Totals) -> serde_json::Value {
+    json!({
+        "requests": t.requests,
+        "prompt_tokens": t.prompt_tokens,
+        "cached_prompt_tokens": t.cached_prompt_tokens,
+        "completion_tokens": t.completion_tokens,
+        "total_tokens": t.prompt_tokens + t.completion_tokens,
+        "cost": t.cost,
+    })
+}
+
+fn add(into: &mut Totals, t: &Totals) {
+    into.requests += t.requests;
+    into.prompt_tokens += t.prompt_tokens;
+    into.cached_prompt_tokens += t.cached_prompt_tokens;
+    into.completion_tokens += t.completion_tokens;
+    into.cost += t.cost;
+}
+
+fn line_json(l: &BillingLine) -> serde_json::Value {
+    let mut v = totals_json(&l.totals);
+    v["tenant_id"] = l.tenant_id.clone().into();
+    v["tenant"] = l.tenant.clone().into();
+    v["plan"] = l.plan.clone().into();
+    v["adapter"] = l.adapter.clone().into();
+    v["date"] = date(l.day).into();
+    v
+}
+
+async fn usage(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let caller = infer::caller(&req, &state, Scope::Inference).await?;
+    let q: UsageQuery = parse_query(&req)?;
+    let from = bound("from", q.from.as_deref(), 0)?;
+    let to = bound("to", q.to.as_deref(), now_ms() + 1)?;
+    let report = state.store.billing_report(from, to, Some(&caller.tenant.id)).await?;
+    let data: Vec<serde_json::Value> = match q.group_by.as_deref() {
+        None => report.lines.iter().map(line_json).collect(),
+        Some("day") => {
+            let mut by: BTreeMap<i64, Totals> = BTreeMap::new();
+            for l in &report.lines {
+                add(by.entry(l.day).or_default(), &l.totals);
+            }
+            by.iter().map(|(d, t)| { let mut v = totals_json(t); v["date"] = date(*d).into(); v }).collect()
+        }
+        Some("adapter") => {
+            let mut by: BTreeMap<&str, Totals> = BTreeMap::new();
+            for l in &report.lines {
+                add(by.entry(&l.adapter).or_default(), &l.totals);
+            }
+            by.iter().map(|(a, t)| { let mut v = totals_json(t); v["adapter"] = (*a).into(); v }).collect()
+        }
+        Some(other) => return Err(ApiError::Invalid(format!("`group_by` must be `day` or `adapter`; given {other:?}"))),
+    };
+    Ok(HttpResponse::Ok().json(json!({
+        "object": "usage",
+        "tenant_id": caller.tenant.id,
+        "from": from / 1000,
+        "to": to / 1000,
+        "group_by": q.group_by,
+        "data": data,
+        "totals": totals_json(&report.totals),
+    })))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReportQuery {
+    from: Option<String>,
+    to: Option<String>,
+    format: Option<String>,
+    tenant_id: Option<String>,
+}
+
+async fn report(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state, Scope::Admin).await?;
+    let q: ReportQuery = parse_query(&req)?;
+    let from = bound("from", q.from.as_deref(), 0)?;
+    let to = bound("to", q.to.as_deref(), now_ms() + 1)?;
+    let report = state.store.billing_report(from, to, q.tenant_id.as_deref()).await?;
+    match q.format.as_deref().unwrap_or("json") {
+        "json" => Ok(HttpResponse::Ok().json(json!({
+            "from": from / 1000,
+            "to": to / 1000,
+            "lines": report.lines.iter().map(line_json).collect::<Vec<_>>(),
+            "tenants": report.tenants.iter().map(|(id, t)| { let mut v = totals_json(t); v["tenant_id"] = id.clone().into(); v }).collect::<Vec<_>>(),
+            "totals": totals_json(&report.totals),
+        }))),
+        "csv" => Ok(HttpResponse::Ok()
+            .content_type("text/csv; charset=utf-8")
+            .insert_header(("content-disposition", "attachment; filename=\"billing.csv\""))
+            .body(report.to_csv())),
+        other => Err(ApiError::Invalid(format!("`format` must be `json` or `csv`; given {other:?}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates_round_trip() {
+        assert_eq!(date(0), "1970-01-01");
+        assert_eq!(date(20_413), "2025-11-21");
+        for day in [-1000, 0, 59, 60, 11_016, 20_413, 100_000] {
+            assert_eq!(day_of(&date(day)), Some(day), "{}", date(day));
+        }
+        assert_eq!(day_of("2026-02-30"), None);
+        assert_eq!(day_of("2026-13-01"), None);
+        assert!(bound("from", Some("yesterday"), 0).is_err());
+        assert_eq!(bound("from", Some("86400"), 0).unwrap(), 86_400_000);
+    }
+}
