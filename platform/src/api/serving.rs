@@ -23,6 +23,8 @@ pub trait Serving: Send + Sync + 'static {
     fn stats(&self) -> LocalBoxFuture<'_, Vec<WorkerStats>>;
     fn load_adapter(&self, adapter: AdapterRef, hold: bool) -> LocalBoxFuture<'_, Vec<Residency>>;
     fn unload_adapter(&self, key: Arc<str>, forget: bool) -> LocalBoxFuture<'_, bool>;
+    /// Makes the next step of `worker` fail as a device failure would (failure drills).
+    fn inject_fault(&self, worker: usize, reason: &str) -> bool;
 }
 
 impl<B: Backend> Serving for Runtime<B> {
@@ -60,5 +62,9 @@ impl<B: Backend> Serving for Runtime<B> {
 
     fn unload_adapter(&self, key: Arc<str>, forget: bool) -> LocalBoxFuture<'_, bool> {
         Box::pin(Runtime::unload_adapter(self, key, forget))
+    }
+
+    fn inject_fault(&self, worker: usize, reason: &str) -> bool {
+        Runtime::inject_fault(self, worker, reason)
     }
 }

@@ -105,7 +105,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         }
         state.ledger.flush().await;
         store.close().await;
-        println!("stopped");
+        // Whoever started the server may have stopped reading its output.
+        let _ = writeln!(std::io::stdout(), "stopped");
         anyhow::Ok(())
     })
 }

@@ -290,3 +290,26 @@ async fn metrics_openapi_and_health() {
     }
     assert_eq!(call(&app, "GET", "/ready", None, None).await.0, StatusCode::OK);
 }
+
+#[actix_web::test]
+async fn a_failure_mid_stream_arrives_as_an_error_event_and_is_recorded() {
+    let h = Harness::new().await;
+    let app = app!(h.state);
+    let (tenant_id, key) = tenant(&app, &h.admin, json!({"name": "acme"})).await;
+    let long = json!({"model": MODEL, "prompt": "x", "max_tokens": 400, "ignore_eos": true, "stream": true});
+    let res = call_service(&app, TestRequest::post().uri("/v1/completions").insert_header(bearer(&key)).set_json(&long).to_request()).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    assert!(h.state.serving.inject_fault(0, "drill"));
+    let events = sse_events(&read_body(res).await);
+    let error = events.iter().find(|e| e.get("error").is_some()).expect("an error event");
+    assert_eq!(error["error"]["code"], "unavailable");
+    assert!(error["error"]["message"].as_str().unwrap().contains("drill"), "{error}");
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    assert!(h.state.jobs.drain(std::time::Duration::from_secs(10)).await);
+    let (outcome, completion): (String, i64) = sqlx::query_as("SELECT outcome, completion_tokens FROM usage WHERE tenant_id = $1").bind(&tenant_id).fetch_one(h.state.store.pool()).await.unwrap();
+    assert_eq!(outcome, "error");
+    assert!(completion < 400);
+    // The worker was rebuilt and serves again.
+    let (status, _) = call(&app, "POST", "/v1/completions", Some(&key), Some(json!({"model": MODEL, "prompt": "x", "max_tokens": 2}))).await;
+    assert_eq!(status, StatusCode::OK);
+}

@@ -1,0 +1,122 @@
+"""The official `openai` Python client against a running loraplex server, unchanged.
+
+Usage: python openai_client.py BASE_URL ADMIN_KEY ADAPTER_DIR
+
+Creates a tenant and a key, uploads the adapter in ADAPTER_DIR, then drives the OpenAI
+endpoints through the client (completions, chat, streams, logprobs, errors) and checks the
+bill. Exits non-zero on the first failure.
+"""
+
+import json
+import sys
+import urllib.request
+import uuid
+
+import openai
+
+BASE, ADMIN, ADAPTER = sys.argv[1], sys.argv[2], sys.argv[3]
+
+
+def http(method, path, key, body=None, content_type="application/json"):
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(BASE + path, data=data, method=method)
+    req.add_header("Authorization", f"Bearer {key}")
+    if data is not None:
+        req.add_header("Content-Type", content_type)
+    with urllib.request.urlopen(req) as res:
+        return json.loads(res.read())
+
+
+def multipart(fields):
+    boundary = uuid.uuid4().hex
+    out = b""
+    for name, value in fields:
+        out += f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{name}"\r\n\r\n'.encode()
+        out += value + b"\r\n"
+    out += f"--{boundary}--\r\n".encode()
+    return out, f"multipart/form-data; boundary={boundary}"
+
+
+tenant = http("POST", "/admin/tenants", ADMIN, {"name": "openai-client", "plan": "standard"})
+key = http("POST", f"/admin/tenants/{tenant['id']}/keys", ADMIN)["key"]
+body, ctype = multipart([
+    ("name", b"support"),
+    ("config", open(f"{ADAPTER}/adapter_config.json", "rb").read()),
+    ("weights", open(f"{ADAPTER}/adapter_model.safetensors", "rb").read()),
+])
+assert http("POST", "/v1/adapters", key, body, ctype)["version"] == 1
+
+client = openai.OpenAI(base_url=BASE + "/v1", api_key=key)
+models = [m.id for m in client.models.list()]
+base = models[0]
+assert "support" in models, models
+
+# Completions, base and adapter; n, seed and logprobs.
+seen = {"prompt": 0, "cached": 0, "completion": 0, "requests": 0}
+
+
+def count(usage):
+    seen["requests"] += 1
+    seen["prompt"] += usage.prompt_tokens
+    seen["cached"] += usage.prompt_tokens_details.cached_tokens
+    seen["completion"] += usage.completion_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+c = client.completions.create(model=base, prompt="Hello there", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+assert c.object == "text_completion" and c.usage.completion_tokens == 5, c
+count(c.usage)
+t = client.completions.create(model="support", prompt="Hello there", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+count(t.usage)
+assert t.choices[0].text != c.choices[0].text, "the adapter changes the output"
+s = client.completions.create(model="support", prompt=["one", "two"], max_tokens=3, n=2, seed=11, temperature=0.8, logprobs=2,
+                              extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True})
+count(s.usage)
+assert sorted(ch.index for ch in s.choices) == [0, 1, 2, 3], s.choices
+assert len(s.choices[0].logprobs.tokens) == 3 and len(s.choices[0].logprobs.top_logprobs[0]) == 2
+
+# A completion stream with usage at the end.
+chunks = list(client.completions.create(model=base, prompt="Hello there", max_tokens=5, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.choices[0].text
+assert chunks[-1].usage.completion_tokens == 5
+count(chunks[-1].usage)
+
+# Chat, plain and streamed, with logprobs.
+messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+r = client.chat.completions.create(model="support", messages=messages, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                                   presence_penalty=0.5, frequency_penalty=0.5, user="someone", extra_body={"ignore_eos": True})
+assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == 4
+assert len(r.choices[0].logprobs.content) == 4 and len(r.choices[0].logprobs.content[0].top_logprobs) == 2
+count(r.usage)
+stream = client.chat.completions.create(model="support", messages=messages, max_tokens=4, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+parts = list(stream)
+assert parts[0].choices[0].delta.role == "assistant"
+assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == r.choices[0].message.content
+count(parts[-1].usage)
+stopped = client.chat.completions.create(model=base, messages=messages, max_completion_tokens=3, stop=["\n"], seed=3)
+count(stopped.usage)
+
+# Errors arrive as the client's exceptions.
+try:
+    client.completions.create(model="nope", prompt="x", max_tokens=1)
+    raise AssertionError("unknown model accepted")
+except openai.NotFoundError as e:
+    assert e.body["code"] == "not_found", e.body
+try:
+    client.completions.create(model=base, prompt="x", max_tokens=100000)
+    raise AssertionError("too many tokens accepted")
+except openai.BadRequestError as e:
+    assert "context" in e.message
+try:
+    openai.OpenAI(base_url=BASE + "/v1", api_key="lpx_wrong").models.list()
+    raise AssertionError("a wrong key accepted")
+except openai.AuthenticationError:
+    pass
+
+# The bill is what the client was told.
+bill = http("GET", "/v1/usage", key)["totals"]
+assert (bill["requests"], bill["prompt_tokens"], bill["cached_prompt_tokens"], bill["completion_tokens"]) == \
+    (seen["requests"], seen["prompt"], seen["cached"], seen["completion"]), (bill, seen)
+print(f"openai {openai.__version__}: ok ({seen['requests']} requests, {seen['completion']} completion tokens)")
