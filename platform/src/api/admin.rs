@@ -71,8 +71,12 @@ async fn patch_tenant(req: HttpRequest, state: web::Data<AppState>, id: web::Pat
 
 async fn delete_tenant(req: HttpRequest, state: web::Data<AppState>, id: web::Path<String>) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state, Scope::Admin).await?;
-    if !state.store.delete_tenant(&id).await? {
-        return Err(ApiError::NotFound(format!("tenant {id}")));
+    // Its keys are revoked and its adapters deleted with it (their files go once requests
+    // still running on them finish); its usage stays billable.
+    let adapters = state.store.delete_tenant(&id).await?.ok_or_else(|| ApiError::NotFound(format!("tenant {id}")))?;
+    for a in adapters {
+        state.serving.unload_adapter(a.id.as_str().into(), true).await;
+        state.blobs.retire(&a.id, state.data_dir.join(&a.blob));
     }
     Ok(HttpResponse::NoContent().finish())
 }

@@ -261,13 +261,19 @@ impl Store {
 
     /// Deletes a tenant and revokes its keys, in one transaction. Its usage stays in the
     /// ledger. False if there was no such tenant.
-    pub async fn delete_tenant(&self, id: &str) -> Result<bool, StoreError> {
+    pub async fn delete_tenant(&self, id: &str) -> Result<Option<Vec<AdapterRecord>>, StoreError> {
         let now = now_ms();
         let mut tx = self.pool.begin().await?;
         let n = sqlx::query("UPDATE tenants SET deleted_at = $1 WHERE id = $2 AND deleted_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
+        if n.rows_affected() == 0 {
+            return Ok(None);
+        }
         sqlx::query("UPDATE api_keys SET revoked_at = $1 WHERE tenant_id = $2 AND revoked_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
+        let sql = concat!("SELECT ", adapter_columns!(), " FROM adapters WHERE owner = $1 AND deleted_at IS NULL");
+        let adapters: Vec<AdapterRecord> = sqlx::query_as(sql).bind(id).fetch_all(&mut *tx).await?;
+        sqlx::query("UPDATE adapters SET deleted_at = $1 WHERE owner = $2 AND deleted_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
         tx.commit().await?;
-        Ok(n.rows_affected() > 0)
+        Ok(Some(adapters))
     }
 
     // -----------------------------------------------------------------------------------------

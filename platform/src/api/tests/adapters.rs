@@ -116,6 +116,15 @@ async fn upload_version_use_and_privacy() {
     assert_eq!(deleted["deleted_versions"], json!([1, 2]));
     assert_eq!(call(&app, "POST", "/v1/completions", Some(&acme), Some(ask("support"))).await.0, StatusCode::NOT_FOUND);
     assert_eq!(entries(&h.dir.path().join("adapters")), 1, "only the operator's adapter is left on disk");
+
+    // Deleting a tenant deletes its adapters too.
+    let other_id = h.state.store.tenants().await.unwrap().into_iter().find(|t| t.name == "other").unwrap().id;
+    let (status, _) = upload(&app, &other, &[("name", b"theirs"), ("config", &config), ("weights", &weights)]).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(entries(&h.dir.path().join("adapters")), 2);
+    assert_eq!(call(&app, "DELETE", &format!("/admin/tenants/{other_id}"), Some(&h.admin), None).await.0, StatusCode::NO_CONTENT);
+    assert_eq!(entries(&h.dir.path().join("adapters")), 1);
+    assert_eq!(call(&app, "GET", "/v1/models", Some(&other), None).await.0, StatusCode::UNAUTHORIZED, "its keys are revoked");
 }
 
 #[actix_web::test]
@@ -192,5 +201,16 @@ async fn bad_uploads_are_refused_and_leave_nothing_behind() {
     assert_eq!(upload(&app, &key, &[("name", b"ok"), ("config", &config), ("weights", &weights)]).await.0, StatusCode::CREATED);
     let (got, e) = upload(&app, &key, &[("name", b"ok2"), ("config", &config), ("weights", &weights)]).await;
     assert_eq!(got, StatusCode::TOO_MANY_REQUESTS, "{e}");
-    assert_eq!(entries(&h.dir.path().join("adapters")), 1);
+    // A new version of the same adapter is not a new adapter.
+    assert_eq!(upload(&app, &key, &[("name", b"ok"), ("config", &config), ("weights", &weights)]).await.0, StatusCode::CREATED);
+    assert_eq!(entries(&h.dir.path().join("adapters")), 2);
+    // The storage limit counts every version's bytes.
+    let room = (config.len() + weights.len()) as i64 * 3 / 2;
+    let (_, small) = tenant(&app, &h.admin, json!({"name": "small", "limits": {"max_adapter_bytes": room}})).await;
+    assert_eq!(upload(&app, &small, &[("name", b"a"), ("config", &config), ("weights", &weights)]).await.0, StatusCode::CREATED);
+    let (got, e) = upload(&app, &small, &[("name", b"a"), ("config", &config), ("weights", &weights)]).await;
+    assert_eq!(got, StatusCode::TOO_MANY_REQUESTS, "{e}");
+    assert!(e["error"]["message"].as_str().unwrap().contains("storage limit"), "{e}");
+    assert_eq!(entries(&h.dir.path().join("adapters")), 3);
+    assert_eq!(entries(&h.dir.path().join("uploads")), 0);
 }
