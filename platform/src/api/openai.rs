@@ -47,6 +47,28 @@ struct Knobs {
     logprobs: Option<usize>,
 }
 
+/// The [`Knobs`] of a completion or chat request: the fields both spell the same way, and the
+/// two they spell differently.
+macro_rules! knobs {
+    ($b:ident, $max_tokens:expr, $logprobs:expr) => {
+        Knobs {
+            max_tokens: $max_tokens,
+            logprobs: $logprobs,
+            temperature: $b.temperature,
+            top_p: $b.top_p,
+            n: $b.n,
+            stop: $b.stop,
+            seed: $b.seed,
+            presence_penalty: $b.presence_penalty,
+            frequency_penalty: $b.frequency_penalty,
+            top_k: $b.top_k,
+            min_p: $b.min_p,
+            repetition_penalty: $b.repetition_penalty,
+            ignore_eos: $b.ignore_eos,
+        }
+    };
+}
+
 impl Knobs {
     /// The generation request (without its prompt). `default_max` applies when `max_tokens`
     /// is absent.
@@ -206,21 +228,7 @@ async fn completions(req: HttpRequest, state: web::Data<AppState>, payload: web:
     let include_usage = check_stream_options(stream, &b.stream_options)?;
     let target = infer::resolve(&state, &caller.tenant.id, &b.model).await?;
     let prompts = prompts(&state, &b.prompt)?;
-    let knobs = Knobs {
-        max_tokens: b.max_tokens,
-        temperature: b.temperature,
-        top_p: b.top_p,
-        n: b.n,
-        stop: b.stop,
-        seed: b.seed,
-        presence_penalty: b.presence_penalty,
-        frequency_penalty: b.frequency_penalty,
-        top_k: b.top_k,
-        min_p: b.min_p,
-        repetition_penalty: b.repetition_penalty,
-        ignore_eos: b.ignore_eos,
-        logprobs: b.logprobs,
-    };
+    let knobs = knobs!(b, b.max_tokens, b.logprobs);
     let request = knobs.request(16)?;
     let shape = Shape {
         id: infer::response_id("cmpl"),
@@ -295,21 +303,7 @@ async fn chat_completions(req: HttpRequest, state: web::Data<AppState>, payload:
     let prompt = state.tokenizer.encode_chat(&b.messages, true).map_err(|e| ApiError::Invalid(format!("the messages could not be rendered with the model's chat template: {e}")))?;
     let context = state.serving.model_config().max_position_embeddings;
     let logprobs = if b.logprobs == Some(true) { Some(b.top_logprobs.unwrap_or(0)) } else { None };
-    let knobs = Knobs {
-        max_tokens: b.max_completion_tokens.or(b.max_tokens),
-        temperature: b.temperature,
-        top_p: b.top_p,
-        n: b.n,
-        stop: b.stop,
-        seed: b.seed,
-        presence_penalty: b.presence_penalty,
-        frequency_penalty: b.frequency_penalty,
-        top_k: b.top_k,
-        min_p: b.min_p,
-        repetition_penalty: b.repetition_penalty,
-        ignore_eos: b.ignore_eos,
-        logprobs,
-    };
+    let knobs = knobs!(b, b.max_completion_tokens.or(b.max_tokens), logprobs);
     // Without max_tokens, a chat reply may use the rest of the context.
     let request = knobs.request(context.saturating_sub(prompt.len()).max(1))?;
     let shape = Shape {
