@@ -230,15 +230,22 @@ impl Streaming {
         if self.done {
             return None;
         }
-        match self.job.events.recv().await {
+        // The first token is held back without writing anything: each token goes out once
+        // the next event says whether it is the last.
+        let mut event = self.job.events.recv().await;
+        while self.held.is_none()
+            && let Some(JobEvent::Token { token, .. }) = event
+        {
+            self.text.push_str(&token.text);
+            self.held = Some(token);
+            event = self.job.events.recv().await;
+        }
+        match event {
             Some(JobEvent::Token { token, .. }) => {
                 self.text.push_str(&token.text);
                 // The final token goes out with the details, once the usage is committed.
-                let previous = self.held.replace(token);
-                Some(match previous {
-                    Some(t) => sse(&json!({"token": token_json(&self.state, &t, &self.eos), "generated_text": null, "details": null})),
-                    None => Bytes::new(),
-                })
+                let t = self.held.replace(token)?;
+                Some(sse(&json!({"token": token_json(&self.state, &t, &self.eos), "generated_text": null, "details": null})))
             }
             Some(JobEvent::Done(usage)) => {
                 self.done = true;
