@@ -10,7 +10,9 @@
 //! The CPU backend ([`cpu::CpuBackend`]) is the reference implementation: f32 arithmetic, matmuls
 //! on packed weights, rayon for parallelism. Every other backend is tested against it.
 
+mod check;
 pub mod cpu;
+pub mod cuda;
 mod layout;
 pub mod mmap;
 
@@ -33,6 +35,9 @@ pub enum KernelError {
     /// The device could not provide the memory asked for.
     #[error("out of memory allocating {bytes} bytes on {device}")]
     OutOfMemory { device: String, bytes: usize },
+    /// The device, its driver or one of its libraries failed (a CUDA call, a kernel compile).
+    #[error("{op}: {detail}")]
+    Device { op: &'static str, detail: String },
 }
 
 pub type Result<T> = std::result::Result<T, KernelError>;
@@ -41,13 +46,29 @@ pub type Result<T> = std::result::Result<T, KernelError>;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
+    /// IEEE half precision (storage only: arithmetic is f32).
+    F16,
+    /// bfloat16 (storage only: arithmetic is f32).
+    Bf16,
     U32,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 | DType::U32 => 4,
+            DType::F16 | DType::Bf16 => 2,
+        }
+    }
 }
 
 impl std::fmt::Display for DType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::Bf16 => "bf16",
             DType::U32 => "u32",
         })
     }
@@ -107,10 +128,43 @@ pub trait AttentionOps: Memory {
     fn attention(&self, q: &Self::Buffer, cache: &Self::Buffer, out: &mut Self::Buffer, meta: &BatchMeta<Self::Buffer>, layout: &KvLayout, params: &AttentionParams) -> Result<()>;
 }
 
-/// Helpers that let greedy decoding avoid copying whole logit rows back to the host.
+/// One row's settings for [`SamplingOps::sample_rows`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleParams {
+    /// Divides the logits; must be positive (greedy rows use [`SamplingOps::argmax_rows`]).
+    pub temperature: f32,
+    /// Keep the `top_k` largest (ties at the threshold kept); 0 keeps all.
+    pub top_k: u32,
+    /// Then keep the smallest set of largest tokens whose probability reaches `top_p`, in (0, 1].
+    pub top_p: f32,
+    /// The row's uniform draw in [0, 1): the caller owns the random stream.
+    pub uniform: f32,
+}
+
+/// Fails unless there is one valid [`SampleParams`] per row.
+pub(crate) fn check_sample_params(op: &'static str, params: &[SampleParams], rows: usize) -> Result<()> {
+    if params.len() != rows {
+        return Err(KernelError::Shape { op, detail: format!("{} sampling settings for {rows} rows", params.len()) });
+    }
+    for (i, p) in params.iter().enumerate() {
+        let ok = p.temperature.is_finite() && p.temperature > 0.0 && p.top_p > 0.0 && p.top_p <= 1.0 && (0.0..1.0).contains(&p.uniform);
+        if !ok {
+            return Err(KernelError::Shape { op, detail: format!("row {i}: invalid sampling settings {p:?}") });
+        }
+    }
+    Ok(())
+}
+
+/// Helpers that let decoding avoid copying whole logit rows back to the host.
 pub trait SamplingOps: Memory {
     /// The index of the largest value of each `vocab`-long row (the first one on ties, NaN ignored).
     fn argmax_rows(&self, logits: &Self::Buffer, vocab: usize) -> Result<Vec<u32>>;
+    /// One token per `vocab`-long row, drawn with that row's [`SampleParams`]: the logits are
+    /// divided by the temperature (NaN counts as -inf) and turned into weights
+    /// `w = exp(z - max z)`; top-k keeps `z >=` the k-th largest `z`; top-p then keeps `z >=` the
+    /// largest threshold whose kept weight reaches `top_p` times the weight top-k kept; the token
+    /// is the first index whose running sum of kept weights exceeds `uniform` times their total.
+    fn sample_rows(&self, logits: &Self::Buffer, vocab: usize, params: &[SampleParams]) -> Result<Vec<u32>>;
 }
 
 /// Batched LoRA over adapters whose rank rows live in the pool (see [`LoraRows`]), many adapters

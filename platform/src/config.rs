@@ -211,8 +211,9 @@ pub struct ServeArgs {
     /// The name clients use for the base model (default: the model directory's name).
     #[arg(long, env = "LORAPLEX_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
-    /// The compute device.
-    #[arg(long, env = "LORAPLEX_DEVICE", value_enum, default_value_t = Device::Cpu)]
+    /// The compute device: cpu, cuda (the first GPUs, one per worker), cuda:N, or auto (the
+    /// GPUs when CUDA is usable, else the CPU).
+    #[arg(long, env = "LORAPLEX_DEVICE", default_value = "cpu")]
     pub device: Device,
     /// Device workers (one per GPU; on the CPU, workers share the cores).
     #[arg(long, env = "LORAPLEX_WORKERS", default_value_t = 1)]
@@ -245,10 +246,113 @@ pub struct ServeArgs {
 }
 
 /// Where the model runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
+    /// CUDA when it is usable here, else the CPU.
+    Auto,
     Cpu,
-    Cuda,
+    /// CUDA devices: one given ordinal, or the first ones (one per worker).
+    Cuda(Option<usize>),
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Device::Auto),
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(None)),
+            _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => Ok(Device::Cuda(Some(n))),
+                _ => Err(format!("`{s}` is not a device: use auto, cpu, cuda or cuda:N")),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Auto => f.write_str("auto"),
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(None) => f.write_str("cuda"),
+            Device::Cuda(Some(n)) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// The devices a run uses once `--device` is resolved against the machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resolved {
+    Cpu,
+    /// One CUDA ordinal per worker.
+    Cuda(Vec<usize>),
+}
+
+impl Device {
+    /// Resolves against what [`loraplex_kernels::cuda::probe`] found (the device count, or why
+    /// CUDA is unusable). `auto` falls back to the CPU; asking for CUDA where there is none, or
+    /// for more devices than exist, is an error that says why.
+    pub fn resolve(self, workers: usize, cuda: Result<usize, String>) -> Result<Resolved, String> {
+        let ordinals = |first: usize, count: usize| -> Result<Vec<usize>, String> {
+            let want: Vec<usize> = (first..first + workers).collect();
+            match want.last() {
+                Some(&last) if last >= count => Err(format!(
+                    "--device {self} with {workers} worker(s) needs cuda:{last}, but this machine has {count} CUDA device(s)"
+                )),
+                _ => Ok(want),
+            }
+        };
+        match (self, cuda) {
+            (Device::Cpu, _) => Ok(Resolved::Cpu),
+            (Device::Auto, Err(_)) => Ok(Resolved::Cpu),
+            (Device::Cuda(_), Err(why)) => Err(format!("--device {self}: CUDA is not usable on this machine: {why}")),
+            (Device::Auto | Device::Cuda(None), Ok(count)) => Ok(Resolved::Cuda(ordinals(0, count)?)),
+            (Device::Cuda(Some(n)), Ok(count)) => {
+                if workers != 1 {
+                    return Err(format!("--device {self} names one GPU; use --workers 1, or --device cuda for one worker per GPU"));
+                }
+                Ok(Resolved::Cuda(ordinals(n, count)?))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod device_tests {
+    use super::*;
+
+    #[test]
+    fn devices_parse_and_print() {
+        for s in ["auto", "cpu", "cuda", "cuda:0", "cuda:3"] {
+            assert_eq!(s.parse::<Device>().unwrap().to_string(), s);
+        }
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", "CPU"] {
+            assert!(bad.parse::<Device>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn auto_falls_back_to_the_cpu_and_cuda_without_cuda_is_an_error() {
+        let none = || Err("the CUDA driver library (libcuda) cannot be loaded".to_string());
+        assert_eq!(Device::Auto.resolve(1, none()), Ok(Resolved::Cpu));
+        let err = Device::Cuda(Some(0)).resolve(1, none()).unwrap_err();
+        assert!(err.contains("--device cuda:0") && err.contains("libcuda"), "{err}");
+        assert!(Device::Cuda(None).resolve(1, none()).is_err());
+        assert_eq!(Device::Cpu.resolve(4, none()), Ok(Resolved::Cpu));
+    }
+
+    #[test]
+    fn cuda_devices_are_one_per_worker() {
+        assert_eq!(Device::Auto.resolve(1, Ok(8)), Ok(Resolved::Cuda(vec![0])));
+        assert!(Device::Auto.resolve(4, Ok(2)).unwrap_err().contains("needs cuda:3"));
+        assert_eq!(Device::Cuda(None).resolve(2, Ok(2)), Ok(Resolved::Cuda(vec![0, 1])));
+        assert!(Device::Cuda(None).resolve(3, Ok(2)).unwrap_err().contains("needs cuda:2"));
+        assert_eq!(Device::Cuda(Some(1)).resolve(1, Ok(2)), Ok(Resolved::Cuda(vec![1])));
+        assert!(Device::Cuda(Some(2)).resolve(1, Ok(2)).is_err());
+        assert!(Device::Cuda(Some(0)).resolve(2, Ok(2)).is_err());
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -260,6 +364,25 @@ pub enum BenchCommand {
     Lora(BenchLoraArgs),
     /// The serving runtime: tenant fairness, prefix caching, adapter churn, preemption.
     Runtime(BenchRuntimeArgs),
+    /// The CUDA kernels (needs a GPU): SGMV/BGMV and paged attention against the copy bandwidth
+    /// and against PyTorch baselines.
+    Kernels(BenchKernelsArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchKernelsArgs {
+    /// The GPU to measure: cuda or cuda:N.
+    #[arg(long, default_value = "cuda")]
+    pub device: Device,
+    /// A Python with PyTorch to run the baselines with (they are skipped without one).
+    #[arg(long)]
+    pub torch_python: Option<String>,
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write the rows as JSON here too.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -145,3 +145,21 @@ fn the_official_openai_python_client_works_unchanged() {
     assert!(stdout.contains(": ok ("), "{stdout}");
     eprintln!("{stdout}");
 }
+
+#[test]
+fn without_cuda_auto_serves_on_the_cpu_and_cuda_is_a_clear_error() {
+    let data = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_loraplex")).args(["serve", "--port", "0", "--device", "nvidia"]).arg("--data-dir").arg(data.path()).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("use auto, cpu, cuda or cuda:N"));
+    if let Ok(n) = loraplex_kernels::cuda::probe() {
+        eprintln!("skipped: this machine has {n} CUDA device(s)");
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_loraplex")).args(["serve", "--port", "0", "--device", "cuda:0"]).arg("--data-dir").arg(data.path()).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--device cuda:0: CUDA is not usable on this machine"), "{err}");
+    let server = start(data.path(), &["--device", "auto"]);
+    assert_eq!(http(&server.addr, "GET", "/health", None, "").0, 200);
+}

@@ -3,49 +3,8 @@
 use rayon::prelude::*;
 
 use super::{CpuBackend, CpuBuffer, ensure_len, rows_of, simd};
+use crate::check::Batch;
 use crate::{AttentionOps, AttentionParams, BatchMeta, KernelError, KvLayout, Result};
-
-/// The batch layout read back as host slices, checked once for consistency.
-struct Meta<'a> {
-    positions: &'a [u32],
-    slots: &'a [u32],
-    seq_starts: &'a [u32],
-    context_lens: &'a [u32],
-    block_tables: &'a [u32],
-    max_blocks: usize,
-}
-
-impl<'a> Meta<'a> {
-    fn read(op: &'static str, meta: &'a BatchMeta<CpuBuffer>) -> Result<Self> {
-        let m = Meta {
-            positions: meta.positions.u32(op)?,
-            slots: meta.slots.u32(op)?,
-            seq_starts: meta.seq_starts.u32(op)?,
-            context_lens: meta.context_lens.u32(op)?,
-            block_tables: meta.block_tables.u32(op)?,
-            max_blocks: meta.max_blocks_per_seq,
-        };
-        let (s, t) = (meta.num_seqs, meta.num_tokens);
-        ensure_len(op, "positions", m.positions.len(), t)?;
-        ensure_len(op, "slots", m.slots.len(), t)?;
-        ensure_len(op, "seq_starts", m.seq_starts.len(), s + 1)?;
-        ensure_len(op, "context_lens", m.context_lens.len(), s)?;
-        ensure_len(op, "block_tables", m.block_tables.len(), s * m.max_blocks)?;
-        if m.seq_starts[0] != 0 || m.seq_starts[s] as usize != t {
-            return Err(KernelError::Shape { op, detail: format!("seq_starts must run from 0 to {t}") });
-        }
-        for i in 0..s {
-            let (a, b) = (m.seq_starts[i] as usize, m.seq_starts[i + 1] as usize);
-            if b < a || b - a > m.context_lens[i] as usize {
-                return Err(KernelError::Shape {
-                    op,
-                    detail: format!("sequence {i} has {} new tokens but a context of {}", b.wrapping_sub(a), m.context_lens[i]),
-                });
-            }
-        }
-        Ok(m)
-    }
-}
 
 impl AttentionOps for CpuBackend {
     fn rope(&self, x: &mut CpuBuffer, positions: &CpuBuffer, cos_sin: &CpuBuffer, heads: usize, head_dim: usize) -> Result<()> {
@@ -88,7 +47,7 @@ impl AttentionOps for CpuBackend {
         layer: usize,
     ) -> Result<()> {
         const OP: &str = "write_kv";
-        let m = Meta::read(OP, meta)?;
+        let m = Batch::read(OP, meta)?;
         let (k, v) = (k.f32(OP)?, v.f32(OP)?);
         let row = layout.num_kv_heads * layout.head_dim;
         let tokens = meta.num_tokens;
@@ -99,13 +58,11 @@ impl AttentionOps for CpuBackend {
         }
         let cache = cache.f32_mut(OP)?;
         let pages = cache.len() / layout.page_elems();
+        m.check_slots(OP, layout, pages)?;
         let hd = layout.head_dim;
         for t in 0..tokens {
             let slot = m.slots[t] as usize;
             let (page, off) = (slot / layout.block_size, slot % layout.block_size);
-            if page >= pages {
-                return Err(KernelError::Index { op: OP, index: page, limit: pages });
-            }
             for h in 0..layout.num_kv_heads {
                 let src = t * row + h * hd;
                 let kd = layout.offset(page, layer, 0, h, off);
@@ -127,38 +84,12 @@ impl AttentionOps for CpuBackend {
         p: &AttentionParams,
     ) -> Result<()> {
         const OP: &str = "attention";
-        let m = Meta::read(OP, meta)?;
-        if p.num_kv_heads == 0 || !p.num_heads.is_multiple_of(p.num_kv_heads) || p.num_kv_heads != layout.num_kv_heads
-            || p.head_dim != layout.head_dim || p.layer >= layout.num_layers
-        {
-            return Err(KernelError::Shape { op: OP, detail: format!("attention params {p:?} do not fit the KV layout {layout:?}") });
-        }
+        let m = Batch::read(OP, meta)?;
         let (hd, heads) = (p.head_dim, p.num_heads);
         let q = q.f32(OP)?;
         ensure_len(OP, "q", q.len(), meta.num_tokens * heads * hd)?;
         let cache = cache.f32(OP)?;
-        let pages = cache.len() / layout.page_elems();
-        for (s, &len) in m.context_lens.iter().enumerate() {
-            let blocks = (len as usize).div_ceil(layout.block_size);
-            if blocks > m.max_blocks {
-                return Err(KernelError::Shape { op: OP, detail: format!("sequence {s} needs {blocks} blocks, its table has {}", m.max_blocks) });
-            }
-            let table = &m.block_tables[s * m.max_blocks..s * m.max_blocks + blocks];
-            if let Some(&bad) = table.iter().find(|&&b| b as usize >= pages) {
-                return Err(KernelError::Index { op: OP, index: bad as usize, limit: pages });
-            }
-        }
-        // The sequence each token belongs to.
-        let mut token_seq = vec![0u32; meta.num_tokens];
-        for s in 0..meta.num_seqs {
-            token_seq[m.seq_starts[s] as usize..m.seq_starts[s + 1] as usize].fill(s as u32);
-        }
-        for (t, &s) in token_seq.iter().enumerate() {
-            let (pos, ctx) = (m.positions[t] as usize, m.context_lens[s as usize] as usize);
-            if pos >= ctx {
-                return Err(KernelError::Index { op: OP, index: pos, limit: ctx });
-            }
-        }
+        let token_seq = m.check_attention(OP, layout, p, cache.len() / layout.page_elems())?;
         let out = out.f32_mut(OP)?;
         ensure_len(OP, "out", out.len(), meta.num_tokens * heads * hd)?;
         let group = heads / p.num_kv_heads;

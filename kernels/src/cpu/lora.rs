@@ -12,8 +12,9 @@
 
 use rayon::prelude::*;
 
-use super::{CpuBackend, CpuBuffer, ensure_len, simd};
-use crate::{KernelError, LORA_ROW_ALIGN, LoraOps, LoraRows, LoraSegments, LoraTarget, NO_ADAPTER, NUM_MODULES, Result, RowDType};
+use super::{CpuBackend, CpuBuffer, simd};
+use crate::check::{Directory, Segments, check_slots, ensure_rows};
+use crate::{LORA_ROW_ALIGN, LoraOps, LoraRows, LoraSegments, LoraTarget, Result, RowDType};
 
 /// Tokens of one segment handled by one rayon task in SGMV.
 const TOKEN_BLOCK: usize = 16;
@@ -56,65 +57,27 @@ struct Adapters<'a> {
 impl<'a> Adapters<'a> {
     fn read(op: &'static str, pool: &'a CpuBuffer, rows: &'a LoraRows<CpuBuffer>, target: &LoraTarget) -> Result<Self> {
         let pool = pool.f32(op)?;
-        let directory = rows.directory.u32(op)?;
-        let a_rows = rows.a_rows.u32(op)?;
-        let b_rows = rows.b_rows.u32(op)?;
-        let slot_dtypes = rows.slot_dtypes.u32(op)?;
-        ensure_len(op, "slot_dtypes", slot_dtypes.len(), rows.num_slots)?;
-        let LoraTarget { layer, module, in_features, out_features, max_rank } = *target;
-        if in_features == 0 || out_features == 0 || max_rank == 0 {
-            return Err(KernelError::Shape { op, detail: format!("LoRA target {target:?} has a zero dimension") });
-        }
-        if layer >= rows.num_layers {
-            return Err(KernelError::Index { op, index: layer, limit: rows.num_layers });
-        }
-        if module >= NUM_MODULES {
-            return Err(KernelError::Index { op, index: module, limit: NUM_MODULES });
-        }
-        let entries = rows
-            .num_slots
-            .checked_mul(rows.num_layers)
-            .and_then(|n| n.checked_mul(NUM_MODULES * 2))
-            .ok_or_else(|| KernelError::Shape { op, detail: format!("{} slots × {} layers overflow", rows.num_slots, rows.num_layers) })?;
-        ensure_len(op, "directory", directory.len(), entries)?;
+        let dir = Directory::read(op, rows, target, pool.len())?;
+        let LoraTarget { in_features, out_features, max_rank, .. } = *target;
         let pool16: &[u16] = bytemuck::cast_slice(pool);
-        let mut slots = Vec::with_capacity(rows.num_slots);
-        for (slot, &d) in slot_dtypes[..rows.num_slots].iter().enumerate() {
-            let dtype = RowDType::from_u32(d).ok_or_else(|| KernelError::Shape { op, detail: format!("slot {slot} has an unknown row dtype {d}") })?;
-            let e = rows.entry(slot, layer, module);
-            let (first, rank) = (directory[e] as usize, directory[e + 1] as usize);
-            if rank > max_rank {
-                return Err(KernelError::Shape {
-                    op,
-                    detail: format!("slot {slot} has rank {rank} at layer {layer} module {module}, more than max_rank {max_rank}"),
-                });
-            }
-            let end = first.saturating_add(rank);
-            if rank > 0 && (end > a_rows.len() || end > b_rows.len()) {
-                return Err(KernelError::Shape {
-                    op,
-                    detail: format!(
-                        "slot {slot} names rows {first}..{end} at layer {layer} module {module}; a_rows holds {}, b_rows {}",
-                        a_rows.len(),
-                        b_rows.len()
-                    ),
-                });
-            }
-            let (a, b) = if rank == 0 { (&a_rows[..0], &b_rows[..0]) } else { (&a_rows[first..end], &b_rows[first..end]) };
-            check_offsets(op, a, dtype.slots(in_features), pool.len())?;
-            check_offsets(op, b, dtype.slots(out_features), pool.len())?;
-            let start = |off: u32| off as usize * LORA_ROW_ALIGN;
-            slots.push(match dtype {
-                RowDType::F32 => SlotRows::F32 {
-                    a: a.iter().map(|&o| &pool[start(o)..start(o) + in_features]).collect(),
-                    b: b.iter().map(|&o| &pool[start(o)..start(o) + out_features]).collect(),
-                },
-                RowDType::Bf16 => SlotRows::Bf16 {
-                    a: a.iter().map(|&o| &pool16[2 * start(o)..2 * start(o) + in_features]).collect(),
-                    b: b.iter().map(|&o| &pool16[2 * start(o)..2 * start(o) + out_features]).collect(),
-                },
-            });
-        }
+        let start = |off: u32| off as usize * LORA_ROW_ALIGN;
+        let slots = dir
+            .slots
+            .iter()
+            .map(|e| {
+                let (a, b) = (&dir.a_rows[e.first..e.first + e.rank], &dir.b_rows[e.first..e.first + e.rank]);
+                match e.dtype {
+                    RowDType::F32 => SlotRows::F32 {
+                        a: a.iter().map(|&o| &pool[start(o)..start(o) + in_features]).collect(),
+                        b: b.iter().map(|&o| &pool[start(o)..start(o) + out_features]).collect(),
+                    },
+                    RowDType::Bf16 => SlotRows::Bf16 {
+                        a: a.iter().map(|&o| &pool16[2 * start(o)..2 * start(o) + in_features]).collect(),
+                        b: b.iter().map(|&o| &pool16[2 * start(o)..2 * start(o) + out_features]).collect(),
+                    },
+                }
+            })
+            .collect();
         Ok(Adapters { slots, in_features, out_features, max_rank })
     }
 
@@ -146,73 +109,22 @@ impl<'a> Adapters<'a> {
     }
 }
 
-/// Fails unless every row at `offsets` (in `LORA_ROW_ALIGN` units) lies wholly inside the pool.
-fn check_offsets(op: &'static str, offsets: &[u32], len: usize, pool_len: usize) -> Result<()> {
-    // Offsets 0..limit are the ones whose `len` elements fit.
-    let limit = if pool_len >= len { (pool_len - len) / LORA_ROW_ALIGN + 1 } else { 0 };
-    match offsets.iter().find(|&&off| off as usize >= limit) {
-        Some(&off) => Err(KernelError::Index { op, index: off as usize, limit }),
-        None => Ok(()),
-    }
-}
-
-/// Fails unless a buffer of `len` elements holds `rows` rows of `dim` (overflow included).
-fn ensure_rows(op: &'static str, what: &str, len: usize, rows: usize, dim: usize) -> Result<()> {
-    let need = rows
-        .checked_mul(dim)
-        .ok_or_else(|| KernelError::Shape { op, detail: format!("{what}: {rows} rows of {dim} overflow") })?;
-    ensure_len(op, what, len, need)
-}
-
-/// The segment table read back as host slices and checked.
-struct Segments<'a> {
-    starts: &'a [u32],
-    slots: &'a [u32],
-    tokens: usize,
-}
-
-impl<'a> Segments<'a> {
-    fn read(op: &'static str, segs: &'a LoraSegments<CpuBuffer>, num_slots: usize) -> Result<Self> {
-        let n = segs.num_segments;
-        let starts = segs.seg_starts.u32(op)?;
-        let slots = segs.seg_slots.u32(op)?;
-        ensure_len(op, "seg_starts", starts.len(), n.saturating_add(1))?;
-        ensure_len(op, "seg_slots", slots.len(), n)?;
-        if starts[0] != 0 {
-            return Err(KernelError::Shape { op, detail: format!("seg_starts begins at {}, not 0", starts[0]) });
-        }
-        for s in 0..n {
-            if starts[s + 1] < starts[s] {
-                return Err(KernelError::Shape {
-                    op,
-                    detail: format!("segment {s} runs from token {} back to {}", starts[s], starts[s + 1]),
-                });
-            }
-            let slot = slots[s];
-            if slot != NO_ADAPTER && slot as usize >= num_slots {
-                return Err(KernelError::Index { op, index: slot as usize, limit: num_slots });
+/// Splits `out` (`row`-long rows, one per token) into blocks of at most `TOKEN_BLOCK` tokens
+/// of one segment each, keeping those whose slot passes `keep`: (slot, first token, rows).
+fn blocks<'o>(segs: &Segments<'_>, out: &'o mut [f32], row: usize, keep: impl Fn(u32) -> bool) -> Vec<(u32, usize, &'o mut [f32])> {
+    let mut blocks = Vec::new();
+    let mut rest = &mut out[..segs.tokens * row];
+    for (s, &slot) in segs.slots.iter().enumerate() {
+        let (first, len) = (segs.starts[s] as usize, (segs.starts[s + 1] - segs.starts[s]) as usize);
+        let (seg, tail) = std::mem::take(&mut rest).split_at_mut(len * row);
+        rest = tail;
+        if keep(slot) {
+            for (i, rows) in seg.chunks_mut(TOKEN_BLOCK * row).enumerate() {
+                blocks.push((slot, first + i * TOKEN_BLOCK, rows));
             }
         }
-        Ok(Segments { starts: &starts[..n + 1], slots: &slots[..n], tokens: starts[n] as usize })
     }
-
-    /// Splits `out` (`row`-long rows, one per token) into blocks of at most `TOKEN_BLOCK` tokens
-    /// of one segment each, keeping those whose slot passes `keep`: (slot, first token, rows).
-    fn blocks<'o>(&self, out: &'o mut [f32], row: usize, keep: impl Fn(u32) -> bool) -> Vec<(u32, usize, &'o mut [f32])> {
-        let mut blocks = Vec::new();
-        let mut rest = &mut out[..self.tokens * row];
-        for (s, &slot) in self.slots.iter().enumerate() {
-            let (first, len) = (self.starts[s] as usize, (self.starts[s + 1] - self.starts[s]) as usize);
-            let (seg, tail) = std::mem::take(&mut rest).split_at_mut(len * row);
-            rest = tail;
-            if keep(slot) {
-                for (i, rows) in seg.chunks_mut(TOKEN_BLOCK * row).enumerate() {
-                    blocks.push((slot, first + i * TOKEN_BLOCK, rows));
-                }
-            }
-        }
-        blocks
-    }
+    blocks
 }
 
 impl LoraOps for CpuBackend {
@@ -233,7 +145,7 @@ impl LoraOps for CpuBackend {
         let v = v.f32_mut(OP)?;
         ensure_rows(OP, "v", v.len(), segs.tokens, ad.max_rank)?;
         // Every token's row of v is written, zeros where there is no adapter.
-        segs.blocks(v, ad.max_rank, |_| true).into_par_iter().for_each(|(slot, t0, vb)| {
+        blocks(&segs, v, ad.max_rank, |_| true).into_par_iter().for_each(|(slot, t0, vb)| {
             let n = vb.len() / ad.max_rank;
             ad.shrink(slot, &x[t0 * ad.in_features..(t0 + n) * ad.in_features], vb);
         });
@@ -256,7 +168,7 @@ impl LoraOps for CpuBackend {
         ensure_rows(OP, "v", v.len(), segs.tokens, ad.max_rank)?;
         let y = y.f32_mut(OP)?;
         ensure_rows(OP, "y", y.len(), segs.tokens, ad.out_features)?;
-        segs.blocks(y, ad.out_features, |slot| ad.active(slot)).into_par_iter().for_each(|(slot, t0, yb)| {
+        blocks(&segs, y, ad.out_features, |slot| ad.active(slot)).into_par_iter().for_each(|(slot, t0, yb)| {
             let n = yb.len() / ad.out_features;
             ad.expand(slot, &v[t0 * ad.max_rank..(t0 + n) * ad.max_rank], yb);
         });
@@ -275,9 +187,7 @@ impl LoraOps for CpuBackend {
         const OP: &str = "bgmv";
         let ad = Adapters::read(OP, pool, rows, target)?;
         let slots = slots.u32(OP)?;
-        if let Some(&bad) = slots.iter().find(|&&s| s != NO_ADAPTER && s as usize >= rows.num_slots) {
-            return Err(KernelError::Index { op: OP, index: bad as usize, limit: rows.num_slots });
-        }
+        check_slots(OP, slots, rows.num_slots)?;
         let n = slots.len();
         let x = x.f32(OP)?;
         ensure_rows(OP, "x", x.len(), n, ad.in_features)?;

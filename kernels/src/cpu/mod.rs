@@ -72,13 +72,13 @@ impl CpuBuffer {
     }
 }
 
-/// Fails with a shape error unless `len` is at least `need`.
-pub(crate) fn ensure_len(op: &'static str, what: &str, len: usize, need: usize) -> Result<()> {
-    if len < need {
-        return Err(KernelError::Shape { op, detail: format!("{what} holds {len} elements, {need} needed") });
+impl crate::check::HostU32 for CpuBuffer {
+    fn host_u32(&self, op: &'static str) -> Result<&[u32]> {
+        self.u32(op)
     }
-    Ok(())
 }
+
+pub(crate) use crate::check::ensure_len;
 
 /// Fails with a shape error unless `len` is a whole number of `dim`-long rows.
 pub(crate) fn rows_of(op: &'static str, what: &str, len: usize, dim: usize) -> Result<usize> {

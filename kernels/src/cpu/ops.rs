@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 use super::{CpuBackend, CpuBuffer, CpuWeight, ensure_len, rows_of};
-use crate::{DenseOps, KernelError, Result, SamplingOps};
+use crate::{DenseOps, KernelError, Result, SampleParams, SamplingOps};
 
 /// Below this many elements an elementwise op runs on the calling thread.
 const PAR_MIN_ELEMS: usize = 1 << 14;
@@ -104,6 +104,65 @@ impl SamplingOps for CpuBackend {
         rows_of(OP, "logits", logits.len(), vocab)?;
         Ok(logits.par_chunks(vocab).map(argmax).collect())
     }
+
+    fn sample_rows(&self, logits: &CpuBuffer, vocab: usize, params: &[SampleParams]) -> Result<Vec<u32>> {
+        const OP: &str = "sample_rows";
+        let logits = logits.f32(OP)?;
+        let rows = rows_of(OP, "logits", logits.len(), vocab)?;
+        crate::check_sample_params(OP, params, rows)?;
+        Ok(logits.par_chunks(vocab).zip(params.par_iter()).map(|(row, p)| sample_row(row, p)).collect())
+    }
+}
+
+/// [`SamplingOps::sample_rows`] for one row, with f64 sums.
+pub(crate) fn sample_row(row: &[f32], p: &SampleParams) -> u32 {
+    let inv_t = 1.0 / p.temperature;
+    let z: Vec<f32> = row.iter().map(|&l| l * inv_t).map(|z| if z.is_nan() { f32::NEG_INFINITY } else { z }).collect();
+    let mut sorted: Vec<f32> = z.iter().copied().filter(|&v| v != f32::NEG_INFINITY).collect();
+    if sorted.is_empty() {
+        return 0;
+    }
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    let max = sorted[0];
+    let w = |v: f32| ((v - max) as f64).exp();
+    let mut threshold = *sorted.last().unwrap_or(&max);
+    let k = p.top_k as usize;
+    if k > 0 && k < row.len() && k <= sorted.len() {
+        threshold = sorted[k - 1];
+    }
+    if p.top_p < 1.0 {
+        let kept: f64 = sorted.iter().filter(|&&v| v >= threshold).map(|&v| w(v)).sum();
+        let need = p.top_p as f64 * kept;
+        let mut cum = 0f64;
+        let mut i = 0;
+        while i < sorted.len() {
+            // All tokens equal to sorted[i] enter together.
+            let v = sorted[i];
+            while i < sorted.len() && sorted[i] == v {
+                cum += w(v);
+                i += 1;
+            }
+            if cum >= need {
+                threshold = threshold.max(v);
+                break;
+            }
+        }
+    }
+    let kept = |v: f32| v >= threshold && v != f32::NEG_INFINITY;
+    let total: f64 = z.iter().filter(|&&v| kept(v)).map(|&v| w(v)).sum();
+    let target = p.uniform as f64 * total;
+    let mut cum = 0f64;
+    let mut last = 0;
+    for (i, &v) in z.iter().enumerate() {
+        if kept(v) {
+            cum += w(v);
+            last = i;
+            if cum > target {
+                return i as u32;
+            }
+        }
+    }
+    last as u32
 }
 
 /// Index of the first largest value; NaNs never win.
@@ -172,5 +231,27 @@ mod tests {
 
         let logits = cpu.upload_f32(&[0.5, 2.0, 2.0, f32::NAN, -1.0, f32::NAN]).unwrap();
         assert_eq!(cpu.argmax_rows(&logits, 3).unwrap(), vec![1, 1]);
+    }
+
+    #[test]
+    fn sample_rows_follows_temperature_top_k_and_top_p() {
+        let cpu = CpuBackend::new();
+        let p = |temperature, top_k, top_p, uniform| SampleParams { temperature, top_k, top_p, uniform };
+        let ln3 = 3f32.ln();
+        // Weights 1 and 3: the first token takes the first quarter of the draws.
+        let logits = cpu.upload_f32(&[0.0, ln3, 0.0, ln3]).unwrap();
+        assert_eq!(cpu.sample_rows(&logits, 2, &[p(1.0, 0, 1.0, 0.2), p(1.0, 0, 1.0, 0.3)]).unwrap(), vec![0, 1]);
+        // top_k 1 and top_p 0.5 both keep only the larger one.
+        assert_eq!(cpu.sample_rows(&logits, 2, &[p(1.0, 1, 1.0, 0.0), p(1.0, 0, 0.5, 0.0)]).unwrap(), vec![1, 1]);
+        // top_p 0.8 needs both (3/4 < 0.8).
+        assert_eq!(cpu.sample_rows(&logits, 2, &[p(1.0, 0, 0.8, 0.1), p(1.0, 0, 0.74, 0.1)]).unwrap(), vec![0, 1]);
+        // A low temperature sharpens: weights 1 and 3^10.
+        assert_eq!(cpu.sample_rows(&logits, 2, &[p(0.1, 0, 1.0, 0.0001), p(10.0, 0, 1.0, 0.45)]).unwrap(), vec![1, 0]);
+        // NaN never drawn; a row of nothing gives 0; ties at the top-k threshold are kept.
+        let logits = cpu.upload_f32(&[f32::NAN, 1.0, f32::NAN, f32::NAN, 2.0, 2.0, 0.0, 0.0]).unwrap();
+        assert_eq!(cpu.sample_rows(&logits, 4, &[p(1.0, 0, 1.0, 0.0), p(1.0, 1, 1.0, 0.9)]).unwrap(), vec![1, 1]);
+        assert!(cpu.sample_rows(&logits, 4, &[p(0.0, 0, 1.0, 0.0), p(1.0, 0, 1.0, 0.0)]).is_err());
+        assert!(cpu.sample_rows(&logits, 4, &[p(1.0, 0, 1.0, 1.0), p(1.0, 0, 1.0, 0.0)]).is_err());
+        assert!(cpu.sample_rows(&logits, 4, &[p(1.0, 0, 1.0, 0.0)]).is_err());
     }
 }

@@ -2,6 +2,7 @@
 //! what it measured against limits measured on the same machine in the same run.
 
 pub mod engine;
+pub mod kernels;
 pub mod lora;
 pub mod runtime;
 

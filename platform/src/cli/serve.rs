@@ -10,9 +10,10 @@ use std::time::Duration;
 use actix_web::{App, HttpServer, web};
 use anyhow::{Context, bail};
 use loraplex_kernels::cpu::CpuBackend;
+use loraplex_kernels::cuda::{self, CudaBackend};
 
 use crate::api::{self, ApiSettings, AppState, Serving};
-use crate::config::{Device, ServeArgs};
+use crate::config::{Device, Resolved, ServeArgs};
 use crate::model;
 use crate::runtime::Runtime;
 use crate::store::Store;
@@ -46,16 +47,33 @@ fn start_runtime(args: &ServeArgs, dir: &Path) -> anyhow::Result<(Arc<dyn Servin
     if args.workers == 0 {
         bail!("--workers must be at least 1");
     }
-    match args.device {
-        Device::Cpu => {}
-        Device::Cuda => bail!("--device cuda: this build has no CUDA backend; use --device cpu"),
-    }
-    let backend = Arc::new(CpuBackend::new());
-    let model = Arc::new(model::load(backend, dir).with_context(|| format!("loading the model in {}", dir.display()))?);
+    let probe = match args.device {
+        Device::Cpu => Err("not probed".to_string()),
+        _ => loraplex_kernels::cuda::probe(),
+    };
+    let resolved = args.device.resolve(args.workers, probe.clone()).map_err(anyhow::Error::msg)?;
     let tokenizer = Arc::new(Tokenizer::from_dir(dir).with_context(|| format!("loading the tokenizer in {}", dir.display()))?);
-    let devices = vec![model; args.workers];
-    let runtime = Runtime::start(devices, tokenizer.clone(), args.engine.engine_config()).context("starting the workers")?;
-    Ok((Arc::new(runtime), tokenizer))
+    let load = |what: &str| format!("loading the model in {} onto {what}", dir.display());
+    let serving: Arc<dyn Serving> = match resolved {
+        Resolved::Cpu => {
+            if let (Device::Auto, Err(why)) = (args.device, &probe) {
+                println!("--device auto: using the CPU ({why})");
+            }
+            let model = Arc::new(model::load(Arc::new(CpuBackend::new()), dir).with_context(|| load("the CPU"))?);
+            let devices = vec![model; args.workers];
+            Arc::new(Runtime::start(devices, tokenizer.clone(), args.engine.engine_config()).context("starting the workers")?)
+        }
+        Resolved::Cuda(ordinals) => {
+            let mut devices = Vec::new();
+            for n in ordinals {
+                let backend = CudaBackend::new(n, cuda::compile::default_cache_dir()).with_context(|| format!("opening cuda:{n}"))?;
+                backend.warm_up().with_context(|| format!("compiling the kernels for cuda:{n}"))?;
+                devices.push(Arc::new(model::load(Arc::new(backend), dir).with_context(|| load(&format!("cuda:{n}")))?));
+            }
+            Arc::new(Runtime::start(devices, tokenizer.clone(), args.engine.engine_config()).context("starting the workers")?)
+        }
+    };
+    Ok((serving, tokenizer))
 }
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {

@@ -1,5 +1,5 @@
 use super::*;
-use crate::DType;
+use crate::{DType, KernelError, NO_ADAPTER, NUM_MODULES};
 
 const LAYERS: usize = 2;
 /// (in_features, out_features) of q, k, v, o, gate, up, down: hidden 53, kv 19, intermediate 100,

@@ -1,0 +1,296 @@
+// The paged KV cache: writing new keys and values into their pages, and attention over it.
+//
+// A page holds `block_size` consecutive tokens of one sequence for every layer, laid out
+// [layer][k|v][kv_head][token_in_block][head_dim] (KvLayout on the host). A sequence's pages are
+// listed in its row of `block_tables`. Queries are [tokens, heads, head_dim]; `token_seq` maps each
+// query token to its sequence and `positions` gives its position, so a token at position p attends
+// to keys first..=p (first = p + 1 - window with a sliding window, else 0).
+//
+// Two attention kernels:
+// - decode: one block per (token, head, partition of the keys); each warp runs an online softmax
+//   over its share of the partition's keys with the query held in registers, then the warps merge
+//   in shared memory. With several partitions (long contexts, few tokens), each writes its
+//   running max, sum and unnormalised output, and `attn_combine` merges them.
+// - prefill: one block per (tile of up to PREFILL_Q query tokens of one sequence, head); the
+//   block walks the keys in tiles of 32 staged in shared memory, one warp per query row with one
+//   lane per key, flash-style (online softmax, the scores never leave registers).
+
+#define MAX_LANE_DIMS 8 // head_dim <= 32 * MAX_LANE_DIMS
+#define PREFILL_Q 16
+#define PREFILL_K 32
+#define PREFILL_WARPS 4
+#define PREFILL_ROWS (PREFILL_Q / PREFILL_WARPS)  // query rows per warp
+
+// grid (tokens), block (threads)
+template <typename T>
+__device__ void write_kv_impl(const T* __restrict__ k, const T* __restrict__ v, T* cache, const u32* __restrict__ slots, u32 kv_heads,
+                              u32 head_dim, u32 block_size, u64 page_elems, u32 layer) {
+    const u32 t = blockIdx.x;
+    const u32 slot = slots[t];
+    const u32 page = slot / block_size, off = slot - page * block_size;
+    const u64 per_head = (u64)block_size * head_dim, per_kv = kv_heads * per_head;
+    const u64 base = (u64)page * page_elems + (u64)layer * 2 * per_kv + (u64)off * head_dim;
+    const u32 row = kv_heads * head_dim;
+    for (u32 i = threadIdx.x; i < row; i += blockDim.x) {
+        const u32 h = i / head_dim, d = i - h * head_dim;
+        const u64 dst = base + h * per_head + d;
+        cache[dst] = k[(u64)t * row + i];
+        cache[dst + per_kv] = v[(u64)t * row + i];
+    }
+}
+
+// Pointer to the key row of `key` (the value row is `per_kv` further).
+template <typename T>
+__device__ __forceinline__ const T* key_row(const T* cache, const u32* table, u32 key, u32 block_size, u64 page_elems, u64 head_off,
+                                            u32 head_dim) {
+    const u32 page = table[key / block_size];
+    return cache + (u64)page * page_elems + head_off + (u64)(key % block_size) * head_dim;
+}
+
+// grid (tokens, heads, parts), block (warps * 32), dynamic shared memory (2 + head_dim) * warps floats.
+template <typename T>
+__device__ void attn_decode_impl(const T* __restrict__ q, const T* __restrict__ cache, T* __restrict__ out, float* __restrict__ part_acc,
+                                 float* __restrict__ part_ml, const u32* __restrict__ token_seq, const u32* __restrict__ positions,
+                                 const u32* __restrict__ block_tables, u32 max_blocks, u32 heads, u32 kv_heads, u32 head_dim,
+                                 u32 block_size, u64 page_elems, u32 layer, float scale, u32 window, u32 part_size) {
+    extern __shared__ float smem[];
+    const u32 t = blockIdx.x, h = blockIdx.y, part = blockIdx.z, parts = gridDim.z;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const u32 pos = positions[t];
+    const u32 first = (window != 0 && pos + 1 > window) ? pos + 1 - window : 0;
+    const u32 k0 = first + part * part_size;
+    const u32 k1 = min(k0 + part_size, pos + 1);
+    const u32 kvh = h / (heads / kv_heads);
+    const u32* table = block_tables + (u64)token_seq[t] * max_blocks;
+    const u64 per_kv = (u64)kv_heads * block_size * head_dim;
+    const u64 head_off = (u64)layer * 2 * per_kv + (u64)kvh * block_size * head_dim;
+
+    float qr[MAX_LANE_DIMS], acc[MAX_LANE_DIMS];
+    const T* qp = q + ((u64)t * heads + h) * head_dim;
+#pragma unroll
+    for (int i = 0; i < MAX_LANE_DIMS; ++i) {
+        const u32 d = lane + 32u * i;
+        qr[i] = d < head_dim ? to_f32(qp[d]) * scale : 0.0f;
+        acc[i] = 0.0f;
+    }
+    float m = neg_inf(), l = 0.0f;
+    for (u32 key = k0 + warp; key < k1; key += warps) {
+        const T* kp = key_row(cache, table, key, block_size, page_elems, head_off, head_dim);
+        const T* vp = kp + per_kv;
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MAX_LANE_DIMS; ++i) {
+            const u32 d = lane + 32u * i;
+            if (d < head_dim) dot += qr[i] * to_f32(kp[d]);
+        }
+        dot = warp_sum(dot);
+        const float m_new = fmaxf(m, dot);
+        const float corr = expf(m - m_new);
+        const float p = expf(dot - m_new);
+        l = l * corr + p;
+#pragma unroll
+        for (int i = 0; i < MAX_LANE_DIMS; ++i) {
+            const u32 d = lane + 32u * i;
+            if (d < head_dim) acc[i] = acc[i] * corr + p * to_f32(vp[d]);
+        }
+        m = m_new;
+    }
+
+    // Merge the warps: smem = [m per warp][l per warp][acc per warp, head_dim each].
+    float* s_m = smem;
+    float* s_l = smem + warps;
+    float* s_acc = smem + 2 * warps;
+    if (lane == 0) {
+        s_m[warp] = m;
+        s_l[warp] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < MAX_LANE_DIMS; ++i) {
+        const u32 d = lane + 32u * i;
+        if (d < head_dim) s_acc[warp * head_dim + d] = acc[i];
+    }
+    __syncthreads();
+    float mx = neg_inf();
+    for (u32 w = 0; w < warps; ++w) mx = fmaxf(mx, s_m[w]);
+    float sum = 0.0f;
+    for (u32 w = 0; w < warps; ++w) {
+        if (s_m[w] != neg_inf()) sum += s_l[w] * expf(s_m[w] - mx);
+    }
+    const u64 row = ((u64)t * heads + h) * parts + part;
+    for (u32 d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float a = 0.0f;
+        for (u32 w = 0; w < warps; ++w) {
+            if (s_m[w] != neg_inf()) a += s_acc[w * head_dim + d] * expf(s_m[w] - mx);
+        }
+        if (parts == 1) {
+            out[((u64)t * heads + h) * head_dim + d] = from_f32<T>(a / sum);
+        } else {
+            part_acc[row * head_dim + d] = a;
+        }
+    }
+    if (parts > 1 && threadIdx.x == 0) {
+        part_ml[row * 2] = mx;
+        part_ml[row * 2 + 1] = sum;
+    }
+}
+
+// grid (tokens, heads), block (threads): merges the partitions of attn_decode.
+template <typename T>
+__device__ void attn_combine_impl(const float* __restrict__ part_acc, const float* __restrict__ part_ml, T* __restrict__ out, u32 heads,
+                                  u32 head_dim, u32 parts) {
+    const u32 t = blockIdx.x, h = blockIdx.y;
+    const u64 base = ((u64)t * heads + h) * parts;
+    float mx = neg_inf();
+    for (u32 p = 0; p < parts; ++p) mx = fmaxf(mx, part_ml[(base + p) * 2]);
+    float sum = 0.0f;
+    for (u32 p = 0; p < parts; ++p) {
+        const float mp = part_ml[(base + p) * 2];
+        if (mp != neg_inf()) sum += part_ml[(base + p) * 2 + 1] * expf(mp - mx);
+    }
+    for (u32 d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float a = 0.0f;
+        for (u32 p = 0; p < parts; ++p) {
+            const float mp = part_ml[(base + p) * 2];
+            if (mp != neg_inf()) a += part_acc[(base + p) * head_dim + d] * expf(mp - mx);
+        }
+        out[((u64)t * heads + h) * head_dim + d] = from_f32<T>(a / sum);
+    }
+}
+
+// grid (tiles, heads), block (PREFILL_WARPS * 32), dynamic shared memory:
+// Q [PREFILL_Q][head_dim] + K [PREFILL_K][head_dim + 1] + V [PREFILL_K][head_dim] floats.
+// `tiles` holds (sequence, first token, token count) per tile; the tile's tokens are consecutive
+// query tokens of that sequence.
+template <typename T>
+__device__ void attn_prefill_impl(const T* __restrict__ q, const T* __restrict__ cache, T* __restrict__ out, const u32* __restrict__ tiles,
+                                  const u32* __restrict__ positions, const u32* __restrict__ block_tables, u32 max_blocks, u32 heads,
+                                  u32 kv_heads, u32 head_dim, u32 block_size, u64 page_elems, u32 layer, float scale, u32 window) {
+    extern __shared__ float smem[];
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const u32 seq = tiles[blockIdx.x * 3], t0 = tiles[blockIdx.x * 3 + 1], count = tiles[blockIdx.x * 3 + 2];
+    const u32 h = blockIdx.y;
+    const u32 kvh = h / (heads / kv_heads);
+    const u32* table = block_tables + (u64)seq * max_blocks;
+    const u64 per_kv = (u64)kv_heads * block_size * head_dim;
+    const u64 head_off = (u64)layer * 2 * per_kv + (u64)kvh * block_size * head_dim;
+    const u32 kstride = head_dim + 1;
+    float* s_q = smem;
+    float* s_k = s_q + PREFILL_Q * head_dim;
+    float* s_v = s_k + PREFILL_K * kstride;
+
+    // The keys the tile needs: from the earliest first key of its tokens to its last position.
+    u32 lo = 0xffffffffu, hi = 0;
+    for (u32 i = 0; i < count; ++i) {
+        const u32 p = positions[t0 + i];
+        const u32 f = (window != 0 && p + 1 > window) ? p + 1 - window : 0;
+        lo = min(lo, f);
+        hi = max(hi, p + 1);
+    }
+    for (u32 idx = threadIdx.x; idx < PREFILL_Q * head_dim; idx += blockDim.x) {
+        const u32 r = idx / head_dim, d = idx - r * head_dim;
+        s_q[idx] = r < count ? to_f32(q[((u64)(t0 + r) * heads + h) * head_dim + d]) * scale : 0.0f;
+    }
+
+    float m[PREFILL_ROWS], l[PREFILL_ROWS], acc[PREFILL_ROWS][MAX_LANE_DIMS];
+    u32 my_pos[PREFILL_ROWS], my_first[PREFILL_ROWS];
+#pragma unroll
+    for (int r = 0; r < PREFILL_ROWS; ++r) {
+        m[r] = neg_inf();
+        l[r] = 0.0f;
+        const u32 row = warp * PREFILL_ROWS + r;
+        const bool live = row < count;
+        const u32 p = live ? positions[t0 + row] : 0;
+        my_pos[r] = p;
+        my_first[r] = live ? ((window != 0 && p + 1 > window) ? p + 1 - window : 0) : 1;  // first > pos: no keys
+#pragma unroll
+        for (int i = 0; i < MAX_LANE_DIMS; ++i) acc[r][i] = 0.0f;
+    }
+
+    for (u32 kt = lo; kt < hi; kt += PREFILL_K) {
+        __syncthreads();  // the previous tile's K and V are no longer read
+        for (u32 idx = threadIdx.x; idx < PREFILL_K * head_dim; idx += blockDim.x) {
+            const u32 j = idx / head_dim, d = idx - j * head_dim;
+            const u32 key = kt + j;
+            float kv = 0.0f, vv = 0.0f;
+            if (key < hi) {
+                const T* kp = key_row(cache, table, key, block_size, page_elems, head_off, head_dim);
+                kv = to_f32(kp[d]);
+                vv = to_f32(kp[per_kv + d]);
+            }
+            s_k[j * kstride + d] = kv;
+            s_v[j * head_dim + d] = vv;
+        }
+        __syncthreads();
+        const u32 key = kt + lane;
+#pragma unroll
+        for (int r = 0; r < PREFILL_ROWS; ++r) {
+            const u32 row = warp * PREFILL_ROWS + r;
+            const bool valid = row < count && key < hi && key >= my_first[r] && key <= my_pos[r];
+            float s = neg_inf();
+            if (valid) {
+                const float* qrow = s_q + row * head_dim;
+                const float* krow = s_k + lane * kstride;
+                float dot = 0.0f;
+                for (u32 d = 0; d < head_dim; ++d) dot += qrow[d] * krow[d];
+                s = dot;
+            }
+            const float tile_max = warp_max(s);
+            if (tile_max == neg_inf()) continue;  // no key of this tile for this row (uniform across the warp)
+            const float m_new = fmaxf(m[r], tile_max);
+            const float corr = expf(m[r] - m_new);
+            const float p = valid ? expf(s - m_new) : 0.0f;
+            l[r] = l[r] * corr + warp_sum(p);
+#pragma unroll
+            for (int i = 0; i < MAX_LANE_DIMS; ++i) acc[r][i] *= corr;
+            for (u32 j = 0; j < PREFILL_K; ++j) {
+                const float pj = __shfl_sync(0xffffffffu, p, j);
+                if (pj == 0.0f) continue;
+                const float* vrow = s_v + j * head_dim;
+#pragma unroll
+                for (int i = 0; i < MAX_LANE_DIMS; ++i) {
+                    const u32 d = lane + 32u * i;
+                    if (d < head_dim) acc[r][i] += pj * vrow[d];
+                }
+            }
+            m[r] = m_new;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < PREFILL_ROWS; ++r) {
+        const u32 row = warp * PREFILL_ROWS + r;
+        if (row >= count) continue;
+        const float inv = 1.0f / l[r];
+        T* op = out + ((u64)(t0 + row) * heads + h) * head_dim;
+#pragma unroll
+        for (int i = 0; i < MAX_LANE_DIMS; ++i) {
+            const u32 d = lane + 32u * i;
+            if (d < head_dim) op[d] = from_f32<T>(acc[r][i] * inv);
+        }
+    }
+}
+
+#define ATTENTION_KERNELS(name, T)                                                                                          \
+    extern "C" __global__ void write_kv_##name(const T* k, const T* v, T* cache, const u32* slots, u32 kv_heads, u32 hd,    \
+                                               u32 block_size, u64 page_elems, u32 layer) {                                 \
+        write_kv_impl<T>(k, v, cache, slots, kv_heads, hd, block_size, page_elems, layer);                                  \
+    }                                                                                                                       \
+    extern "C" __global__ void attn_decode_##name(const T* q, const T* cache, T* out, float* part_acc, float* part_ml,     \
+                                                  const u32* token_seq, const u32* positions, const u32* block_tables,     \
+                                                  u32 max_blocks, u32 heads, u32 kv_heads, u32 hd, u32 block_size,         \
+                                                  u64 page_elems, u32 layer, float scale, u32 window, u32 part_size) {     \
+        attn_decode_impl<T>(q, cache, out, part_acc, part_ml, token_seq, positions, block_tables, max_blocks, heads,        \
+                            kv_heads, hd, block_size, page_elems, layer, scale, window, part_size);                         \
+    }                                                                                                                       \
+    extern "C" __global__ void attn_combine_##name(const float* part_acc, const float* part_ml, T* out, u32 heads, u32 hd, \
+                                                   u32 parts) {                                                             \
+        attn_combine_impl<T>(part_acc, part_ml, out, heads, hd, parts);                                                     \
+    }                                                                                                                       \
+    extern "C" __global__ void attn_prefill_##name(const T* q, const T* cache, T* out, const u32* tiles,                   \
+                                                   const u32* positions, const u32* block_tables, u32 max_blocks,           \
+                                                   u32 heads, u32 kv_heads, u32 hd, u32 block_size, u64 page_elems,         \
+                                                   u32 layer, float scale, u32 window) {                                    \
+        attn_prefill_impl<T>(q, cache, out, tiles, positions, block_tables, max_blocks, heads, kv_heads, hd, block_size,    \
+                             page_elems, layer, scale, window);                                                             \
+    }
+
+FOR_EACH_DTYPE(ATTENTION_KERNELS)

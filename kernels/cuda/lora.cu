@@ -1,0 +1,148 @@
+// Batched LoRA over adapter rows that live anywhere in the page pool (S-LoRA's unified pool,
+// Punica's SGMV/BGMV).
+//
+// Work comes as tiles: (adapter slot, first token, token count <= LORA_TILE), consecutive tokens
+// sharing an adapter. Prefill (SGMV) cuts each segment into tiles; decode (BGMV) gives every token
+// its own tile, so each row gathers its own adapter. The host builds the tile list.
+//
+// An adapter's rows for (layer, module) are found through the directory: entry
+// ((slot * num_layers + layer) * 7 + module) * 2 holds the first index into a_rows / b_rows and
+// the rank (0: the adapter does not target the module). a_rows[first + r] is the pool offset of
+// A row r in units of 16 elements; b_rows the same for row r of Bᵀ (scaling folded in). Rows are
+// f32, or bf16 packed two per f32 slot, per slot_dtypes[slot]. Ranks differ per adapter and are
+// never padded: a tile costs only its own adapter's rank.
+//
+// shrink: grid (tiles, ceil(max_rank / warps)), block (warps * 32). Warp w of block y computes
+//         v[t, r] = x[t] · A[r] for r = y * warps + w and the tile's tokens, zeros for r >= rank.
+// expand: grid (tiles, ceil(out_features / (threads * 4))), block (threads). Each thread owns 4
+//         consecutive outputs of every token of the tile: y[t, o] += Σ_r v[t, r] · Bᵀ[r, o].
+
+#define LORA_TILE 8
+
+__device__ __forceinline__ void load4_row(const float* pool, u32 row_off, u32 bf16, u32 c, u32 len, float a[4]) {
+    if (bf16) {
+        const u16* row = reinterpret_cast<const u16*>(pool) + (u64)row_off * LORA_ROW_ALIGN * 2;
+        if (c + 4 <= len) {
+            const uint2 w = *reinterpret_cast<const uint2*>(row + c);
+            a[0] = bf16_bits_to_f32((u16)(w.x & 0xffffu));
+            a[1] = bf16_bits_to_f32((u16)(w.x >> 16));
+            a[2] = bf16_bits_to_f32((u16)(w.y & 0xffffu));
+            a[3] = bf16_bits_to_f32((u16)(w.y >> 16));
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) a[j] = c + j < len ? bf16_bits_to_f32(row[c + j]) : 0.0f;
+        }
+    } else {
+        const float* row = pool + (u64)row_off * LORA_ROW_ALIGN;
+        if (c + 4 <= len) {
+            const float4 w = *reinterpret_cast<const float4*>(row + c);
+            a[0] = w.x;
+            a[1] = w.y;
+            a[2] = w.z;
+            a[3] = w.w;
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) a[j] = c + j < len ? row[c + j] : 0.0f;
+        }
+    }
+}
+
+template <typename T>
+__device__ void lora_shrink_impl(const T* __restrict__ x, const float* __restrict__ pool, const u32* __restrict__ directory,
+                                 const u32* __restrict__ a_rows, const u32* __restrict__ slot_dtypes, const u32* __restrict__ tiles,
+                                 float* __restrict__ v, u32 in_features, u32 max_rank, u32 num_layers, u32 layer, u32 module) {
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const u32 slot = tiles[blockIdx.x * 3], t0 = tiles[blockIdx.x * 3 + 1], count = tiles[blockIdx.x * 3 + 2];
+    const u32 r = blockIdx.y * warps + warp;
+    if (r >= max_rank) return;
+    u32 first = 0, rank = 0;
+    if (slot != NO_ADAPTER) {
+        const u64 e = (((u64)slot * num_layers + layer) * 7 + module) * 2;
+        first = directory[e];
+        rank = directory[e + 1];
+    }
+    if (r >= rank) {
+        if (lane < count) v[(u64)(t0 + lane) * max_rank + r] = 0.0f;
+        return;
+    }
+    const u32 row_off = a_rows[first + r];
+    const u32 bf16 = slot_dtypes[slot];
+    float acc[LORA_TILE];
+#pragma unroll
+    for (int i = 0; i < LORA_TILE; ++i) acc[i] = 0.0f;
+    for (u32 c = lane * 4; c < in_features; c += 128) {
+        float a[4];
+        load4_row(pool, row_off, bf16, c, in_features, a);
+#pragma unroll
+        for (int i = 0; i < LORA_TILE; ++i) {
+            if ((u32)i < count) {
+                const T* xr = x + (u64)(t0 + i) * in_features + c;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    if (c + j < in_features) acc[i] += a[j] * to_f32(xr[j]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < LORA_TILE; ++i) {
+        const float s = warp_sum(acc[i]);
+        if (lane == 0 && (u32)i < count) v[(u64)(t0 + i) * max_rank + r] = s;
+    }
+}
+
+template <typename T>
+__device__ void lora_expand_impl(const float* __restrict__ v, const float* __restrict__ pool, const u32* __restrict__ directory,
+                                 const u32* __restrict__ b_rows, const u32* __restrict__ slot_dtypes, const u32* __restrict__ tiles,
+                                 T* __restrict__ y, u32 out_features, u32 max_rank, u32 num_layers, u32 layer, u32 module) {
+    const u32 slot = tiles[blockIdx.x * 3], t0 = tiles[blockIdx.x * 3 + 1], count = tiles[blockIdx.x * 3 + 2];
+    if (slot == NO_ADAPTER) return;
+    const u64 e = (((u64)slot * num_layers + layer) * 7 + module) * 2;
+    const u32 first = directory[e], rank = directory[e + 1];
+    const u32 o = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
+    if (rank == 0 || o >= out_features) return;
+    const u32 bf16 = slot_dtypes[slot];
+    float acc[LORA_TILE][4];
+#pragma unroll
+    for (int i = 0; i < LORA_TILE; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    for (u32 r = 0; r < rank; ++r) {
+        float b[4];
+        load4_row(pool, b_rows[first + r], bf16, o, out_features, b);
+#pragma unroll
+        for (int i = 0; i < LORA_TILE; ++i) {
+            if ((u32)i < count) {
+                const float vr = v[(u64)(t0 + i) * max_rank + r];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] += vr * b[j];
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < LORA_TILE; ++i) {
+        if ((u32)i < count) {
+            T* yr = y + (u64)(t0 + i) * out_features + o;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (o + j < out_features) yr[j] = from_f32<T>(to_f32(yr[j]) + acc[i][j]);
+            }
+        }
+    }
+}
+
+#define LORA_KERNELS(name, T)                                                                                              \
+    extern "C" __global__ void lora_shrink_##name(const T* x, const float* pool, const u32* directory, const u32* a_rows,  \
+                                                  const u32* slot_dtypes, const u32* tiles, float* v, u32 in_features,      \
+                                                  u32 max_rank, u32 num_layers, u32 layer, u32 module) {                   \
+        lora_shrink_impl<T>(x, pool, directory, a_rows, slot_dtypes, tiles, v, in_features, max_rank, num_layers, layer,    \
+                            module);                                                                                       \
+    }                                                                                                                      \
+    extern "C" __global__ void lora_expand_##name(const float* v, const float* pool, const u32* directory, const u32* b_rows, \
+                                                  const u32* slot_dtypes, const u32* tiles, T* y, u32 out_features,         \
+                                                  u32 max_rank, u32 num_layers, u32 layer, u32 module) {                   \
+        lora_expand_impl<T>(v, pool, directory, b_rows, slot_dtypes, tiles, y, out_features, max_rank, num_layers, layer,   \
+                            module);                                                                                       \
+    }
+
+FOR_EACH_DTYPE(LORA_KERNELS)

@@ -1,0 +1,469 @@
+//! The CUDA backend: cudarc over the driver API, kernels compiled at run time by NVRTC from
+//! `kernels/cuda/*.cu`, cuBLAS for the base model's GEMMs.
+//!
+//! CUDA is loaded dynamically: this module builds everywhere, and [`probe`] tells whether the
+//! driver, NVRTC and cuBLAS libraries are present before any of them is called (a missing library
+//! would otherwise panic inside the loader). All `unsafe` of the crate's CUDA use lives here and
+//! in [`compile`].
+//!
+//! Buffers carry their element type: f32, f16 or bf16 storage (arithmetic is f32 in every
+//! kernel), or u32 for indices. A u32 buffer keeps a host copy of what was uploaded, so every
+//! index is checked on the host (the same checks as the CPU backend) before a launch reads it.
+//! Each op picks the kernel instantiated for its buffers' type; the trait's `zeros`,
+//! `upload_f32` and `load_weight` make f32 buffers, and [`CudaBackend::upload_as`],
+//! [`CudaBackend::zeros_as`] and [`CudaBackend::load_weight_as`] make f16 and bf16 ones.
+
+pub mod compile;
+mod ops;
+pub mod plan;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+
+use crate::{DType, KernelError, Result};
+use plan::Launch;
+
+/// Why CUDA cannot be used on this machine, or how many devices it has.
+pub fn probe() -> std::result::Result<usize, String> {
+    // SAFETY: each call only tries to open a shared library; no CUDA function is called.
+    let (driver, blas) = unsafe { (cudarc::driver::sys::is_culib_present(), cudarc::cublas::sys::is_culib_present()) };
+    if !driver {
+        return Err("the CUDA driver library (libcuda) cannot be loaded".into());
+    }
+    if !compile::nvrtc_present() {
+        return Err("the NVRTC library (libnvrtc) cannot be loaded".into());
+    }
+    if !blas {
+        return Err("the cuBLAS library (libcublas) cannot be loaded".into());
+    }
+    match CudaContext::device_count() {
+        Ok(0) => Err("the CUDA driver reports no device".into()),
+        Ok(n) => Ok(n as usize),
+        Err(e) => Err(format!("the CUDA driver failed to start: {e}")),
+    }
+}
+
+pub(crate) fn dev_err(op: &'static str, e: impl std::fmt::Debug) -> KernelError {
+    KernelError::Device { op, detail: format!("{e:?}") }
+}
+
+/// A device buffer.
+#[derive(Debug)]
+pub struct CudaBuffer {
+    len: usize,
+    data: Data,
+}
+
+#[derive(Debug)]
+enum Data {
+    F32(CudaSlice<f32>),
+    F16(CudaSlice<u16>),
+    Bf16(CudaSlice<u16>),
+    /// The device copy and the host copy the checks read.
+    U32(CudaSlice<u32>, Vec<u32>),
+}
+
+impl CudaBuffer {
+    pub fn dtype(&self) -> DType {
+        match self.data {
+            Data::F32(_) => DType::F32,
+            Data::F16(_) => DType::F16,
+            Data::Bf16(_) => DType::Bf16,
+            Data::U32(..) => DType::U32,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Fails unless this buffer holds floats (f32, f16 or bf16); returns their type.
+    fn float(&self, op: &'static str) -> Result<DType> {
+        match self.dtype() {
+            DType::U32 => Err(KernelError::DType { op, expected: DType::F32, actual: DType::U32 }),
+            d => Ok(d),
+        }
+    }
+
+    fn expect(&self, op: &'static str, dtype: DType) -> Result<()> {
+        if self.dtype() != dtype {
+            return Err(KernelError::DType { op, expected: dtype, actual: self.dtype() });
+        }
+        Ok(())
+    }
+
+    /// Pushes the buffer's device pointer as a kernel argument.
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        match &self.data {
+            Data::F32(s) => b.arg(s),
+            Data::F16(s) | Data::Bf16(s) => b.arg(s),
+            Data::U32(s, _) => b.arg(s),
+        };
+    }
+}
+
+impl crate::check::HostU32 for CudaBuffer {
+    fn host_u32(&self, op: &'static str) -> Result<&[u32]> {
+        match &self.data {
+            Data::U32(_, host) => Ok(&host[..self.len]),
+            _ => Err(KernelError::DType { op, expected: DType::U32, actual: self.dtype() }),
+        }
+    }
+}
+
+/// A linear layer's weight, `[out_features, in_features]` row-major on the device.
+#[derive(Debug)]
+pub struct CudaWeight {
+    pub out_features: usize,
+    pub in_features: usize,
+    data: CudaBuffer,
+}
+
+impl CudaWeight {
+    pub fn dtype(&self) -> DType {
+        self.data.dtype()
+    }
+}
+
+/// Facts about the device the plans need.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    /// `sm_XY`.
+    pub arch: String,
+    pub sm_count: usize,
+    /// Shared memory a block may use after opting in.
+    pub max_smem_optin: usize,
+    pub total_memory: usize,
+}
+
+/// One CUDA device with its stream, its cuBLAS handle and its compiled kernels.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: Mutex<CudaBlas>,
+    info: DeviceInfo,
+    cache_dir: Option<PathBuf>,
+    modules: [OnceLock<Arc<CudaModule>>; compile::SOURCES.len()],
+    functions: Mutex<HashMap<String, CudaFunction>>,
+    /// Functions whose dynamic shared memory limit was raised, with the limit.
+    smem_raised: Mutex<HashMap<String, u32>>,
+    /// Recently uploaded index lists (LoRA tiles, token maps): every layer of a step launches
+    /// with the same lists, so each is uploaded once per step, not once per op.
+    meta_cache: Mutex<Vec<MetaEntry>>,
+}
+
+/// An uploaded index list and its host copy.
+type MetaEntry = (Vec<u32>, Arc<CudaSlice<u32>>);
+
+/// Index lists kept uploaded.
+const META_CACHE: usize = 16;
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend").field("info", &self.info).finish_non_exhaustive()
+    }
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`. Kernels are compiled (or read from `cache_dir`) at first use;
+    /// `None` keeps no cache. Fails with a clear message when CUDA is missing or the device does
+    /// not exist.
+    pub fn new(ordinal: usize, cache_dir: Option<PathBuf>) -> Result<Self> {
+        const OP: &str = "cuda";
+        let count = probe().map_err(|detail| KernelError::Device { op: OP, detail })?;
+        if ordinal >= count {
+            return Err(KernelError::Device { op: OP, detail: format!("no device cuda:{ordinal}: the driver reports {count}") });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| dev_err(OP, e))?;
+        // One stream orders every op: the per-buffer event tracking cudarc does for several
+        // streams is not needed.
+        // SAFETY: no buffer exists yet on this context, so none has events to track.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| dev_err(OP, e))?;
+        let attr = |a| ctx.attribute(a).map_err(|e| dev_err(OP, e));
+        let (major, minor) = ctx.compute_capability().map_err(|e| dev_err(OP, e))?;
+        let info = DeviceInfo {
+            ordinal,
+            name: ctx.name().map_err(|e| dev_err(OP, e))?,
+            arch: format!("sm_{major}{minor}"),
+            sm_count: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize,
+            max_smem_optin: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize,
+            total_memory: ctx.total_mem().map_err(|e| dev_err(OP, e))?,
+        };
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            blas: Mutex::new(blas),
+            info,
+            cache_dir,
+            modules: Default::default(),
+            functions: Mutex::new(HashMap::new()),
+            smem_raised: Mutex::new(HashMap::new()),
+            meta_cache: Mutex::new(Vec::new()),
+        })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Waits for every queued op; reports a failure of any of them.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(|e| dev_err("synchronize", e))
+    }
+
+    /// Compiles (or loads from the cache) every module now rather than at first use.
+    pub fn warm_up(&self) -> Result<()> {
+        for i in 0..compile::SOURCES.len() {
+            self.module(i)?;
+        }
+        Ok(())
+    }
+
+    fn module(&self, index: usize) -> Result<Arc<CudaModule>> {
+        if let Some(m) = self.modules[index].get() {
+            return Ok(m.clone());
+        }
+        let (name, body) = compile::SOURCES[index];
+        let cubin = compile::cubin_cached(self.cache_dir.as_deref(), name, body, &self.info.arch)?;
+        let module = self.ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| dev_err("load module", e))?;
+        // Two threads may compile at once; either result is the same module.
+        Ok(self.modules[index].get_or_init(|| module).clone())
+    }
+
+    /// The kernel `name` of module `source` (an index into [`compile::SOURCES`]).
+    fn function(&self, source: usize, name: &str) -> Result<CudaFunction> {
+        if let Some(f) = self.functions.lock().unwrap_or_else(|p| p.into_inner()).get(name) {
+            return Ok(f.clone());
+        }
+        let f = self.module(source)?.load_function(name).map_err(|e| KernelError::Device { op: "load kernel", detail: format!("{name}: {e:?}") })?;
+        self.functions.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_string(), f.clone());
+        Ok(f)
+    }
+
+    /// Raises a kernel's dynamic shared memory limit when a plan needs more than the default.
+    fn allow_smem(&self, name: &str, f: &CudaFunction, bytes: u32) -> Result<()> {
+        if bytes as usize <= plan::DEFAULT_SMEM {
+            return Ok(());
+        }
+        let mut raised = self.smem_raised.lock().unwrap_or_else(|p| p.into_inner());
+        if raised.get(name).is_some_and(|&b| b >= bytes) {
+            return Ok(());
+        }
+        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+            .map_err(|e| KernelError::Device { op: "shared memory", detail: format!("{name}: {e:?}") })?;
+        raised.insert(name.to_string(), bytes);
+        Ok(())
+    }
+
+    /// Launches `f` with a plan's shape; `args` pushes the arguments in the kernel's order.
+    fn launch<'a>(&'a self, op: &'static str, name: &str, f: &'a CudaFunction, plan: &Launch, args: impl FnOnce(&mut LaunchArgs<'a>)) -> Result<()> {
+        self.allow_smem(name, f, plan.smem)?;
+        let mut b = self.stream.launch_builder(f);
+        args(&mut b);
+        let cfg = LaunchConfig { grid_dim: plan.grid, block_dim: (plan.block, 1, 1), shared_mem_bytes: plan.smem };
+        // SAFETY: the plan was made for this kernel from checked arguments: every pointer pushed
+        // is a live buffer of this context holding at least the elements the kernel indexes
+        // (lengths and indices were checked on the host), and the arguments follow the kernel's
+        // signature in `kernels/cuda` in number, order and type.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| KernelError::Device { op, detail: format!("{name}: {e:?}") })
+    }
+
+    /// Uploads host u32 data (kernel metadata that is not an op argument: tiles, token maps),
+    /// or finds the same list uploaded recently. Lists are never written by kernels.
+    fn upload_meta(&self, op: &'static str, data: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
+        let mut cache = self.meta_cache.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = cache.iter().position(|(k, _)| k == data) {
+            let entry = cache.remove(i);
+            let dev = entry.1.clone();
+            cache.push(entry);
+            return Ok(dev);
+        }
+        let padded = if data.is_empty() { &[0u32][..] } else { data };
+        let dev = Arc::new(self.stream.clone_htod(padded).map_err(|e| dev_err(op, e))?);
+        if cache.len() == META_CACHE {
+            cache.remove(0);
+        }
+        cache.push((data.to_vec(), dev.clone()));
+        Ok(dev)
+    }
+
+    /// A zero-filled buffer of `len` elements of `dtype`.
+    pub fn zeros_as(&self, len: usize, dtype: DType) -> Result<CudaBuffer> {
+        let n = len.max(1);
+        let oom = |_| KernelError::OutOfMemory { device: self.device_name_str(), bytes: n * dtype.size() };
+        let data = match dtype {
+            DType::F32 => Data::F32(self.stream.alloc_zeros(n).map_err(oom)?),
+            DType::F16 => Data::F16(self.stream.alloc_zeros(n).map_err(oom)?),
+            DType::Bf16 => Data::Bf16(self.stream.alloc_zeros(n).map_err(oom)?),
+            DType::U32 => Data::U32(self.stream.alloc_zeros(n).map_err(oom)?, vec![0; len]),
+        };
+        Ok(CudaBuffer { len, data })
+    }
+
+    /// Uploads f32 host data stored as `dtype` (f32, f16 or bf16; rounded to nearest even).
+    pub fn upload_as(&self, data: &[f32], dtype: DType) -> Result<CudaBuffer> {
+        const OP: &str = "upload";
+        let padded: &[f32] = if data.is_empty() { &[0.0] } else { data };
+        let d = match dtype {
+            DType::F32 => Data::F32(self.stream.clone_htod(padded).map_err(|e| dev_err(OP, e))?),
+            DType::F16 => Data::F16(self.stream.clone_htod(&to_bits(padded, DType::F16)).map_err(|e| dev_err(OP, e))?),
+            DType::Bf16 => Data::Bf16(self.stream.clone_htod(&to_bits(padded, DType::Bf16)).map_err(|e| dev_err(OP, e))?),
+            DType::U32 => return Err(KernelError::DType { op: OP, expected: DType::F32, actual: DType::U32 }),
+        };
+        Ok(CudaBuffer { len: data.len(), data: d })
+    }
+
+    /// A weight stored as `dtype`.
+    pub fn load_weight_as(&self, data: &[f32], out_features: usize, in_features: usize, dtype: DType) -> Result<CudaWeight> {
+        const OP: &str = "load_weight";
+        if out_features == 0 || in_features == 0 || data.len() != out_features * in_features {
+            return Err(KernelError::Shape { op: OP, detail: format!("{} values for a [{out_features}, {in_features}] weight", data.len()) });
+        }
+        Ok(CudaWeight { out_features, in_features, data: self.upload_as(data, dtype)? })
+    }
+
+    /// The median device time of one run of `f`, in seconds: `warmup` runs first, then `iters`
+    /// runs each bracketed by events on the stream (so host work between launches does not
+    /// count unless the device waits for it).
+    pub fn time_runs(&self, warmup: usize, iters: usize, mut f: impl FnMut(usize) -> Result<()>) -> Result<f64> {
+        const OP: &str = "timing";
+        for i in 0..warmup {
+            f(i)?;
+        }
+        let mut events = Vec::with_capacity(iters + 1);
+        for i in 0..iters {
+            let e = self.ctx.new_event(None).map_err(|e| dev_err(OP, e))?;
+            e.record(&self.stream).map_err(|e| dev_err(OP, e))?;
+            events.push(e);
+            f(warmup + i)?;
+        }
+        let end = self.ctx.new_event(None).map_err(|e| dev_err(OP, e))?;
+        end.record(&self.stream).map_err(|e| dev_err(OP, e))?;
+        events.push(end);
+        self.synchronize()?;
+        let mut ms: Vec<f64> = Vec::with_capacity(iters);
+        for w in events.windows(2) {
+            ms.push(w[0].elapsed_ms(&w[1]).map_err(|e| dev_err(OP, e))? as f64);
+        }
+        ms.sort_by(f64::total_cmp);
+        Ok(ms.get(ms.len() / 2).copied().unwrap_or(0.0) / 1e3)
+    }
+
+    /// Device-to-device copy bandwidth over `bytes`, counting bytes read plus bytes written.
+    pub fn copy_bandwidth(&self, bytes: usize) -> Result<f64> {
+        let n = bytes / 4;
+        let src = self.zeros_as(n, DType::F32)?;
+        let mut dst = self.zeros_as(n, DType::F32)?;
+        let (Data::F32(s), Data::F32(d)) = (&src.data, &mut dst.data) else { unreachable!("f32 buffers") };
+        let secs = self.time_runs(2, 10, |_| self.stream.memcpy_dtod(s, d).map_err(|e| dev_err("copy", e)))?;
+        Ok(2.0 * (n * 4) as f64 / secs)
+    }
+
+    fn device_name_str(&self) -> String {
+        format!("cuda:{} ({})", self.info.ordinal, self.info.name)
+    }
+}
+
+/// f32 values as the bits of `dtype` (f16 or bf16), rounded to nearest even.
+pub fn to_bits(data: &[f32], dtype: DType) -> Vec<u16> {
+    match dtype {
+        DType::F16 => data.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect(),
+        _ => data.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect(),
+    }
+}
+
+/// The f32 values of `dtype` bits.
+pub fn from_bits(bits: &[u16], dtype: DType) -> Vec<f32> {
+    match dtype {
+        DType::F16 => bits.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect(),
+        _ => bits.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect(),
+    }
+}
+
+/// Rounds f32 values through `dtype` storage and back: what a buffer of that type holds.
+pub fn round_to(data: &[f32], dtype: DType) -> Vec<f32> {
+    match dtype {
+        DType::F16 | DType::Bf16 => from_bits(&to_bits(data, dtype), dtype),
+        _ => data.to_vec(),
+    }
+}
+
+/// The kernel-name suffix of a storage type.
+fn suffix(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::Bf16 => "bf16",
+        DType::U32 => "u32",
+    }
+}
+
+/// Indices into [`compile::SOURCES`].
+const DENSE: usize = 0;
+const ATTENTION: usize = 1;
+const LORA: usize = 2;
+const SAMPLING: usize = 3;
+
+/// Every kernel name the backend launches: the CI compile test checks each exists.
+pub fn kernel_names() -> Vec<(&'static str, String)> {
+    let mut names = Vec::new();
+    for dt in [DType::F32, DType::F16, DType::Bf16] {
+        let s = suffix(dt);
+        for k in ["embedding", "rms_norm", "rope", "silu_mul", "add_assign", "gather_rows", "add_bias"] {
+            names.push((compile::SOURCES[DENSE].0, format!("{k}_{s}")));
+        }
+        for k in ["write_kv", "attn_decode", "attn_combine", "attn_prefill"] {
+            names.push((compile::SOURCES[ATTENTION].0, format!("{k}_{s}")));
+        }
+        for k in ["lora_shrink", "lora_expand"] {
+            names.push((compile::SOURCES[LORA].0, format!("{k}_{s}")));
+        }
+    }
+    names.push((compile::SOURCES[SAMPLING].0, "argmax_rows".to_string()));
+    names.push((compile::SOURCES[SAMPLING].0, "sample_rows".to_string()));
+    names
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn half_conversions_round_to_nearest_even() {
+        let v = [1.0f32, 1.0 + 1.0 / 256.0, -3.140625, 65504.0, 1e-8];
+        assert_eq!(round_to(&v, DType::Bf16)[0], 1.0);
+        // 1 + 2^-8 is halfway between two bf16 values: ties go to the even one, 1.0.
+        assert_eq!(round_to(&v, DType::Bf16)[1], 1.0);
+        assert_eq!(round_to(&v, DType::F16)[1], 1.0 + 1.0 / 256.0);
+        assert_eq!(round_to(&v, DType::F16)[3], 65504.0);
+        assert_eq!(round_to(&v, DType::F32), v.to_vec());
+    }
+
+    #[test]
+    fn every_kernel_name_is_unique_and_typed() {
+        let names = kernel_names();
+        let mut seen = std::collections::HashSet::new();
+        for (_, n) in &names {
+            assert!(seen.insert(n.clone()), "{n} twice");
+        }
+        assert!(names.iter().any(|(m, n)| *m == "lora" && n == "lora_shrink_bf16"));
+    }
+}

@@ -1,0 +1,625 @@
+//! The Backend trait on the CUDA device: each op checks its arguments on the host (the checks
+//! the CPU backend runs), asks a plan for its launch shape and launches the kernel instantiated
+//! for its buffers' storage type.
+
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::{DevicePtr, PushKernelArg};
+
+use super::plan::{self, AttentionPlan};
+use super::{ATTENTION, CudaBackend, CudaBuffer, CudaWeight, DENSE, Data, LORA, SAMPLING, dev_err, suffix};
+use crate::check::{Batch, Directory, Segments, check_slots, ensure_len, ensure_rows};
+use crate::{
+    AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KernelError, KvLayout, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory,
+    NO_ADAPTER, Result, SampleParams, SamplingOps,
+};
+
+/// Fails unless every buffer holds the same float type; returns it.
+fn same_float(op: &'static str, bufs: &[&CudaBuffer]) -> Result<DType> {
+    let dtype = bufs[0].float(op)?;
+    for b in &bufs[1..] {
+        b.expect(op, dtype)?;
+    }
+    Ok(dtype)
+}
+
+fn rows_of(op: &'static str, what: &str, len: usize, dim: usize) -> Result<usize> {
+    if dim == 0 || !len.is_multiple_of(dim) {
+        return Err(KernelError::Shape { op, detail: format!("{what} holds {len} elements, not a multiple of the row length {dim}") });
+    }
+    Ok(len / dim)
+}
+
+impl Memory for CudaBackend {
+    type Buffer = CudaBuffer;
+    type Weight = CudaWeight;
+
+    fn device_name(&self) -> String {
+        self.device_name_str()
+    }
+
+    fn zeros(&self, len: usize) -> Result<CudaBuffer> {
+        self.zeros_as(len, DType::F32)
+    }
+
+    fn upload_f32(&self, data: &[f32]) -> Result<CudaBuffer> {
+        self.upload_as(data, DType::F32)
+    }
+
+    fn upload_u32(&self, data: &[u32]) -> Result<CudaBuffer> {
+        let padded = if data.is_empty() { &[0u32][..] } else { data };
+        let dev = self.stream.clone_htod(padded).map_err(|e| dev_err("upload_u32", e))?;
+        Ok(CudaBuffer { len: data.len(), data: Data::U32(dev, data.to_vec()) })
+    }
+
+    fn download_f32(&self, buf: &CudaBuffer) -> Result<Vec<f32>> {
+        const OP: &str = "download_f32";
+        let mut out = match &buf.data {
+            Data::F32(s) => self.stream.clone_dtoh(s).map_err(|e| dev_err(OP, e))?,
+            Data::F16(s) => super::from_bits(&self.stream.clone_dtoh(s).map_err(|e| dev_err(OP, e))?, DType::F16),
+            Data::Bf16(s) => super::from_bits(&self.stream.clone_dtoh(s).map_err(|e| dev_err(OP, e))?, DType::Bf16),
+            Data::U32(..) => return Err(KernelError::DType { op: OP, expected: DType::F32, actual: DType::U32 }),
+        };
+        out.truncate(buf.len);
+        Ok(out)
+    }
+
+    fn write_f32(&self, buf: &mut CudaBuffer, offset: usize, data: &[f32]) -> Result<()> {
+        const OP: &str = "write_f32";
+        let end = offset.checked_add(data.len()).filter(|&end| end <= buf.len);
+        let Some(end) = end else {
+            return Err(KernelError::Index { op: OP, index: offset.saturating_add(data.len()), limit: buf.len });
+        };
+        if data.is_empty() {
+            return Ok(());
+        }
+        match &mut buf.data {
+            Data::F32(s) => self.stream.memcpy_htod(data, &mut s.slice_mut(offset..end)),
+            Data::F16(s) => self.stream.memcpy_htod(&super::to_bits(data, DType::F16), &mut s.slice_mut(offset..end)),
+            Data::Bf16(s) => self.stream.memcpy_htod(&super::to_bits(data, DType::Bf16), &mut s.slice_mut(offset..end)),
+            Data::U32(..) => return Err(KernelError::DType { op: OP, expected: DType::F32, actual: DType::U32 }),
+        }
+        .map_err(|e| dev_err(OP, e))
+    }
+
+    fn copy_within(&self, buf: &mut CudaBuffer, src: usize, dst: usize, len: usize) -> Result<()> {
+        const OP: &str = "copy_within";
+        for start in [src, dst] {
+            match start.checked_add(len) {
+                Some(end) if end <= buf.len => {}
+                _ => return Err(KernelError::Index { op: OP, index: start.saturating_add(len), limit: buf.len }),
+            }
+        }
+        if src < dst + len && dst < src + len && len > 0 {
+            return Err(KernelError::Shape { op: OP, detail: format!("source {src} and destination {dst} overlap over {len} values") });
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        macro_rules! copy {
+            ($s:expr) => {{
+                if src < dst {
+                    let (a, mut b) = $s.split_at_mut(dst);
+                    self.stream.memcpy_dtod(&a.slice(src..src + len), &mut b.slice_mut(0..len))
+                } else {
+                    let (mut a, b) = $s.split_at_mut(src);
+                    self.stream.memcpy_dtod(&b.slice(0..len), &mut a.slice_mut(dst..dst + len))
+                }
+            }};
+        }
+        match &mut buf.data {
+            Data::F32(s) => copy!(s),
+            Data::F16(s) | Data::Bf16(s) => copy!(s),
+            Data::U32(..) => return Err(KernelError::DType { op: OP, expected: DType::F32, actual: DType::U32 }),
+        }
+        .map_err(|e| dev_err(OP, e))
+    }
+
+    fn load_weight(&self, data: &[f32], out_features: usize, in_features: usize) -> Result<CudaWeight> {
+        self.load_weight_as(data, out_features, in_features, DType::F32)
+    }
+}
+
+fn cuda_type(dtype: DType) -> cudaDataType {
+    match dtype {
+        DType::F16 => cudaDataType::CUDA_R_16F,
+        DType::Bf16 => cudaDataType::CUDA_R_16BF,
+        _ => cudaDataType::CUDA_R_32F,
+    }
+}
+
+impl CudaBackend {
+    /// RMS norm fused with the residual add: `residual += x`, then `out = rms_norm(residual)`.
+    pub fn rms_norm_residual(&self, x: &CudaBuffer, residual: &mut CudaBuffer, weight: &CudaBuffer, out: &mut CudaBuffer, eps: f32) -> Result<()> {
+        self.rms_norm_impl("rms_norm_residual", x, Some(residual), weight, out, eps)
+    }
+
+    fn rms_norm_impl(&self, op: &'static str, x: &CudaBuffer, residual: Option<&mut CudaBuffer>, weight: &CudaBuffer, out: &mut CudaBuffer, eps: f32) -> Result<()> {
+        let dtype = same_float(op, &[x, weight, out])?;
+        let dim = weight.len;
+        let rows = rows_of(op, "x", x.len, dim)?;
+        ensure_len(op, "out", out.len, rows * dim)?;
+        if let Some(r) = &residual {
+            r.expect(op, dtype)?;
+            ensure_len(op, "residual", r.len, rows * dim)?;
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let name = format!("rms_norm_{}", suffix(dtype));
+        let f = self.function(DENSE, &name)?;
+        let l = plan::per_row(op, rows, dim)?;
+        let (dim, null) = (dim as u32, 0u64);
+        let residual = residual.map(|r| &*r);
+        self.launch(op, &name, &f, &l, |b| {
+            x.push(b);
+            match residual {
+                Some(r) => r.push(b),
+                None => {
+                    b.arg(&null);
+                }
+            }
+            weight.push(b);
+            out.push(b);
+            b.arg(&dim).arg(&eps);
+        })
+    }
+
+    /// `y[rows, n] += bias`.
+    fn add_bias(&self, y: &CudaBuffer, bias: &CudaBuffer, rows: usize, n: usize) -> Result<()> {
+        const OP: &str = "add_bias";
+        let dtype = same_float(OP, &[y, bias])?;
+        ensure_len(OP, "bias", bias.len, n)?;
+        let name = format!("add_bias_{}", suffix(dtype));
+        let f = self.function(DENSE, &name)?;
+        let total = (rows * n) as u64;
+        let l = plan::elementwise(OP, rows * n)?;
+        let n = n as u32;
+        self.launch(OP, &name, &f, &l, |b| {
+            y.push(b);
+            bias.push(b);
+            b.arg(&total).arg(&n);
+        })
+    }
+}
+
+impl DenseOps for CudaBackend {
+    fn embedding(&self, table: &CudaBuffer, ids: &CudaBuffer, out: &mut CudaBuffer, hidden: usize) -> Result<()> {
+        const OP: &str = "embedding";
+        let dtype = same_float(OP, &[table, out])?;
+        let vocab = rows_of(OP, "table", table.len, hidden)?;
+        let host = crate::check::HostU32::host_u32(ids, OP)?;
+        ensure_len(OP, "out", out.len, host.len() * hidden)?;
+        if let Some(&bad) = host.iter().find(|&&id| id as usize >= vocab) {
+            return Err(KernelError::Index { op: OP, index: bad as usize, limit: vocab });
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        let name = format!("embedding_{}", suffix(dtype));
+        let f = self.function(DENSE, &name)?;
+        let l = plan::per_row(OP, host.len(), hidden)?;
+        let hidden = hidden as u32;
+        self.launch(OP, &name, &f, &l, |b| {
+            table.push(b);
+            ids.push(b);
+            out.push(b);
+            b.arg(&hidden);
+        })
+    }
+
+    fn rms_norm(&self, x: &CudaBuffer, weight: &CudaBuffer, out: &mut CudaBuffer, eps: f32) -> Result<()> {
+        self.rms_norm_impl("rms_norm", x, None, weight, out, eps)
+    }
+
+    fn matmul(&self, x: &CudaBuffer, w: &CudaWeight, bias: Option<&CudaBuffer>, out: &mut CudaBuffer, rows: usize) -> Result<()> {
+        const OP: &str = "matmul";
+        let dtype = same_float(OP, &[x, &w.data, out])?;
+        let (n, k) = (w.out_features, w.in_features);
+        ensure_rows(OP, "x", x.len, rows, k)?;
+        ensure_rows(OP, "out", out.len, rows, n)?;
+        if let Some(bias) = bias {
+            bias.expect(OP, dtype)?;
+            ensure_len(OP, "bias", bias.len, n)?;
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let int = |v: usize| i32::try_from(v).map_err(|_| KernelError::Shape { op: OP, detail: format!("dimension {v} exceeds cuBLAS's range") });
+        let (m_, n_, k_) = (int(n)?, int(rows)?, int(k)?);
+        let ptr = |b: &CudaBuffer| match &b.data {
+            Data::F32(s) => s.device_ptr(&self.stream).0,
+            Data::F16(s) | Data::Bf16(s) => s.device_ptr(&self.stream).0,
+            Data::U32(s, _) => s.device_ptr(&self.stream).0,
+        };
+        let (pw, px, po) = (ptr(&w.data), ptr(x), ptr(out));
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let ty = cuda_type(dtype);
+        {
+            let blas = self.blas.lock().unwrap_or_else(|p| p.into_inner());
+            // Row-major out[rows, n] = x[rows, k] · w[n, k]ᵀ is column-major outᵀ = w · xᵀ: w read
+            // transposed (lda = k), x as is (ldb = k), out with ldc = n.
+            // SAFETY: the three pointers are live device buffers of this context holding at least
+            // n*k, rows*k and rows*n elements of `ty` (checked above); alpha and beta are f32 as the
+            // 32F compute type requires; the handle's stream is this backend's stream.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    m_,
+                    n_,
+                    k_,
+                    &alpha as *const f32 as *const _,
+                    pw as *const _,
+                    ty,
+                    k_,
+                    px as *const _,
+                    ty,
+                    k_,
+                    &beta as *const f32 as *const _,
+                    po as *mut _,
+                    ty,
+                    m_,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| dev_err(OP, e))?;
+        }
+        match bias {
+            Some(bias) => self.add_bias(out, bias, rows, n),
+            None => Ok(()),
+        }
+    }
+
+    fn silu_mul(&self, gate: &CudaBuffer, up: &CudaBuffer, out: &mut CudaBuffer) -> Result<()> {
+        const OP: &str = "silu_mul";
+        let dtype = same_float(OP, &[gate, up, out])?;
+        ensure_len(OP, "up", up.len, gate.len)?;
+        ensure_len(OP, "out", out.len, gate.len)?;
+        if gate.len == 0 {
+            return Ok(());
+        }
+        let name = format!("silu_mul_{}", suffix(dtype));
+        let f = self.function(DENSE, &name)?;
+        let l = plan::elementwise(OP, gate.len)?;
+        let n = gate.len as u64;
+        self.launch(OP, &name, &f, &l, |b| {
+            gate.push(b);
+            up.push(b);
+            out.push(b);
+            b.arg(&n);
+        })
+    }
+
+    fn add_assign(&self, acc: &mut CudaBuffer, x: &CudaBuffer) -> Result<()> {
+        const OP: &str = "add_assign";
+        let dtype = same_float(OP, &[acc, x])?;
+        ensure_len(OP, "x", x.len, acc.len)?;
+        if acc.len == 0 {
+            return Ok(());
+        }
+        let name = format!("add_assign_{}", suffix(dtype));
+        let f = self.function(DENSE, &name)?;
+        let l = plan::elementwise(OP, acc.len)?;
+        let n = acc.len as u64;
+        self.launch(OP, &name, &f, &l, |b| {
+            acc.push(b);
+            x.push(b);
+            b.arg(&n);
+        })
+    }
+
+    fn gather_rows(&self, x: &CudaBuffer, rows: &CudaBuffer, out: &mut CudaBuffer, dim: usize) -> Result<()> {
+        const OP: &str = "gather_rows";
+        let dtype = same_float(OP, &[x, out])?;
+        let total = rows_of(OP, "x", x.len, dim)?;
+        let host = crate::check::HostU32::host_u32(rows, OP)?;
+        ensure_len(OP, "out", out.len, host.len() * dim)?;
+        if let Some(&bad) = host.iter().find(|&&r| r as usize >= total) {
+            return Err(KernelError::Index { op: OP, index: bad as usize, limit: total });
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        let name = format!("gather_rows_{}", suffix(dtype));
+        let f = self.function(DENSE, &name)?;
+        let l = plan::per_row(OP, host.len(), dim)?;
+        let dim = dim as u32;
+        self.launch(OP, &name, &f, &l, |b| {
+            x.push(b);
+            rows.push(b);
+            out.push(b);
+            b.arg(&dim);
+        })
+    }
+}
+
+impl AttentionOps for CudaBackend {
+    fn rope(&self, x: &mut CudaBuffer, positions: &CudaBuffer, cos_sin: &CudaBuffer, heads: usize, head_dim: usize) -> Result<()> {
+        const OP: &str = "rope";
+        let dtype = x.float(OP)?;
+        cos_sin.expect(OP, DType::F32)?;
+        let pos = crate::check::HostU32::host_u32(positions, OP)?;
+        if pos.is_empty() {
+            return Ok(());
+        }
+        let l = plan::rope(OP, pos.len(), heads, head_dim)?;
+        let max_pos = rows_of(OP, "cos_sin", cos_sin.len, head_dim)?;
+        ensure_len(OP, "x", x.len, pos.len() * heads * head_dim)?;
+        if let Some(&p) = pos.iter().find(|&&p| p as usize >= max_pos) {
+            return Err(KernelError::Index { op: OP, index: p as usize, limit: max_pos });
+        }
+        let name = format!("rope_{}", suffix(dtype));
+        let f = self.function(DENSE, &name)?;
+        let (heads, hd) = (heads as u32, head_dim as u32);
+        self.launch(OP, &name, &f, &l, |b| {
+            x.push(b);
+            positions.push(b);
+            cos_sin.push(b);
+            b.arg(&heads).arg(&hd);
+        })
+    }
+
+    fn write_kv(&self, k: &CudaBuffer, v: &CudaBuffer, cache: &mut CudaBuffer, meta: &BatchMeta<CudaBuffer>, layout: &KvLayout, layer: usize) -> Result<()> {
+        const OP: &str = "write_kv";
+        let dtype = same_float(OP, &[k, v, cache])?;
+        let m = Batch::read(OP, meta)?;
+        let row = layout.num_kv_heads * layout.head_dim;
+        ensure_len(OP, "k", k.len, meta.num_tokens * row)?;
+        ensure_len(OP, "v", v.len, meta.num_tokens * row)?;
+        if layer >= layout.num_layers {
+            return Err(KernelError::Index { op: OP, index: layer, limit: layout.num_layers });
+        }
+        m.check_slots(OP, layout, cache.len / layout.page_elems())?;
+        if meta.num_tokens == 0 {
+            return Ok(());
+        }
+        let name = format!("write_kv_{}", suffix(dtype));
+        let f = self.function(ATTENTION, &name)?;
+        let l = plan::per_row(OP, meta.num_tokens, row)?;
+        let (kvh, hd, bs, pe, layer) = (layout.num_kv_heads as u32, layout.head_dim as u32, layout.block_size as u32, layout.page_elems() as u64, layer as u32);
+        self.launch(OP, &name, &f, &l, |b| {
+            k.push(b);
+            v.push(b);
+            cache.push(b);
+            meta.slots.push(b);
+            b.arg(&kvh).arg(&hd).arg(&bs).arg(&pe).arg(&layer);
+        })
+    }
+
+    fn attention(&self, q: &CudaBuffer, cache: &CudaBuffer, out: &mut CudaBuffer, meta: &BatchMeta<CudaBuffer>, layout: &KvLayout, p: &AttentionParams) -> Result<()> {
+        const OP: &str = "attention";
+        let dtype = same_float(OP, &[q, cache, out])?;
+        let m = Batch::read(OP, meta)?;
+        let token_seq = m.check_attention(OP, layout, p, cache.len / layout.page_elems())?;
+        let (hd, heads) = (p.head_dim, p.num_heads);
+        ensure_len(OP, "q", q.len, meta.num_tokens * heads * hd)?;
+        ensure_len(OP, "out", out.len, meta.num_tokens * heads * hd)?;
+        if meta.num_tokens == 0 {
+            return Ok(());
+        }
+        let attn_plan = plan::attention(OP, m.seq_starts, m.positions, heads, hd, p.sliding_window, plan::Limits { sm_count: self.info.sm_count, max_smem: self.info.max_smem_optin })?;
+        let (mb, nh, nkv, hd32, bs) = (m.max_blocks as u32, heads as u32, p.num_kv_heads as u32, hd as u32, layout.block_size as u32);
+        let (pe, layer, scale) = (layout.page_elems() as u64, p.layer as u32, p.scale);
+        let window = p.sliding_window.map_or(0u32, |w| w.min(u32::MAX as usize) as u32);
+        let s = suffix(dtype);
+        match attn_plan {
+            AttentionPlan::Decode { launch, part_size, parts, combine } => {
+                let token_seq = self.upload_meta(OP, &token_seq)?;
+                let rows = meta.num_tokens * heads * parts as usize;
+                let (part_acc, part_ml) = if parts > 1 {
+                    (Some(self.zeros_as(rows * hd, DType::F32)?), Some(self.zeros_as(rows * 2, DType::F32)?))
+                } else {
+                    (None, None)
+                };
+                let name = format!("attn_decode_{s}");
+                let f = self.function(ATTENTION, &name)?;
+                let null = 0u64;
+                self.launch(OP, &name, &f, &launch, |b| {
+                    q.push(b);
+                    cache.push(b);
+                    out.push(b);
+                    match (&part_acc, &part_ml) {
+                        (Some(a), Some(ml)) => {
+                            a.push(b);
+                            ml.push(b);
+                        }
+                        _ => {
+                            b.arg(&null).arg(&null);
+                        }
+                    }
+                    b.arg(&*token_seq);
+                    meta.positions.push(b);
+                    meta.block_tables.push(b);
+                    b.arg(&mb).arg(&nh).arg(&nkv).arg(&hd32).arg(&bs).arg(&pe).arg(&layer).arg(&scale).arg(&window).arg(&part_size);
+                })?;
+                if let (Some(c), Some(a), Some(ml)) = (combine, &part_acc, &part_ml) {
+                    let name = format!("attn_combine_{s}");
+                    let f = self.function(ATTENTION, &name)?;
+                    self.launch(OP, &name, &f, &c, |b| {
+                        a.push(b);
+                        ml.push(b);
+                        out.push(b);
+                        b.arg(&nh).arg(&hd32).arg(&parts);
+                    })?;
+                }
+                Ok(())
+            }
+            AttentionPlan::Prefill { launch, tiles } => {
+                let tiles = self.upload_meta(OP, &tiles)?;
+                let name = format!("attn_prefill_{s}");
+                let f = self.function(ATTENTION, &name)?;
+                self.launch(OP, &name, &f, &launch, |b| {
+                    q.push(b);
+                    cache.push(b);
+                    out.push(b);
+                    b.arg(&*tiles);
+                    meta.positions.push(b);
+                    meta.block_tables.push(b);
+                    b.arg(&mb).arg(&nh).arg(&nkv).arg(&hd32).arg(&bs).arg(&pe).arg(&layer).arg(&scale).arg(&window);
+                })
+            }
+        }
+    }
+}
+
+impl SamplingOps for CudaBackend {
+    fn argmax_rows(&self, logits: &CudaBuffer, vocab: usize) -> Result<Vec<u32>> {
+        const OP: &str = "argmax_rows";
+        logits.expect(OP, DType::F32)?;
+        let rows = rows_of(OP, "logits", logits.len, vocab)?;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let out = self.zeros_as(rows, DType::U32)?;
+        let f = self.function(SAMPLING, "argmax_rows")?;
+        let l = plan::per_row(OP, rows, vocab)?;
+        let v = vocab as u32;
+        self.launch(OP, "argmax_rows", &f, &l, |b| {
+            logits.push(b);
+            out.push(b);
+            b.arg(&v);
+        })?;
+        self.download_u32(OP, &out)
+    }
+
+    fn sample_rows(&self, logits: &CudaBuffer, vocab: usize, params: &[SampleParams]) -> Result<Vec<u32>> {
+        const OP: &str = "sample_rows";
+        logits.expect(OP, DType::F32)?;
+        let rows = rows_of(OP, "logits", logits.len, vocab)?;
+        crate::check_sample_params(OP, params, rows)?;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let temps: Vec<f32> = params.iter().map(|p| p.temperature).collect();
+        let ks: Vec<u32> = params.iter().map(|p| p.top_k).collect();
+        let ps: Vec<f32> = params.iter().map(|p| p.top_p).collect();
+        let us: Vec<f32> = params.iter().map(|p| p.uniform).collect();
+        let (temps, ps, us) = (self.upload_f32(&temps)?, self.upload_f32(&ps)?, self.upload_f32(&us)?);
+        let ks = self.upload_meta(OP, &ks)?;
+        let out = self.zeros_as(rows, DType::U32)?;
+        let f = self.function(SAMPLING, "sample_rows")?;
+        let l = plan::per_row(OP, rows, vocab)?;
+        let v = vocab as u32;
+        self.launch(OP, "sample_rows", &f, &l, |b| {
+            logits.push(b);
+            temps.push(b);
+            b.arg(&*ks);
+            ps.push(b);
+            us.push(b);
+            out.push(b);
+            b.arg(&v);
+        })?;
+        self.download_u32(OP, &out)
+    }
+}
+
+impl CudaBackend {
+    fn download_u32(&self, op: &'static str, buf: &CudaBuffer) -> Result<Vec<u32>> {
+        match &buf.data {
+            Data::U32(s, _) => {
+                let mut v = self.stream.clone_dtoh(s).map_err(|e| dev_err(op, e))?;
+                v.truncate(buf.len);
+                Ok(v)
+            }
+            _ => Err(KernelError::DType { op, expected: DType::U32, actual: buf.dtype() }),
+        }
+    }
+
+    /// The shrink over `tiles`: `v[t, r]` for every token the tiles cover.
+    #[allow(clippy::too_many_arguments)]
+    fn lora_shrink(&self, op: &'static str, x: &CudaBuffer, pool: &CudaBuffer, rows: &LoraRows<CudaBuffer>, tiles: &[u32], target: &LoraTarget, v: &CudaBuffer) -> Result<()> {
+        if tiles.is_empty() {
+            return Ok(());
+        }
+        let dtype = x.float(op)?;
+        let name = format!("lora_shrink_{}", suffix(dtype));
+        let f = self.function(LORA, &name)?;
+        let l = plan::lora_shrink(op, tiles.len() / 3, target.max_rank)?;
+        let tiles = self.upload_meta(op, tiles)?;
+        let (inf, mr, nl, layer, module) = (target.in_features as u32, target.max_rank as u32, rows.num_layers as u32, target.layer as u32, target.module as u32);
+        self.launch(op, &name, &f, &l, |b| {
+            x.push(b);
+            pool.push(b);
+            rows.directory.push(b);
+            rows.a_rows.push(b);
+            rows.slot_dtypes.push(b);
+            b.arg(&*tiles);
+            v.push(b);
+            b.arg(&inf).arg(&mr).arg(&nl).arg(&layer).arg(&module);
+        })
+    }
+
+    /// The expand over `tiles`: `y[t] += v[t] · Bᵀ` for every token the tiles cover.
+    #[allow(clippy::too_many_arguments)]
+    fn lora_expand(&self, op: &'static str, v: &CudaBuffer, pool: &CudaBuffer, rows: &LoraRows<CudaBuffer>, tiles: &[u32], target: &LoraTarget, y: &CudaBuffer) -> Result<()> {
+        if tiles.is_empty() {
+            return Ok(());
+        }
+        let dtype = y.float(op)?;
+        let name = format!("lora_expand_{}", suffix(dtype));
+        let f = self.function(LORA, &name)?;
+        let l = plan::lora_expand(op, tiles.len() / 3, target.out_features)?;
+        let tiles = self.upload_meta(op, tiles)?;
+        let (outf, mr, nl, layer, module) = (target.out_features as u32, target.max_rank as u32, rows.num_layers as u32, target.layer as u32, target.module as u32);
+        self.launch(op, &name, &f, &l, |b| {
+            v.push(b);
+            pool.push(b);
+            rows.directory.push(b);
+            rows.b_rows.push(b);
+            rows.slot_dtypes.push(b);
+            b.arg(&*tiles);
+            y.push(b);
+            b.arg(&outf).arg(&mr).arg(&nl).arg(&layer).arg(&module);
+        })
+    }
+}
+
+impl LoraOps for CudaBackend {
+    fn sgmv_shrink(&self, x: &CudaBuffer, pool: &CudaBuffer, rows: &LoraRows<CudaBuffer>, segs: &LoraSegments<CudaBuffer>, target: &LoraTarget, v: &mut CudaBuffer) -> Result<()> {
+        const OP: &str = "sgmv_shrink";
+        pool.expect(OP, DType::F32)?;
+        x.float(OP)?;
+        v.expect(OP, DType::F32)?;
+        let _dir = Directory::read(OP, rows, target, pool.len)?;
+        let segs = Segments::read(OP, segs, rows.num_slots)?;
+        ensure_rows(OP, "x", x.len, segs.tokens, target.in_features)?;
+        ensure_rows(OP, "v", v.len, segs.tokens, target.max_rank)?;
+        // Every token's row of v is written, zeros where there is no adapter.
+        let tiles = plan::segment_tiles(segs.starts, segs.slots, |_| true);
+        self.lora_shrink(OP, x, pool, rows, &tiles, target, v)
+    }
+
+    fn sgmv_expand(&self, v: &CudaBuffer, pool: &CudaBuffer, rows: &LoraRows<CudaBuffer>, segs: &LoraSegments<CudaBuffer>, target: &LoraTarget, y: &mut CudaBuffer) -> Result<()> {
+        const OP: &str = "sgmv_expand";
+        pool.expect(OP, DType::F32)?;
+        v.expect(OP, DType::F32)?;
+        y.float(OP)?;
+        let dir = Directory::read(OP, rows, target, pool.len)?;
+        let segs = Segments::read(OP, segs, rows.num_slots)?;
+        ensure_rows(OP, "v", v.len, segs.tokens, target.max_rank)?;
+        ensure_rows(OP, "y", y.len, segs.tokens, target.out_features)?;
+        let tiles = plan::segment_tiles(segs.starts, segs.slots, |s| dir.active(s));
+        self.lora_expand(OP, v, pool, rows, &tiles, target, y)
+    }
+
+    fn bgmv(&self, x: &CudaBuffer, pool: &CudaBuffer, rows: &LoraRows<CudaBuffer>, slots: &CudaBuffer, target: &LoraTarget, y: &mut CudaBuffer) -> Result<()> {
+        const OP: &str = "bgmv";
+        pool.expect(OP, DType::F32)?;
+        same_float(OP, &[x, y])?;
+        let dir = Directory::read(OP, rows, target, pool.len)?;
+        let host = crate::check::HostU32::host_u32(slots, OP)?;
+        check_slots(OP, host, rows.num_slots)?;
+        let n = host.len();
+        ensure_rows(OP, "x", x.len, n, target.in_features)?;
+        ensure_rows(OP, "y", y.len, n, target.out_features)?;
+        let tiles = plan::row_tiles(host, |s| s != NO_ADAPTER && dir.active(s));
+        if tiles.is_empty() {
+            return Ok(());
+        }
+        let v = self.zeros_as(n * target.max_rank, DType::F32)?;
+        self.lora_shrink(OP, x, pool, rows, &tiles, target, &v)?;
+        self.lora_expand(OP, &v, pool, rows, &tiles, target, y)
+    }
+}

@@ -1,0 +1,411 @@
+//! Every CUDA op against the CPU op on fresh random inputs, for f32, f16 and bf16 storage: sizes
+//! that are not multiples of the block shapes, outputs poisoned with NaN before each run, and the
+//! relative error norm ‖cuda − cpu‖ / ‖cpu‖ printed and bounded. The CPU runs on the same inputs
+//! rounded to the storage type, so the bound measures the kernel, not the rounding of inputs.
+//!
+//! These need a CUDA device: `cargo test -p loraplex-kernels --test cuda_vs_cpu -- --ignored`.
+
+use loraplex_kernels::cpu::CpuBackend;
+use loraplex_kernels::cuda::{CudaBackend, CudaBuffer, round_to};
+use loraplex_kernels::{
+    AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KvLayout, LORA_ROW_ALIGN, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory,
+    NO_ADAPTER, NUM_MODULES, RowDType, SampleParams, SamplingOps,
+};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
+
+fn gpu() -> CudaBackend {
+    let dir = std::env::temp_dir().join("loraplex-test-kernels");
+    CudaBackend::new(0, Some(dir)).expect("a CUDA device (these tests are ignored without one)")
+}
+
+fn rng() -> StdRng {
+    StdRng::seed_from_u64(rand::random())
+}
+
+fn randn(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * scale).collect()
+}
+
+/// The bound on the relative error norm for outputs stored as `dtype`.
+fn bound(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-5,
+        DType::F16 => 2e-3,
+        _ => 1e-2,
+    }
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        assert!(g.is_finite(), "a non-finite output (unwritten or overflowed): {g}");
+        num += ((g - w) as f64).powi(2);
+        den += (w as f64).powi(2);
+    }
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn check(what: &str, dtype: DType, got: &[f32], want: &[f32]) {
+    let e = rel_err(got, want);
+    println!("{what:<40} {dtype:<5} rel err {e:.2e} (bound {:.0e})", bound(dtype));
+    assert!(e <= bound(dtype), "{what} {dtype}: relative error {e:.3e} over {:.0e}", bound(dtype));
+}
+
+/// A buffer of `n` NaNs of `dtype`: anything the op does not write stays NaN.
+fn poisoned(g: &CudaBackend, n: usize, dtype: DType) -> CudaBuffer {
+    g.upload_as(&vec![f32::NAN; n], dtype).unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn dense_ops_match_the_cpu() {
+    let (g, c, mut r) = (gpu(), CpuBackend::new(), rng());
+    for dtype in DTYPES {
+        // embedding
+        let (vocab, hidden, n) = (1000, 333, 37);
+        let table = round_to(&randn(&mut r, vocab * hidden, 1.0), dtype);
+        let ids: Vec<u32> = (0..n).map(|_| r.random_range(0..vocab as u32)).collect();
+        let mut go = poisoned(&g, n * hidden, dtype);
+        g.embedding(&g.upload_as(&table, dtype).unwrap(), &g.upload_u32(&ids).unwrap(), &mut go, hidden).unwrap();
+        let mut co = c.zeros(n * hidden).unwrap();
+        c.embedding(&c.upload_f32(&table).unwrap(), &c.upload_u32(&ids).unwrap(), &mut co, hidden).unwrap();
+        check("embedding", dtype, &g.download_f32(&go).unwrap(), &c.download_f32(&co).unwrap());
+
+        // rms_norm, plain and fused with the residual add
+        let (rows, dim) = (13, 1000);
+        let x = round_to(&randn(&mut r, rows * dim, 2.0), dtype);
+        let res = round_to(&randn(&mut r, rows * dim, 2.0), dtype);
+        let w = round_to(&randn(&mut r, dim, 1.0), dtype);
+        let (gx, gw) = (g.upload_as(&x, dtype).unwrap(), g.upload_as(&w, dtype).unwrap());
+        let mut go = poisoned(&g, rows * dim, dtype);
+        g.rms_norm(&gx, &gw, &mut go, 1e-5).unwrap();
+        let mut co = c.zeros(rows * dim).unwrap();
+        let (cx, cw) = (c.upload_f32(&x).unwrap(), c.upload_f32(&w).unwrap());
+        c.rms_norm(&cx, &cw, &mut co, 1e-5).unwrap();
+        check("rms_norm", dtype, &g.download_f32(&go).unwrap(), &c.download_f32(&co).unwrap());
+        let mut gres = g.upload_as(&res, dtype).unwrap();
+        let mut go = poisoned(&g, rows * dim, dtype);
+        g.rms_norm_residual(&gx, &mut gres, &gw, &mut go, 1e-5).unwrap();
+        let mut cres = c.upload_f32(&res).unwrap();
+        c.add_assign(&mut cres, &cx).unwrap();
+        let cres_rounded = c.upload_f32(&round_to(&c.download_f32(&cres).unwrap(), dtype)).unwrap();
+        c.rms_norm(&cres_rounded, &cw, &mut co, 1e-5).unwrap();
+        check("rms_norm residual (sum)", dtype, &g.download_f32(&gres).unwrap(), &c.download_f32(&cres).unwrap());
+        check("rms_norm residual (norm)", dtype, &g.download_f32(&go).unwrap(), &c.download_f32(&co).unwrap());
+
+        // matmul with bias
+        let (rows, k, n) = (7, 301, 517);
+        let x = round_to(&randn(&mut r, rows * k, 1.0), dtype);
+        let w = round_to(&randn(&mut r, n * k, 0.1), dtype);
+        let b = round_to(&randn(&mut r, n, 1.0), dtype);
+        let gw = g.load_weight_as(&w, n, k, dtype).unwrap();
+        let mut go = poisoned(&g, rows * n, dtype);
+        g.matmul(&g.upload_as(&x, dtype).unwrap(), &gw, Some(&g.upload_as(&b, dtype).unwrap()), &mut go, rows).unwrap();
+        let cw = c.load_weight(&w, n, k).unwrap();
+        let mut co = c.zeros(rows * n).unwrap();
+        c.matmul(&c.upload_f32(&x).unwrap(), &cw, Some(&c.upload_f32(&b).unwrap()), &mut co, rows).unwrap();
+        check("matmul + bias", dtype, &g.download_f32(&go).unwrap(), &c.download_f32(&co).unwrap());
+
+        // silu_mul, add_assign, gather_rows
+        let n = 100_003;
+        let (a, b) = (round_to(&randn(&mut r, n, 4.0), dtype), round_to(&randn(&mut r, n, 4.0), dtype));
+        let (ga, gb) = (g.upload_as(&a, dtype).unwrap(), g.upload_as(&b, dtype).unwrap());
+        let (ca, cb) = (c.upload_f32(&a).unwrap(), c.upload_f32(&b).unwrap());
+        let mut go = poisoned(&g, n, dtype);
+        g.silu_mul(&ga, &gb, &mut go).unwrap();
+        let mut co = c.zeros(n).unwrap();
+        c.silu_mul(&ca, &cb, &mut co).unwrap();
+        check("silu_mul", dtype, &g.download_f32(&go).unwrap(), &c.download_f32(&co).unwrap());
+        let mut gacc = g.upload_as(&a, dtype).unwrap();
+        g.add_assign(&mut gacc, &gb).unwrap();
+        let mut cacc = c.upload_f32(&a).unwrap();
+        c.add_assign(&mut cacc, &cb).unwrap();
+        check("add_assign", dtype, &g.download_f32(&gacc).unwrap(), &c.download_f32(&cacc).unwrap());
+        let (dim, rows) = (77, 1000);
+        let picks: Vec<u32> = (0..33).map(|_| r.random_range(0..rows as u32)).collect();
+        let mut go = poisoned(&g, picks.len() * dim, dtype);
+        g.gather_rows(&ga, &g.upload_u32(&picks).unwrap(), &mut go, dim).unwrap_err(); // 100003 is not rows of 77
+        let x = round_to(&randn(&mut r, rows * dim, 1.0), dtype);
+        g.gather_rows(&g.upload_as(&x, dtype).unwrap(), &g.upload_u32(&picks).unwrap(), &mut go, dim).unwrap();
+        let mut co = c.zeros(picks.len() * dim).unwrap();
+        c.gather_rows(&c.upload_f32(&x).unwrap(), &c.upload_u32(&picks).unwrap(), &mut co, dim).unwrap();
+        check("gather_rows", dtype, &g.download_f32(&go).unwrap(), &c.download_f32(&co).unwrap());
+
+        // rope (the table encodes the variant: check tables with different frequency spreads)
+        let (tokens, heads, hd, max_pos) = (9, 5, 64, 300);
+        for theta in [10_000.0f64, 500_000.0] {
+            let mut table = vec![0f32; max_pos * hd];
+            for p in 0..max_pos {
+                for i in 0..hd / 2 {
+                    let a = p as f64 / theta.powf(2.0 * i as f64 / hd as f64);
+                    table[p * hd + i] = a.cos() as f32;
+                    table[p * hd + hd / 2 + i] = a.sin() as f32;
+                }
+            }
+            let pos: Vec<u32> = (0..tokens).map(|_| r.random_range(0..max_pos as u32)).collect();
+            let x = round_to(&randn(&mut r, tokens * heads * hd, 1.0), dtype);
+            let mut gx = g.upload_as(&x, dtype).unwrap();
+            g.rope(&mut gx, &g.upload_u32(&pos).unwrap(), &g.upload_f32(&table).unwrap(), heads, hd).unwrap();
+            let mut cx = c.upload_f32(&x).unwrap();
+            c.rope(&mut cx, &c.upload_u32(&pos).unwrap(), &c.upload_f32(&table).unwrap(), heads, hd).unwrap();
+            check("rope", dtype, &g.download_f32(&gx).unwrap(), &c.download_f32(&cx).unwrap());
+        }
+    }
+}
+
+/// A batch over a paged cache: sequences with `(cached, new)` tokens, pages shuffled.
+struct Paged {
+    pages: usize,
+    positions: Vec<u32>,
+    slots: Vec<u32>,
+    seq_starts: Vec<u32>,
+    context_lens: Vec<u32>,
+    block_tables: Vec<u32>,
+    max_blocks: usize,
+}
+
+fn paged(r: &mut StdRng, layout: KvLayout, seqs: &[(usize, usize)]) -> Paged {
+    let max_blocks = seqs.iter().map(|&(c, n)| (c + n).div_ceil(layout.block_size)).max().unwrap();
+    let total: usize = seqs.iter().map(|&(c, n)| (c + n).div_ceil(layout.block_size)).sum();
+    let pages = total + 3;
+    let mut order: Vec<u32> = (0..pages as u32).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, r.random_range(0..=i));
+    }
+    let mut next = order.into_iter();
+    let mut p = Paged { pages, positions: vec![], slots: vec![], seq_starts: vec![0], context_lens: vec![], block_tables: vec![0; seqs.len() * max_blocks], max_blocks };
+    for (s, &(cached, new)) in seqs.iter().enumerate() {
+        let len = cached + new;
+        for b in 0..len.div_ceil(layout.block_size) {
+            p.block_tables[s * max_blocks + b] = next.next().unwrap();
+        }
+        for pos in cached..len {
+            p.positions.push(pos as u32);
+            let page = p.block_tables[s * max_blocks + pos / layout.block_size];
+            p.slots.push(page * layout.block_size as u32 + (pos % layout.block_size) as u32);
+        }
+        p.seq_starts.push(p.positions.len() as u32);
+        p.context_lens.push(len as u32);
+    }
+    p
+}
+
+fn meta<B: Memory>(b: &B, p: &Paged) -> BatchMeta<B::Buffer> {
+    BatchMeta {
+        num_seqs: p.context_lens.len(),
+        num_tokens: p.positions.len(),
+        max_blocks_per_seq: p.max_blocks,
+        positions: b.upload_u32(&p.positions).unwrap(),
+        slots: b.upload_u32(&p.slots).unwrap(),
+        seq_starts: b.upload_u32(&p.seq_starts).unwrap(),
+        context_lens: b.upload_u32(&p.context_lens).unwrap(),
+        block_tables: b.upload_u32(&p.block_tables).unwrap(),
+    }
+}
+
+/// Fills every cached token's K and V (the prefix) with random values, then runs write_kv for
+/// the batch's new tokens and attention on both backends.
+/// One attention check: heads, kv heads, head_dim, sequences as (cached, new), sliding window.
+struct Case<'a> {
+    what: &'a str,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    seqs: &'a [(usize, usize)],
+    window: Option<usize>,
+}
+
+fn attention_case(g: &CudaBackend, c: &CpuBackend, r: &mut StdRng, dtype: DType, case: Case<'_>) {
+    let Case { what, heads, kv_heads, hd, seqs, window } = case;
+    let layout = KvLayout { num_layers: 2, num_kv_heads: kv_heads, head_dim: hd, block_size: 16 };
+    let p = paged(r, layout, seqs);
+    let cache = round_to(&randn(r, p.pages * layout.page_elems(), 1.0), dtype);
+    let t = p.positions.len();
+    let k = round_to(&randn(r, t * kv_heads * hd, 1.0), dtype);
+    let v = round_to(&randn(r, t * kv_heads * hd, 1.0), dtype);
+    let q = round_to(&randn(r, t * heads * hd, 1.0), dtype);
+    let params = AttentionParams { layer: 1, num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), sliding_window: window };
+
+    let gm = meta(g, &p);
+    let mut gcache = g.upload_as(&cache, dtype).unwrap();
+    g.write_kv(&g.upload_as(&k, dtype).unwrap(), &g.upload_as(&v, dtype).unwrap(), &mut gcache, &gm, &layout, 1).unwrap();
+    let mut go = poisoned(g, t * heads * hd, dtype);
+    g.attention(&g.upload_as(&q, dtype).unwrap(), &gcache, &mut go, &gm, &layout, &params).unwrap();
+
+    let cm = meta(c, &p);
+    let mut ccache = c.upload_f32(&cache).unwrap();
+    c.write_kv(&c.upload_f32(&k).unwrap(), &c.upload_f32(&v).unwrap(), &mut ccache, &cm, &layout, 1).unwrap();
+    let mut co = c.zeros(t * heads * hd).unwrap();
+    c.attention(&c.upload_f32(&q).unwrap(), &ccache, &mut co, &cm, &layout, &params).unwrap();
+
+    check(&format!("write_kv {what}"), dtype, &g.download_f32(&gcache).unwrap(), &c.download_f32(&ccache).unwrap());
+    check(&format!("attention {what}"), dtype, &g.download_f32(&go).unwrap(), &c.download_f32(&co).unwrap());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn paged_attention_matches_the_cpu() {
+    let (g, c, mut r) = (gpu(), CpuBackend::new(), rng());
+    for dtype in DTYPES {
+        // Decode: one token per sequence; a long single sequence is split into partitions.
+        attention_case(&g, &c, &mut r, dtype, Case { what: "decode gqa", heads: 8, kv_heads: 2, hd: 128, seqs: &[(40, 1), (1, 1), (200, 1), (17, 1)], window: None });
+        attention_case(&g, &c, &mut r, dtype, Case { what: "decode long (partitions)", heads: 8, kv_heads: 8, hd: 64, seqs: &[(3000, 1)], window: None });
+        attention_case(&g, &c, &mut r, dtype, Case { what: "decode window", heads: 4, kv_heads: 2, hd: 80, seqs: &[(300, 1), (20, 1)], window: Some(64) });
+        // Prefill with a cached prefix, chunks not multiples of the tile, mixed with decode rows.
+        attention_case(&g, &c, &mut r, dtype, Case { what: "prefill cached prefix", heads: 8, kv_heads: 2, hd: 128, seqs: &[(50, 17), (0, 33), (5, 1), (64, 40)], window: None });
+        attention_case(&g, &c, &mut r, dtype, Case { what: "prefill window", heads: 6, kv_heads: 3, hd: 64, seqs: &[(70, 45), (0, 9)], window: Some(40) });
+        attention_case(&g, &c, &mut r, dtype, Case { what: "prefill head_dim 256", heads: 4, kv_heads: 1, hd: 256, seqs: &[(10, 20), (0, 3)], window: None });
+        attention_case(&g, &c, &mut r, dtype, Case { what: "prefill head_dim 40", heads: 3, kv_heads: 3, hd: 40, seqs: &[(0, 37)], window: None });
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sampling_helpers_match_the_cpu() {
+    let (g, c, mut r) = (gpu(), CpuBackend::new(), rng());
+    let (rows, vocab) = (64, 5003);
+    let mut logits = randn(&mut r, rows * vocab, 6.0);
+    logits[17] = f32::NAN;
+    logits[vocab + 3] = 1000.0;
+    logits[vocab + 9] = 1000.0; // a tie: the first wins
+    let (gl, cl) = (g.upload_f32(&logits).unwrap(), c.upload_f32(&logits).unwrap());
+    assert_eq!(g.argmax_rows(&gl, vocab).unwrap(), c.argmax_rows(&cl, vocab).unwrap());
+    let params: Vec<SampleParams> = (0..rows)
+        .map(|i| SampleParams {
+            temperature: [0.3, 0.7, 1.0, 1.5][i % 4],
+            top_k: [0, 1, 5, 50, 4000][i % 5],
+            top_p: [1.0, 0.9, 0.5, 0.99][(i / 4) % 4],
+            uniform: r.random::<f32>() * 0.999,
+        })
+        .collect();
+    let got = g.sample_rows(&gl, vocab, &params).unwrap();
+    let want = c.sample_rows(&cl, vocab, &params).unwrap();
+    let differ = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+    println!("sample_rows: {differ} of {rows} rows differ (f32 sums against f64)");
+    // A row may land on the other side of a threshold by rounding; more than that is a bug.
+    assert!(differ <= 2, "{differ} rows differ: {got:?} vs {want:?}");
+}
+
+/// Adapters for one target (layer 0 of 1, module `module`): per slot a rank and a row type;
+/// rows placed in a shuffled pool.
+struct Adapters {
+    pool: Vec<f32>,
+    directory: Vec<u32>,
+    a_rows: Vec<u32>,
+    b_rows: Vec<u32>,
+    dtypes: Vec<u32>,
+}
+
+fn adapters(r: &mut StdRng, module: usize, slots: &[(usize, RowDType)], in_f: usize, out_f: usize) -> Adapters {
+    let unit = |n: usize, d: RowDType| d.slots(n).div_ceil(LORA_ROW_ALIGN);
+    let total: usize = slots.iter().map(|&(rank, d)| rank * (unit(in_f, d) + unit(out_f, d))).sum();
+    let rows_total: usize = slots.iter().map(|&(rank, _)| 2 * rank).sum();
+    let mut pool = vec![f32::NAN; (total + rows_total + 1) * LORA_ROW_ALIGN];
+    let mut ad = Adapters { pool: vec![], directory: vec![0; slots.len() * NUM_MODULES * 2], a_rows: vec![], b_rows: vec![], dtypes: vec![] };
+    // Rows take whole, disjoint unit ranges, a gap after each; the rest of the pool is NaN, so a
+    // read outside a row shows.
+    let mut next_unit = 0usize;
+    let mut place = |pool: &mut Vec<f32>, data: &[f32], d: RowDType| -> u32 {
+        let off = next_unit;
+        next_unit += unit(data.len(), d) + 1;
+        match d {
+            RowDType::F32 => pool[off * LORA_ROW_ALIGN..off * LORA_ROW_ALIGN + data.len()].copy_from_slice(data),
+            RowDType::Bf16 => {
+                let bits: Vec<u16> = data.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+                let p16: &mut [u16] = bytemuck::cast_slice_mut(&mut pool[..]);
+                p16[2 * off * LORA_ROW_ALIGN..2 * off * LORA_ROW_ALIGN + bits.len()].copy_from_slice(&bits);
+            }
+        }
+        off as u32
+    };
+    for (slot, &(rank, d)) in slots.iter().enumerate() {
+        let e = (slot * NUM_MODULES + module) * 2;
+        ad.directory[e] = ad.a_rows.len() as u32;
+        ad.directory[e + 1] = rank as u32;
+        for _ in 0..rank {
+            let a = randn(r, in_f, 0.05);
+            let b = randn(r, out_f, 0.05);
+            ad.a_rows.push(place(&mut pool, &a, d));
+            ad.b_rows.push(place(&mut pool, &b, d));
+        }
+        ad.dtypes.push(d as u32);
+    }
+    ad.pool = pool;
+    ad
+}
+
+fn rows<B: Memory>(b: &B, ad: &Adapters) -> LoraRows<B::Buffer> {
+    LoraRows {
+        num_slots: ad.dtypes.len(),
+        num_layers: 1,
+        directory: b.upload_u32(&ad.directory).unwrap(),
+        a_rows: b.upload_u32(&ad.a_rows).unwrap(),
+        b_rows: b.upload_u32(&ad.b_rows).unwrap(),
+        slot_dtypes: b.upload_u32(&ad.dtypes).unwrap(),
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sgmv_and_bgmv_match_the_cpu() {
+    let (g, c, mut r) = (gpu(), CpuBackend::new(), rng());
+    let slots = [(8, RowDType::Bf16), (16, RowDType::F32), (64, RowDType::Bf16), (0, RowDType::F32), (13, RowDType::Bf16), (32, RowDType::F32)];
+    for (in_f, out_f) in [(4096, 4096), (53, 100), (4096, 1027)] {
+        let module = 3;
+        let ad = adapters(&mut r, module, &slots, in_f, out_f);
+        let target = LoraTarget { layer: 0, module, in_features: in_f, out_features: out_f, max_rank: 64 };
+        // Segments of uneven lengths, one without an adapter, one empty.
+        let seg = [(2u32, 19usize), (NO_ADAPTER, 5), (0, 8), (4, 0), (1, 3), (5, 30), (3, 4)];
+        let mut starts = vec![0u32];
+        let mut seg_slots = vec![];
+        for &(s, n) in &seg {
+            starts.push(starts.last().unwrap() + n as u32);
+            seg_slots.push(s);
+        }
+        let tokens = *starts.last().unwrap() as usize;
+        let decode_slots: Vec<u32> = (0..37).map(|i| [0, 1, 2, NO_ADAPTER, 3, 4, 5, 2, 2][i % 9]).collect();
+        for dtype in DTYPES {
+            let x = round_to(&randn(&mut r, tokens * in_f, 1.0), dtype);
+            let y0 = round_to(&randn(&mut r, tokens * out_f, 1.0), dtype);
+            let (gr, cr) = (rows(&g, &ad), rows(&c, &ad));
+            let (gp, cp) = (g.upload_f32(&ad.pool).unwrap(), c.upload_f32(&ad.pool).unwrap());
+            let gs = LoraSegments { num_segments: seg.len(), seg_starts: g.upload_u32(&starts).unwrap(), seg_slots: g.upload_u32(&seg_slots).unwrap() };
+            let cs = LoraSegments { num_segments: seg.len(), seg_starts: c.upload_u32(&starts).unwrap(), seg_slots: c.upload_u32(&seg_slots).unwrap() };
+            let mut gv = poisoned(&g, tokens * 64, DType::F32);
+            g.sgmv_shrink(&g.upload_as(&x, dtype).unwrap(), &gp, &gr, &gs, &target, &mut gv).unwrap();
+            let mut cv = c.zeros(tokens * 64).unwrap();
+            c.sgmv_shrink(&c.upload_f32(&x).unwrap(), &cp, &cr, &cs, &target, &mut cv).unwrap();
+            let (gvh, cvh) = (g.download_f32(&gv).unwrap(), c.download_f32(&cv).unwrap());
+            check(&format!("sgmv_shrink {in_f}->{out_f}"), DType::F32, &gvh, &cvh);
+            // Expand from the same v on both sides.
+            let gv = g.upload_f32(&cvh).unwrap();
+            let mut gy = g.upload_as(&y0, dtype).unwrap();
+            g.sgmv_expand(&gv, &gp, &gr, &gs, &target, &mut gy).unwrap();
+            let mut cy = c.upload_f32(&y0).unwrap();
+            c.sgmv_expand(&cv, &cp, &cr, &cs, &target, &mut cy).unwrap();
+            check(&format!("sgmv_expand {in_f}->{out_f}"), dtype, &g.download_f32(&gy).unwrap(), &c.download_f32(&cy).unwrap());
+
+            let n = decode_slots.len();
+            let x = round_to(&randn(&mut r, n * in_f, 1.0), dtype);
+            let y0 = round_to(&randn(&mut r, n * out_f, 1.0), dtype);
+            let mut gy = g.upload_as(&y0, dtype).unwrap();
+            g.bgmv(&g.upload_as(&x, dtype).unwrap(), &gp, &gr, &g.upload_u32(&decode_slots).unwrap(), &target, &mut gy).unwrap();
+            let mut cy = c.upload_f32(&y0).unwrap();
+            c.bgmv(&c.upload_f32(&x).unwrap(), &cp, &cr, &c.upload_u32(&decode_slots).unwrap(), &target, &mut cy).unwrap();
+            check(&format!("bgmv {in_f}->{out_f}"), dtype, &g.download_f32(&gy).unwrap(), &c.download_f32(&cy).unwrap());
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bad_indices_are_refused_before_any_launch() {
+    let g = gpu();
+    let table = g.upload_f32(&[0.0; 12]).unwrap();
+    let mut out = g.upload_f32(&[7.0; 4]).unwrap();
+    assert!(g.embedding(&table, &g.upload_u32(&[3, 0]).unwrap(), &mut out, 4).is_err());
+    assert_eq!(g.download_f32(&out).unwrap(), vec![7.0; 4], "an error leaves the output as it was");
+}
