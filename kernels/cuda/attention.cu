@@ -53,7 +53,7 @@ __device__ void attn_decode_impl(const T* __restrict__ q, const T* __restrict__ 
                                  float* __restrict__ part_ml, const u32* __restrict__ token_seq, const u32* __restrict__ positions,
                                  const u32* __restrict__ block_tables, u32 max_blocks, u32 heads, u32 kv_heads, u32 head_dim,
                                  u32 block_size, u64 page_elems, u32 layer, float scale, u32 window, u32 part_size) {
-    extern __shared__ float smem[];
+    DYNAMIC_SHARED(float, smem);
     const u32 t = blockIdx.x, h = blockIdx.y, part = blockIdx.z, parts = gridDim.z;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const u32 pos = positions[t];
@@ -165,7 +165,7 @@ template <typename T>
 __device__ void attn_prefill_impl(const T* __restrict__ q, const T* __restrict__ cache, T* __restrict__ out, const u32* __restrict__ tiles,
                                   const u32* __restrict__ positions, const u32* __restrict__ block_tables, u32 max_blocks, u32 heads,
                                   u32 kv_heads, u32 head_dim, u32 block_size, u64 page_elems, u32 layer, float scale, u32 window) {
-    extern __shared__ float smem[];
+    DYNAMIC_SHARED(float, smem);
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 seq = tiles[blockIdx.x * 3], t0 = tiles[blockIdx.x * 3 + 1], count = tiles[blockIdx.x * 3 + 2];
     const u32 h = blockIdx.y;

@@ -3,7 +3,8 @@
 // The sources are compiled at run time by NVRTC without any include path, so nothing here relies
 // on the toolkit's headers: the 16-bit types are plain structs over their bits and convert through
 // integer arithmetic (bf16) or one PTX instruction (f16). Storage is f32, f16 or bf16; every kernel
-// accumulates in f32.
+// accumulates in f32. With LORAPLEX_SIM the same sources build as C++ for the CPU simulator
+// (`kernels/cuda/sim`), which the tests use to check the kernels' logic without a GPU.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -20,9 +21,13 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(bf16_t v) { return __uint_as_float(((u32)v.bits) << 16); }
 __device__ __forceinline__ float to_f32(f16_t v) {
+#ifdef LORAPLEX_SIM
+    return sim_f16_to_f32(v.bits);
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
     return f;
+#endif
 }
 
 __device__ __forceinline__ float bf16_bits_to_f32(u16 bits) { return __uint_as_float(((u32)bits) << 16); }
@@ -42,7 +47,11 @@ template <> __device__ __forceinline__ bf16_t from_f32<bf16_t>(float v) {
 }
 template <> __device__ __forceinline__ f16_t from_f32<f16_t>(float v) {
     f16_t r;
+#ifdef LORAPLEX_SIM
+    r.bits = sim_f32_to_f16(v);
+#else
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
+#endif
     return r;
 }
 
@@ -79,6 +88,11 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     v = lane < warps ? scratch[lane] : neg_inf();
     return warp_max(v);
 }
+
+// The block's dynamic shared memory, as an array of T.
+#ifndef LORAPLEX_SIM
+#define DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+#endif
 
 // One instantiation per storage type, with the type's name as the kernel name's suffix.
 #define FOR_EACH_DTYPE(M) M(f32, float) M(f16, f16_t) M(bf16, bf16_t)

@@ -67,11 +67,3 @@ fn a_kernel_that_does_not_compile_is_reported_with_the_log() {
     assert!(msg.contains("broken does not compile") && msg.contains("undefined_thing"), "{msg}");
 }
 
-#[test]
-#[ignore = "prints the assembler's register report"]
-fn print_register_report() {
-    for (name, body) in compile::SOURCES {
-        let out = compile::compile(name, body, "sm_90", false, true).unwrap();
-        println!("{}", out.log);
-    }
-}

@@ -234,6 +234,8 @@ impl DenseOps for CudaBackend {
         let (pw, px, po) = (ptr(&w.data), ptr(x), ptr(out));
         let (alpha, beta) = (1.0f32, 0.0f32);
         let ty = cuda_type(dtype);
+        // Launches bind the context themselves; the raw cuBLAS call does not.
+        self.ctx.bind_to_thread().map_err(|e| dev_err(OP, e))?;
         {
             let blas = self.blas.lock().unwrap_or_else(|p| p.into_inner());
             // Row-major out[rows, n] = x[rows, k] · w[n, k]ᵀ is column-major outᵀ = w · xᵀ: w read

@@ -1,0 +1,555 @@
+//! The CUDA kernels, built as C++ for the CPU simulator (`kernels/cuda/sim`), run with the launch
+//! shapes their plans give and checked against the CPU backend on random inputs, for f32, f16 and
+//! bf16 storage, outputs poisoned with NaN first. This checks each kernel's indexing, masking,
+//! tiling, reductions and online softmax on any machine; what it cannot check (speed, the real
+//! memory model, cuBLAS, the driver calls) is left to the GPU tests in `cuda_vs_cpu.rs`.
+//!
+//! The simulator reads, on stdin: u32 buffer count, then per buffer u64 length and bytes; u32
+//! launch count, then per launch u32 name length, name, u32 grid x, y, z, block, shared memory,
+//! u32 argument count, then per argument a kind byte (0: buffer, u32 index; 1: null pointer;
+//! 2: scalar, u32 length and bytes). It writes back every buffer the same way.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use loraplex_kernels::cpu::CpuBackend;
+use loraplex_kernels::cuda::plan::{self, AttentionPlan, Launch, Limits};
+use loraplex_kernels::cuda::{from_bits, round_to, to_bits};
+use loraplex_kernels::{
+    AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KvLayout, LORA_ROW_ALIGN, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory,
+    NO_ADAPTER, NUM_MODULES, RowDType, SampleParams, SamplingOps,
+};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
+const SOURCES: [&str; 7] = [
+    include_str!("../cuda/sim/sim.h"),
+    include_str!("../cuda/common.cuh"),
+    include_str!("../cuda/dense.cu"),
+    include_str!("../cuda/attention.cu"),
+    include_str!("../cuda/lora.cu"),
+    include_str!("../cuda/sampling.cu"),
+    include_str!("../cuda/sim/driver.cpp"),
+];
+
+/// The simulator binary for the current sources, built once (per source hash) with the C++
+/// compiler (`CXX`, else `c++`).
+fn simulator() -> PathBuf {
+    let text = SOURCES.join("\n");
+    let hash = text.bytes().fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let bin = dir.join(format!("loraplex-kernel-sim-{hash:016x}"));
+    if bin.exists() {
+        return bin;
+    }
+    let src = dir.join(format!("loraplex-kernel-sim-{hash:016x}-{}.cpp", std::process::id()));
+    std::fs::write(&src, &text).unwrap();
+    let tmp = bin.with_extension(format!("tmp{}", std::process::id()));
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+    let out = Command::new(&cxx)
+        .args(["-std=c++20", "-O1", "-pthread", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-parameter", "-o"])
+        .arg(&tmp)
+        .arg(&src)
+        .output()
+        .unwrap_or_else(|e| panic!("the kernel simulator needs a C++20 compiler ({cxx}): {e}"));
+    let _ = std::fs::remove_file(&src);
+    assert!(out.status.success(), "the kernels do not build for the simulator:\n{}", String::from_utf8_lossy(&out.stderr));
+    std::fs::rename(&tmp, &bin).unwrap();
+    bin
+}
+
+#[derive(Clone, Copy)]
+enum Arg {
+    Buf(usize),
+    Null,
+    U32(u32),
+    U64(u64),
+    F32(f32),
+}
+
+#[derive(Default)]
+struct Sim {
+    bufs: Vec<Vec<u8>>,
+    launches: Vec<u8>,
+    count: u32,
+}
+
+fn storage(v: &[f32], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::F32 => bytemuck::cast_slice(v).to_vec(),
+        _ => bytemuck::cast_slice(&to_bits(v, dtype)).to_vec(),
+    }
+}
+
+fn pod<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
+    bytes.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned).collect()
+}
+
+fn values(bytes: &[u8], dtype: DType) -> Vec<f32> {
+    match dtype {
+        DType::F32 => pod(bytes),
+        _ => from_bits(&pod::<u16>(bytes), dtype),
+    }
+}
+
+impl Sim {
+    fn floats(&mut self, v: &[f32], dtype: DType) -> Arg {
+        self.bufs.push(storage(v, dtype));
+        Arg::Buf(self.bufs.len() - 1)
+    }
+
+    fn nans(&mut self, n: usize, dtype: DType) -> Arg {
+        self.floats(&vec![f32::NAN; n], dtype)
+    }
+
+    fn u32s(&mut self, v: &[u32]) -> Arg {
+        self.bufs.push(bytemuck::cast_slice(v).to_vec());
+        Arg::Buf(self.bufs.len() - 1)
+    }
+
+    fn launch(&mut self, name: &str, l: &Launch, args: &[Arg]) {
+        let b = &mut self.launches;
+        b.extend((name.len() as u32).to_le_bytes());
+        b.extend(name.as_bytes());
+        for v in [l.grid.0, l.grid.1, l.grid.2, l.block, l.smem, args.len() as u32] {
+            b.extend(v.to_le_bytes());
+        }
+        for a in args {
+            match *a {
+                Arg::Buf(i) => {
+                    b.push(0);
+                    b.extend((i as u32).to_le_bytes());
+                }
+                Arg::Null => b.push(1),
+                Arg::U32(v) => {
+                    b.push(2);
+                    b.extend(4u32.to_le_bytes());
+                    b.extend(v.to_le_bytes());
+                }
+                Arg::U64(v) => {
+                    b.push(2);
+                    b.extend(8u32.to_le_bytes());
+                    b.extend(v.to_le_bytes());
+                }
+                Arg::F32(v) => {
+                    b.push(2);
+                    b.extend(4u32.to_le_bytes());
+                    b.extend(v.to_le_bytes());
+                }
+            }
+        }
+        self.count += 1;
+    }
+
+    /// Runs the launches; every buffer's final bytes.
+    fn run(self) -> Vec<Vec<u8>> {
+        let mut input = Vec::new();
+        input.extend((self.bufs.len() as u32).to_le_bytes());
+        for b in &self.bufs {
+            input.extend((b.len() as u64).to_le_bytes());
+            input.extend(b);
+        }
+        input.extend(self.count.to_le_bytes());
+        input.extend(&self.launches);
+        let mut child = Command::new(simulator()).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        child.stdin.take().unwrap().write_all(&input).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "simulator failed: {}", String::from_utf8_lossy(&out.stderr));
+        let mut rest = &out.stdout[..];
+        let mut bufs = Vec::new();
+        while !rest.is_empty() {
+            let n = u64::from_le_bytes(rest[..8].try_into().unwrap()) as usize;
+            bufs.push(rest[8..8 + n].to_vec());
+            rest = &rest[8 + n..];
+        }
+        assert_eq!(bufs.len(), self.bufs.len());
+        bufs
+    }
+}
+
+fn buf(a: Arg) -> usize {
+    match a {
+        Arg::Buf(i) => i,
+        _ => unreachable!("not a buffer"),
+    }
+}
+
+fn rng() -> StdRng {
+    StdRng::seed_from_u64(rand::random())
+}
+
+fn randn(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * scale).collect()
+}
+
+fn bound(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-5,
+        DType::F16 => 2e-3,
+        _ => 1e-2,
+    }
+}
+
+fn check(what: &str, dtype: DType, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    let (mut num, mut den) = (0f64, 0f64);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(g.is_finite(), "{what} {dtype}: element {i} is {g} (unwritten?)");
+        num += ((g - w) as f64).powi(2);
+        den += (w as f64).powi(2);
+    }
+    let e = (num / den.max(1e-30)).sqrt();
+    println!("{what:<36} {dtype:<5} rel err {e:.2e}");
+    assert!(e <= bound(dtype), "{what} {dtype}: relative error {e:.3e} over {:.0e}", bound(dtype));
+}
+
+fn sfx(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        _ => "bf16",
+    }
+}
+
+#[test]
+fn dense_kernels_match_the_cpu() {
+    let (c, mut r) = (CpuBackend::new(), rng());
+    for dtype in DTYPES {
+        let s = sfx(dtype);
+        let mut sim = Sim::default();
+        // embedding
+        let (vocab, hidden, n) = (50, 70, 9);
+        let table = round_to(&randn(&mut r, vocab * hidden, 1.0), dtype);
+        let ids: Vec<u32> = (0..n).map(|_| r.random_range(0..vocab as u32)).collect();
+        let (t, i, emb) = (sim.floats(&table, dtype), sim.u32s(&ids), sim.nans(n * hidden, dtype));
+        sim.launch(&format!("embedding_{s}"), &plan::per_row("t", n, hidden).unwrap(), &[t, i, emb, Arg::U32(hidden as u32)]);
+        // rms_norm plain and with the residual
+        let (rows, dim) = (5, 300);
+        let x = round_to(&randn(&mut r, rows * dim, 2.0), dtype);
+        let res = round_to(&randn(&mut r, rows * dim, 2.0), dtype);
+        let w = round_to(&randn(&mut r, dim, 1.0), dtype);
+        let (sx, sw, sres) = (sim.floats(&x, dtype), sim.floats(&w, dtype), sim.floats(&res, dtype));
+        let (norm, norm_res) = (sim.nans(rows * dim, dtype), sim.nans(rows * dim, dtype));
+        let l = plan::per_row("t", rows, dim).unwrap();
+        sim.launch(&format!("rms_norm_{s}"), &l, &[sx, Arg::Null, sw, norm, Arg::U32(dim as u32), Arg::F32(1e-5)]);
+        sim.launch(&format!("rms_norm_{s}"), &l, &[sx, sres, sw, norm_res, Arg::U32(dim as u32), Arg::F32(1e-5)]);
+        // silu_mul, add_assign, add_bias
+        let n2 = 1000;
+        let (a, b) = (round_to(&randn(&mut r, n2, 4.0), dtype), round_to(&randn(&mut r, n2, 4.0), dtype));
+        let (sa, sb, silu) = (sim.floats(&a, dtype), sim.floats(&b, dtype), sim.nans(n2, dtype));
+        let le = plan::elementwise("t", n2).unwrap();
+        sim.launch(&format!("silu_mul_{s}"), &le, &[sa, sb, silu, Arg::U64(n2 as u64)]);
+        let acc = sim.floats(&a, dtype);
+        sim.launch(&format!("add_assign_{s}"), &le, &[acc, sb, Arg::U64(n2 as u64)]);
+        let bias = round_to(&randn(&mut r, 40, 1.0), dtype);
+        let (biased, sbias) = (sim.floats(&a, dtype), sim.floats(&bias, dtype));
+        sim.launch(&format!("add_bias_{s}"), &le, &[biased, sbias, Arg::U64(n2 as u64), Arg::U32(40)]);
+        // gather_rows
+        let picks: Vec<u32> = (0..7).map(|_| r.random_range(0..25u32)).collect();
+        let (sp, gathered) = (sim.u32s(&picks), sim.nans(7 * 40, dtype));
+        sim.launch(&format!("gather_rows_{s}"), &plan::per_row("t", 7, 40).unwrap(), &[sa, sp, gathered, Arg::U32(40)]);
+        // rope
+        let (tokens, heads, hd, max_pos) = (4, 3, 10, 20);
+        let table_cs = randn(&mut r, max_pos * hd, 1.0);
+        let pos: Vec<u32> = (0..tokens).map(|_| r.random_range(0..max_pos as u32)).collect();
+        let xr = round_to(&randn(&mut r, tokens * heads * hd, 1.0), dtype);
+        let (sxr, spos, scs) = (sim.floats(&xr, dtype), sim.u32s(&pos), sim.floats(&table_cs, DType::F32));
+        sim.launch(&format!("rope_{s}"), &plan::rope("t", tokens, heads, hd).unwrap(), &[sxr, spos, scs, Arg::U32(heads as u32), Arg::U32(hd as u32)]);
+
+        let out = sim.run();
+        let got = |a: Arg| values(&out[buf(a)], dtype);
+
+        let mut co = c.zeros(n * hidden).unwrap();
+        c.embedding(&c.upload_f32(&table).unwrap(), &c.upload_u32(&ids).unwrap(), &mut co, hidden).unwrap();
+        check("embedding", dtype, &got(emb), &c.download_f32(&co).unwrap());
+        let (cx, cw) = (c.upload_f32(&x).unwrap(), c.upload_f32(&w).unwrap());
+        let mut co = c.zeros(rows * dim).unwrap();
+        c.rms_norm(&cx, &cw, &mut co, 1e-5).unwrap();
+        check("rms_norm", dtype, &got(norm), &c.download_f32(&co).unwrap());
+        let mut cres = c.upload_f32(&res).unwrap();
+        c.add_assign(&mut cres, &cx).unwrap();
+        let summed = c.download_f32(&cres).unwrap();
+        check("rms_norm residual (sum)", dtype, &got(sres), &summed);
+        c.rms_norm(&c.upload_f32(&round_to(&summed, dtype)).unwrap(), &cw, &mut co, 1e-5).unwrap();
+        check("rms_norm residual (norm)", dtype, &got(norm_res), &c.download_f32(&co).unwrap());
+        let (ca, cb) = (c.upload_f32(&a).unwrap(), c.upload_f32(&b).unwrap());
+        let mut co = c.zeros(n2).unwrap();
+        c.silu_mul(&ca, &cb, &mut co).unwrap();
+        check("silu_mul", dtype, &got(silu), &c.download_f32(&co).unwrap());
+        let mut cacc = c.upload_f32(&a).unwrap();
+        c.add_assign(&mut cacc, &cb).unwrap();
+        check("add_assign", dtype, &got(acc), &c.download_f32(&cacc).unwrap());
+        let want: Vec<f32> = a.iter().enumerate().map(|(i, v)| v + bias[i % 40]).collect();
+        check("add_bias", dtype, &got(biased), &want);
+        let mut co = c.zeros(7 * 40).unwrap();
+        c.gather_rows(&ca, &c.upload_u32(&picks).unwrap(), &mut co, 40).unwrap();
+        check("gather_rows", dtype, &got(gathered), &c.download_f32(&co).unwrap());
+        let mut cxr = c.upload_f32(&xr).unwrap();
+        c.rope(&mut cxr, &c.upload_u32(&pos).unwrap(), &c.upload_f32(&table_cs).unwrap(), heads, hd).unwrap();
+        check("rope", dtype, &got(sxr), &c.download_f32(&cxr).unwrap());
+    }
+}
+
+/// (cached, new) tokens per sequence over a paged cache with shuffled pages.
+struct Paged {
+    pages: usize,
+    positions: Vec<u32>,
+    slots: Vec<u32>,
+    seq_starts: Vec<u32>,
+    context_lens: Vec<u32>,
+    block_tables: Vec<u32>,
+    max_blocks: usize,
+}
+
+fn paged(r: &mut StdRng, block: usize, seqs: &[(usize, usize)]) -> Paged {
+    let max_blocks = seqs.iter().map(|&(c, n)| (c + n).div_ceil(block)).max().unwrap();
+    let pages = seqs.iter().map(|&(c, n)| (c + n).div_ceil(block)).sum::<usize>() + 2;
+    let mut order: Vec<u32> = (0..pages as u32).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, r.random_range(0..=i));
+    }
+    let mut next = order.into_iter();
+    let mut p = Paged { pages, positions: vec![], slots: vec![], seq_starts: vec![0], context_lens: vec![], block_tables: vec![0; seqs.len() * max_blocks], max_blocks };
+    for (s, &(cached, new)) in seqs.iter().enumerate() {
+        for b in 0..(cached + new).div_ceil(block) {
+            p.block_tables[s * max_blocks + b] = next.next().unwrap();
+        }
+        for pos in cached..cached + new {
+            p.positions.push(pos as u32);
+            p.slots.push(p.block_tables[s * max_blocks + pos / block] * block as u32 + (pos % block) as u32);
+        }
+        p.seq_starts.push(p.positions.len() as u32);
+        p.context_lens.push((cached + new) as u32);
+    }
+    p
+}
+
+struct Case<'a> {
+    what: &'a str,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    seqs: &'a [(usize, usize)],
+    window: Option<usize>,
+}
+
+fn attention_case(c: &CpuBackend, r: &mut StdRng, dtype: DType, case: Case<'_>) {
+    let Case { what, heads, kv_heads, hd, seqs, window } = case;
+    let layout = KvLayout { num_layers: 2, num_kv_heads: kv_heads, head_dim: hd, block_size: 16 };
+    let p = paged(r, 16, seqs);
+    let t = p.positions.len();
+    let cache = round_to(&randn(r, p.pages * layout.page_elems(), 1.0), dtype);
+    let k = round_to(&randn(r, t * kv_heads * hd, 1.0), dtype);
+    let v = round_to(&randn(r, t * kv_heads * hd, 1.0), dtype);
+    let q = round_to(&randn(r, t * heads * hd, 1.0), dtype);
+    let params = AttentionParams { layer: 1, num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), sliding_window: window };
+    let s = sfx(dtype);
+
+    let mut sim = Sim::default();
+    let (sk, sv, scache, sq) = (sim.floats(&k, dtype), sim.floats(&v, dtype), sim.floats(&cache, dtype), sim.floats(&q, dtype));
+    let (sslots, spos, stables) = (sim.u32s(&p.slots), sim.u32s(&p.positions), sim.u32s(&p.block_tables));
+    let out = sim.nans(t * heads * hd, dtype);
+    let (bs, pe, layer) = (Arg::U32(16), Arg::U64(layout.page_elems() as u64), Arg::U32(1));
+    sim.launch(&format!("write_kv_{s}"), &plan::per_row("t", t, kv_heads * hd).unwrap(), &[sk, sv, scache, sslots, Arg::U32(kv_heads as u32), Arg::U32(hd as u32), bs, pe, layer]);
+    let limits = Limits { sm_count: 132, max_smem: 227 * 1024 };
+    let common = [Arg::U32(p.max_blocks as u32), Arg::U32(heads as u32), Arg::U32(kv_heads as u32), Arg::U32(hd as u32), bs, pe, layer, Arg::F32(params.scale), Arg::U32(window.unwrap_or(0) as u32)];
+    let attn = plan::attention("t", &p.seq_starts, &p.positions, heads, hd, window, limits).unwrap();
+    let kind = match &attn {
+        AttentionPlan::Decode { parts, .. } => format!("decode, {parts} part(s)"),
+        AttentionPlan::Prefill { tiles, .. } => format!("prefill, {} tile(s)", tiles.len() / 3),
+    };
+    match attn {
+        AttentionPlan::Decode { launch, part_size, parts, combine } => {
+            let token_seq: Vec<u32> = (0..t as u32).collect();
+            let sts = sim.u32s(&token_seq);
+            let rows = t * heads * parts as usize;
+            let (acc, ml) = if parts > 1 { (sim.nans(rows * hd, DType::F32), sim.nans(rows * 2, DType::F32)) } else { (Arg::Null, Arg::Null) };
+            let mut args = vec![sq, scache, out, acc, ml, sts, spos, stables];
+            args.extend(common);
+            args.push(Arg::U32(part_size));
+            sim.launch(&format!("attn_decode_{s}"), &launch, &args);
+            if let Some(cl) = combine {
+                sim.launch(&format!("attn_combine_{s}"), &cl, &[acc, ml, out, Arg::U32(heads as u32), Arg::U32(hd as u32), Arg::U32(parts)]);
+            }
+        }
+        AttentionPlan::Prefill { launch, tiles } => {
+            let st = sim.u32s(&tiles);
+            let mut args = vec![sq, scache, out, st, spos, stables];
+            args.extend(common);
+            sim.launch(&format!("attn_prefill_{s}"), &launch, &args);
+        }
+    }
+    let res = sim.run();
+
+    let meta = BatchMeta {
+        num_seqs: seqs.len(),
+        num_tokens: t,
+        max_blocks_per_seq: p.max_blocks,
+        positions: c.upload_u32(&p.positions).unwrap(),
+        slots: c.upload_u32(&p.slots).unwrap(),
+        seq_starts: c.upload_u32(&p.seq_starts).unwrap(),
+        context_lens: c.upload_u32(&p.context_lens).unwrap(),
+        block_tables: c.upload_u32(&p.block_tables).unwrap(),
+    };
+    let mut ccache = c.upload_f32(&cache).unwrap();
+    c.write_kv(&c.upload_f32(&k).unwrap(), &c.upload_f32(&v).unwrap(), &mut ccache, &meta, &layout, 1).unwrap();
+    let mut co = c.zeros(t * heads * hd).unwrap();
+    c.attention(&c.upload_f32(&q).unwrap(), &ccache, &mut co, &meta, &layout, &params).unwrap();
+    check(&format!("write_kv {what}"), dtype, &values(&res[buf(scache)], dtype), &c.download_f32(&ccache).unwrap());
+    check(&format!("attention {what} ({kind})"), dtype, &values(&res[buf(out)], dtype), &c.download_f32(&co).unwrap());
+}
+
+#[test]
+fn attention_kernels_match_the_cpu() {
+    let (c, mut r) = (CpuBackend::new(), rng());
+    for dtype in DTYPES {
+        attention_case(&c, &mut r, dtype, Case { what: "decode gqa", heads: 4, kv_heads: 2, hd: 64, seqs: &[(40, 1), (0, 1), (70, 1)], window: None });
+        attention_case(&c, &mut r, dtype, Case { what: "decode partitions", heads: 2, kv_heads: 1, hd: 40, seqs: &[(600, 1)], window: None });
+        attention_case(&c, &mut r, dtype, Case { what: "decode window", heads: 2, kv_heads: 2, hd: 32, seqs: &[(100, 1), (5, 1)], window: Some(24) });
+        attention_case(&c, &mut r, dtype, Case { what: "prefill cached prefix", heads: 4, kv_heads: 2, hd: 40, seqs: &[(20, 17), (0, 5), (3, 1)], window: None });
+        attention_case(&c, &mut r, dtype, Case { what: "prefill window", heads: 2, kv_heads: 1, hd: 64, seqs: &[(30, 40)], window: Some(20) });
+    }
+}
+
+#[test]
+fn lora_kernels_match_the_cpu() {
+    let (c, mut r) = (CpuBackend::new(), rng());
+    let slots = [(8, RowDType::Bf16), (3, RowDType::F32), (20, RowDType::Bf16), (0, RowDType::F32), (13, RowDType::F32)];
+    for (in_f, out_f) in [(53, 100), (300, 257)] {
+        let module = 5;
+        // Rows at scattered offsets with a gap after each; the rest of the pool is NaN.
+        let unit = |n: usize, d: RowDType| d.slots(n).div_ceil(LORA_ROW_ALIGN);
+        let total: usize = slots.iter().map(|&(rk, d)| rk * (unit(in_f, d) + unit(out_f, d) + 2)).sum();
+        let mut pool = vec![f32::NAN; (total + 1) * LORA_ROW_ALIGN];
+        let mut directory = vec![0u32; slots.len() * NUM_MODULES * 2];
+        let (mut a_rows, mut b_rows, mut dtypes) = (vec![], vec![], vec![]);
+        let mut next = 0usize;
+        let mut place = |pool: &mut Vec<f32>, data: &[f32], d: RowDType| -> u32 {
+            let off = next;
+            next += unit(data.len(), d) + 1;
+            match d {
+                RowDType::F32 => pool[off * LORA_ROW_ALIGN..off * LORA_ROW_ALIGN + data.len()].copy_from_slice(data),
+                RowDType::Bf16 => {
+                    let p16: &mut [u16] = bytemuck::cast_slice_mut(&mut pool[..]);
+                    p16[2 * off * LORA_ROW_ALIGN..2 * off * LORA_ROW_ALIGN + data.len()].copy_from_slice(&to_bits(data, DType::Bf16));
+                }
+            }
+            off as u32
+        };
+        for (slot, &(rank, d)) in slots.iter().enumerate() {
+            directory[(slot * NUM_MODULES + module) * 2] = a_rows.len() as u32;
+            directory[(slot * NUM_MODULES + module) * 2 + 1] = rank as u32;
+            for _ in 0..rank {
+                a_rows.push(place(&mut pool, &randn(&mut r, in_f, 0.1), d));
+                b_rows.push(place(&mut pool, &randn(&mut r, out_f, 0.1), d));
+            }
+            dtypes.push(d as u32);
+        }
+        let max_rank = 24;
+        let target = LoraTarget { layer: 0, module, in_features: in_f, out_features: out_f, max_rank };
+        let seg = [(2u32, 11usize), (NO_ADAPTER, 3), (0, 8), (3, 2), (1, 1), (4, 9)];
+        let mut starts = vec![0u32];
+        let mut seg_slots = vec![];
+        for &(s, n) in &seg {
+            starts.push(starts.last().unwrap() + n as u32);
+            seg_slots.push(s);
+        }
+        let tokens = *starts.last().unwrap() as usize;
+        let decode: Vec<u32> = (0..13).map(|i| [0, 2, 2, NO_ADAPTER, 3, 1, 4][i % 7]).collect();
+        let active = |s: u32| s != NO_ADAPTER && slots[s as usize].0 > 0;
+        for dtype in DTYPES {
+            let s = sfx(dtype);
+            let x = round_to(&randn(&mut r, tokens * in_f, 1.0), dtype);
+            let y0 = round_to(&randn(&mut r, tokens * out_f, 1.0), dtype);
+            let xd = round_to(&randn(&mut r, decode.len() * in_f, 1.0), dtype);
+            let yd = round_to(&randn(&mut r, decode.len() * out_f, 1.0), dtype);
+
+            let mut sim = Sim::default();
+            let (sx, spool, sdir, sa, sb, sdt) = (sim.floats(&x, dtype), sim.floats(&pool, DType::F32), sim.u32s(&directory), sim.u32s(&a_rows), sim.u32s(&b_rows), sim.u32s(&dtypes));
+            let sv = sim.nans(tokens * max_rank, DType::F32);
+            let sy = sim.floats(&y0, dtype);
+            let tail = |n: usize| [Arg::U32(n as u32), Arg::U32(max_rank as u32), Arg::U32(1), Arg::U32(0), Arg::U32(module as u32)];
+            let shrink_tiles = plan::segment_tiles(&starts, &seg_slots, |_| true);
+            let st = sim.u32s(&shrink_tiles);
+            let mut args = vec![sx, spool, sdir, sa, sdt, st, sv];
+            args.extend(tail(in_f));
+            sim.launch(&format!("lora_shrink_{s}"), &plan::lora_shrink("t", shrink_tiles.len() / 3, max_rank).unwrap(), &args);
+            let expand_tiles = plan::segment_tiles(&starts, &seg_slots, active);
+            let et = sim.u32s(&expand_tiles);
+            let mut args = vec![sv, spool, sdir, sb, sdt, et, sy];
+            args.extend(tail(out_f));
+            sim.launch(&format!("lora_expand_{s}"), &plan::lora_expand("t", expand_tiles.len() / 3, out_f).unwrap(), &args);
+            // BGMV: shrink and expand over row tiles.
+            let (sxd, syd, svd) = (sim.floats(&xd, dtype), sim.floats(&yd, dtype), sim.floats(&vec![0.0; decode.len() * max_rank], DType::F32));
+            let rt = plan::row_tiles(&decode, active);
+            let srt = sim.u32s(&rt);
+            let mut args = vec![sxd, spool, sdir, sa, sdt, srt, svd];
+            args.extend(tail(in_f));
+            sim.launch(&format!("lora_shrink_{s}"), &plan::lora_shrink("t", rt.len() / 3, max_rank).unwrap(), &args);
+            let mut args = vec![svd, spool, sdir, sb, sdt, srt, syd];
+            args.extend(tail(out_f));
+            sim.launch(&format!("lora_expand_{s}"), &plan::lora_expand("t", rt.len() / 3, out_f).unwrap(), &args);
+            let res = sim.run();
+
+            let rows = LoraRows {
+                num_slots: slots.len(),
+                num_layers: 1,
+                directory: c.upload_u32(&directory).unwrap(),
+                a_rows: c.upload_u32(&a_rows).unwrap(),
+                b_rows: c.upload_u32(&b_rows).unwrap(),
+                slot_dtypes: c.upload_u32(&dtypes).unwrap(),
+            };
+            let cpool = c.upload_f32(&pool).unwrap();
+            let segs = LoraSegments { num_segments: seg.len(), seg_starts: c.upload_u32(&starts).unwrap(), seg_slots: c.upload_u32(&seg_slots).unwrap() };
+            let mut cv = c.zeros(tokens * max_rank).unwrap();
+            c.sgmv_shrink(&c.upload_f32(&x).unwrap(), &cpool, &rows, &segs, &target, &mut cv).unwrap();
+            check(&format!("sgmv_shrink {in_f}->{out_f}"), DType::F32, &values(&res[buf(sv)], DType::F32), &c.download_f32(&cv).unwrap());
+            let mut cy = c.upload_f32(&y0).unwrap();
+            c.sgmv_expand(&cv, &cpool, &rows, &segs, &target, &mut cy).unwrap();
+            check(&format!("sgmv_expand {in_f}->{out_f}"), dtype, &values(&res[buf(sy)], dtype), &c.download_f32(&cy).unwrap());
+            let mut cy = c.upload_f32(&yd).unwrap();
+            c.bgmv(&c.upload_f32(&xd).unwrap(), &cpool, &rows, &c.upload_u32(&decode).unwrap(), &target, &mut cy).unwrap();
+            check(&format!("bgmv {in_f}->{out_f}"), dtype, &values(&res[buf(syd)], dtype), &c.download_f32(&cy).unwrap());
+        }
+    }
+}
+
+#[test]
+fn sampling_kernels_match_the_cpu() {
+    let (c, mut r) = (CpuBackend::new(), rng());
+    let (rows, vocab) = (12, 700);
+    let mut logits = randn(&mut r, rows * vocab, 6.0);
+    logits[17] = f32::NAN;
+    logits[vocab + 3] = 100.0;
+    logits[vocab + 9] = 100.0;
+    logits[2 * vocab..3 * vocab].fill(f32::NAN);
+    let params: Vec<SampleParams> = (0..rows)
+        .map(|i| SampleParams {
+            temperature: [0.3, 0.7, 1.0, 1.5][i % 4],
+            top_k: [0, 1, 5, 50, 699, 0][i % 6],
+            top_p: [1.0, 0.9, 0.5][i % 3],
+            uniform: r.random::<f32>() * 0.999,
+        })
+        .collect();
+    let mut sim = Sim::default();
+    let sl = sim.floats(&logits, DType::F32);
+    let am = sim.u32s(&vec![u32::MAX; rows]);
+    let l = plan::per_row("t", rows, vocab).unwrap();
+    sim.launch("argmax_rows", &l, &[sl, am, Arg::U32(vocab as u32)]);
+    let temps = sim.floats(&params.iter().map(|p| p.temperature).collect::<Vec<_>>(), DType::F32);
+    let ks = sim.u32s(&params.iter().map(|p| p.top_k).collect::<Vec<_>>());
+    let ps = sim.floats(&params.iter().map(|p| p.top_p).collect::<Vec<_>>(), DType::F32);
+    let us = sim.floats(&params.iter().map(|p| p.uniform).collect::<Vec<_>>(), DType::F32);
+    let sampled = sim.u32s(&vec![u32::MAX; rows]);
+    sim.launch("sample_rows", &l, &[sl, temps, ks, ps, us, sampled, Arg::U32(vocab as u32)]);
+    let res = sim.run();
+    let cl = c.upload_f32(&logits).unwrap();
+    let got_argmax: Vec<u32> = pod(&res[buf(am)]);
+    assert_eq!(got_argmax, c.argmax_rows(&cl, vocab).unwrap());
+    let got: Vec<u32> = pod(&res[buf(sampled)]);
+    let want = c.sample_rows(&cl, vocab, &params).unwrap();
+    let differ = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+    println!("sample_rows: {differ} of {rows} rows differ: {got:?} vs {want:?}");
+    assert!(differ <= 1, "{got:?} vs {want:?}");
+}
