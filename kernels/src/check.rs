@@ -18,6 +18,14 @@ pub(crate) fn ensure_len(op: &'static str, what: &str, len: usize, need: usize) 
     Ok(())
 }
 
+/// Fails with a shape error unless `len` is a whole number of `dim`-long rows; returns the rows.
+pub(crate) fn rows_of(op: &'static str, what: &str, len: usize, dim: usize) -> Result<usize> {
+    if dim == 0 || !len.is_multiple_of(dim) {
+        return Err(KernelError::Shape { op, detail: format!("{what} holds {len} elements, not a multiple of the row length {dim}") });
+    }
+    Ok(len / dim)
+}
+
 /// Fails unless a buffer of `len` elements holds `rows` rows of `dim` (overflow included).
 pub(crate) fn ensure_rows(op: &'static str, what: &str, len: usize, rows: usize, dim: usize) -> Result<()> {
     let need = rows

@@ -17,12 +17,14 @@ use loraplex_kernels::cpu::CpuBackend;
 use loraplex_kernels::cuda::plan::{self, AttentionPlan, Launch, Limits};
 use loraplex_kernels::cuda::{from_bits, round_to, to_bits};
 use loraplex_kernels::{
-    AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KvLayout, LORA_ROW_ALIGN, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory,
-    NO_ADAPTER, NUM_MODULES, RowDType, SampleParams, SamplingOps,
+    AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KvLayout, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory,
+    NO_ADAPTER, RowDType, SampleParams, SamplingOps,
 };
-use rand::{Rng, SeedableRng, rngs::StdRng};
+use rand::{Rng, rngs::StdRng};
 
-const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
+mod common;
+use common::{Adapters, Case, DTYPES, adapters, check, paged, randn, rng, segments};
+
 const SOURCES: [&str; 7] = [
     include_str!("../cuda/sim/sim.h"),
     include_str!("../cuda/common.cuh"),
@@ -175,35 +177,6 @@ fn buf(a: Arg) -> usize {
     }
 }
 
-fn rng() -> StdRng {
-    StdRng::seed_from_u64(rand::random())
-}
-
-fn randn(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * scale).collect()
-}
-
-fn bound(dtype: DType) -> f64 {
-    match dtype {
-        DType::F32 => 1e-5,
-        DType::F16 => 2e-3,
-        _ => 1e-2,
-    }
-}
-
-fn check(what: &str, dtype: DType, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{what}");
-    let (mut num, mut den) = (0f64, 0f64);
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        assert!(g.is_finite(), "{what} {dtype}: element {i} is {g} (unwritten?)");
-        num += ((g - w) as f64).powi(2);
-        den += (w as f64).powi(2);
-    }
-    let e = (num / den.max(1e-30)).sqrt();
-    println!("{what:<36} {dtype:<5} rel err {e:.2e}");
-    assert!(e <= bound(dtype), "{what} {dtype}: relative error {e:.3e} over {:.0e}", bound(dtype));
-}
-
 fn sfx(d: DType) -> &'static str {
     match d {
         DType::F32 => "f32",
@@ -291,49 +264,6 @@ fn dense_kernels_match_the_cpu() {
     }
 }
 
-/// (cached, new) tokens per sequence over a paged cache with shuffled pages.
-struct Paged {
-    pages: usize,
-    positions: Vec<u32>,
-    slots: Vec<u32>,
-    seq_starts: Vec<u32>,
-    context_lens: Vec<u32>,
-    block_tables: Vec<u32>,
-    max_blocks: usize,
-}
-
-fn paged(r: &mut StdRng, block: usize, seqs: &[(usize, usize)]) -> Paged {
-    let max_blocks = seqs.iter().map(|&(c, n)| (c + n).div_ceil(block)).max().unwrap();
-    let pages = seqs.iter().map(|&(c, n)| (c + n).div_ceil(block)).sum::<usize>() + 2;
-    let mut order: Vec<u32> = (0..pages as u32).collect();
-    for i in (1..order.len()).rev() {
-        order.swap(i, r.random_range(0..=i));
-    }
-    let mut next = order.into_iter();
-    let mut p = Paged { pages, positions: vec![], slots: vec![], seq_starts: vec![0], context_lens: vec![], block_tables: vec![0; seqs.len() * max_blocks], max_blocks };
-    for (s, &(cached, new)) in seqs.iter().enumerate() {
-        for b in 0..(cached + new).div_ceil(block) {
-            p.block_tables[s * max_blocks + b] = next.next().unwrap();
-        }
-        for pos in cached..cached + new {
-            p.positions.push(pos as u32);
-            p.slots.push(p.block_tables[s * max_blocks + pos / block] * block as u32 + (pos % block) as u32);
-        }
-        p.seq_starts.push(p.positions.len() as u32);
-        p.context_lens.push((cached + new) as u32);
-    }
-    p
-}
-
-struct Case<'a> {
-    what: &'a str,
-    heads: usize,
-    kv_heads: usize,
-    hd: usize,
-    seqs: &'a [(usize, usize)],
-    window: Option<usize>,
-}
-
 fn attention_case(c: &CpuBackend, r: &mut StdRng, dtype: DType, case: Case<'_>) {
     let Case { what, heads, kv_heads, hd, seqs, window } = case;
     let layout = KvLayout { num_layers: 2, num_kv_heads: kv_heads, head_dim: hd, block_size: 16 };
@@ -418,43 +348,11 @@ fn lora_kernels_match_the_cpu() {
     let slots = [(8, RowDType::Bf16), (3, RowDType::F32), (20, RowDType::Bf16), (0, RowDType::F32), (13, RowDType::F32)];
     for (in_f, out_f) in [(53, 100), (300, 257)] {
         let module = 5;
-        // Rows at scattered offsets with a gap after each; the rest of the pool is NaN.
-        let unit = |n: usize, d: RowDType| d.slots(n).div_ceil(LORA_ROW_ALIGN);
-        let total: usize = slots.iter().map(|&(rk, d)| rk * (unit(in_f, d) + unit(out_f, d) + 2)).sum();
-        let mut pool = vec![f32::NAN; (total + 1) * LORA_ROW_ALIGN];
-        let mut directory = vec![0u32; slots.len() * NUM_MODULES * 2];
-        let (mut a_rows, mut b_rows, mut dtypes) = (vec![], vec![], vec![]);
-        let mut next = 0usize;
-        let mut place = |pool: &mut Vec<f32>, data: &[f32], d: RowDType| -> u32 {
-            let off = next;
-            next += unit(data.len(), d) + 1;
-            match d {
-                RowDType::F32 => pool[off * LORA_ROW_ALIGN..off * LORA_ROW_ALIGN + data.len()].copy_from_slice(data),
-                RowDType::Bf16 => {
-                    let p16: &mut [u16] = bytemuck::cast_slice_mut(&mut pool[..]);
-                    p16[2 * off * LORA_ROW_ALIGN..2 * off * LORA_ROW_ALIGN + data.len()].copy_from_slice(&to_bits(data, DType::Bf16));
-                }
-            }
-            off as u32
-        };
-        for (slot, &(rank, d)) in slots.iter().enumerate() {
-            directory[(slot * NUM_MODULES + module) * 2] = a_rows.len() as u32;
-            directory[(slot * NUM_MODULES + module) * 2 + 1] = rank as u32;
-            for _ in 0..rank {
-                a_rows.push(place(&mut pool, &randn(&mut r, in_f, 0.1), d));
-                b_rows.push(place(&mut pool, &randn(&mut r, out_f, 0.1), d));
-            }
-            dtypes.push(d as u32);
-        }
+        let Adapters { pool, directory, a_rows, b_rows, dtypes } = adapters(&mut r, module, &slots, in_f, out_f);
         let max_rank = 24;
         let target = LoraTarget { layer: 0, module, in_features: in_f, out_features: out_f, max_rank };
         let seg = [(2u32, 11usize), (NO_ADAPTER, 3), (0, 8), (3, 2), (1, 1), (4, 9)];
-        let mut starts = vec![0u32];
-        let mut seg_slots = vec![];
-        for &(s, n) in &seg {
-            starts.push(starts.last().unwrap() + n as u32);
-            seg_slots.push(s);
-        }
+        let (starts, seg_slots) = segments(&seg);
         let tokens = *starts.last().unwrap() as usize;
         let decode: Vec<u32> = (0..13).map(|i| [0, 2, 2, NO_ADAPTER, 3, 1, 4][i % 7]).collect();
         let active = |s: u32| s != NO_ADAPTER && slots[s as usize].0 > 0;

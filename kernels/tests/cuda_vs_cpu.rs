@@ -8,50 +8,18 @@
 use loraplex_kernels::cpu::CpuBackend;
 use loraplex_kernels::cuda::{CudaBackend, CudaBuffer, round_to};
 use loraplex_kernels::{
-    AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KvLayout, LORA_ROW_ALIGN, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory,
-    NO_ADAPTER, NUM_MODULES, RowDType, SampleParams, SamplingOps,
+    AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KvLayout, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory,
+    NO_ADAPTER, RowDType, SampleParams, SamplingOps,
 };
-use rand::{Rng, SeedableRng, rngs::StdRng};
+use rand::{Rng, rngs::StdRng};
 
-const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
+mod common;
+use common::{Adapters, Case, DTYPES, Paged, adapters, check, paged, randn, rng, segments};
+
 
 fn gpu() -> CudaBackend {
     let dir = std::env::temp_dir().join("loraplex-test-kernels");
     CudaBackend::new(0, Some(dir)).expect("a CUDA device (these tests are ignored without one)")
-}
-
-fn rng() -> StdRng {
-    StdRng::seed_from_u64(rand::random())
-}
-
-fn randn(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * scale).collect()
-}
-
-/// The bound on the relative error norm for outputs stored as `dtype`.
-fn bound(dtype: DType) -> f64 {
-    match dtype {
-        DType::F32 => 1e-5,
-        DType::F16 => 2e-3,
-        _ => 1e-2,
-    }
-}
-
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    let (mut num, mut den) = (0f64, 0f64);
-    for (&g, &w) in got.iter().zip(want) {
-        assert!(g.is_finite(), "a non-finite output (unwritten or overflowed): {g}");
-        num += ((g - w) as f64).powi(2);
-        den += (w as f64).powi(2);
-    }
-    (num / den.max(1e-30)).sqrt()
-}
-
-fn check(what: &str, dtype: DType, got: &[f32], want: &[f32]) {
-    let e = rel_err(got, want);
-    println!("{what:<40} {dtype:<5} rel err {e:.2e} (bound {:.0e})", bound(dtype));
-    assert!(e <= bound(dtype), "{what} {dtype}: relative error {e:.3e} over {:.0e}", bound(dtype));
 }
 
 /// A buffer of `n` NaNs of `dtype`: anything the op does not write stays NaN.
@@ -156,43 +124,6 @@ fn dense_ops_match_the_cpu() {
     }
 }
 
-/// A batch over a paged cache: sequences with `(cached, new)` tokens, pages shuffled.
-struct Paged {
-    pages: usize,
-    positions: Vec<u32>,
-    slots: Vec<u32>,
-    seq_starts: Vec<u32>,
-    context_lens: Vec<u32>,
-    block_tables: Vec<u32>,
-    max_blocks: usize,
-}
-
-fn paged(r: &mut StdRng, layout: KvLayout, seqs: &[(usize, usize)]) -> Paged {
-    let max_blocks = seqs.iter().map(|&(c, n)| (c + n).div_ceil(layout.block_size)).max().unwrap();
-    let total: usize = seqs.iter().map(|&(c, n)| (c + n).div_ceil(layout.block_size)).sum();
-    let pages = total + 3;
-    let mut order: Vec<u32> = (0..pages as u32).collect();
-    for i in (1..order.len()).rev() {
-        order.swap(i, r.random_range(0..=i));
-    }
-    let mut next = order.into_iter();
-    let mut p = Paged { pages, positions: vec![], slots: vec![], seq_starts: vec![0], context_lens: vec![], block_tables: vec![0; seqs.len() * max_blocks], max_blocks };
-    for (s, &(cached, new)) in seqs.iter().enumerate() {
-        let len = cached + new;
-        for b in 0..len.div_ceil(layout.block_size) {
-            p.block_tables[s * max_blocks + b] = next.next().unwrap();
-        }
-        for pos in cached..len {
-            p.positions.push(pos as u32);
-            let page = p.block_tables[s * max_blocks + pos / layout.block_size];
-            p.slots.push(page * layout.block_size as u32 + (pos % layout.block_size) as u32);
-        }
-        p.seq_starts.push(p.positions.len() as u32);
-        p.context_lens.push(len as u32);
-    }
-    p
-}
-
 fn meta<B: Memory>(b: &B, p: &Paged) -> BatchMeta<B::Buffer> {
     BatchMeta {
         num_seqs: p.context_lens.len(),
@@ -208,20 +139,10 @@ fn meta<B: Memory>(b: &B, p: &Paged) -> BatchMeta<B::Buffer> {
 
 /// Fills every cached token's K and V (the prefix) with random values, then runs write_kv for
 /// the batch's new tokens and attention on both backends.
-/// One attention check: heads, kv heads, head_dim, sequences as (cached, new), sliding window.
-struct Case<'a> {
-    what: &'a str,
-    heads: usize,
-    kv_heads: usize,
-    hd: usize,
-    seqs: &'a [(usize, usize)],
-    window: Option<usize>,
-}
-
 fn attention_case(g: &CudaBackend, c: &CpuBackend, r: &mut StdRng, dtype: DType, case: Case<'_>) {
     let Case { what, heads, kv_heads, hd, seqs, window } = case;
     let layout = KvLayout { num_layers: 2, num_kv_heads: kv_heads, head_dim: hd, block_size: 16 };
-    let p = paged(r, layout, seqs);
+    let p = paged(r, layout.block_size, seqs);
     let cache = round_to(&randn(r, p.pages * layout.page_elems(), 1.0), dtype);
     let t = p.positions.len();
     let k = round_to(&randn(r, t * kv_heads * hd, 1.0), dtype);
@@ -289,54 +210,6 @@ fn sampling_helpers_match_the_cpu() {
     assert!(differ <= 2, "{differ} rows differ: {got:?} vs {want:?}");
 }
 
-/// Adapters for one target (layer 0 of 1, module `module`): per slot a rank and a row type;
-/// rows placed in a shuffled pool.
-struct Adapters {
-    pool: Vec<f32>,
-    directory: Vec<u32>,
-    a_rows: Vec<u32>,
-    b_rows: Vec<u32>,
-    dtypes: Vec<u32>,
-}
-
-fn adapters(r: &mut StdRng, module: usize, slots: &[(usize, RowDType)], in_f: usize, out_f: usize) -> Adapters {
-    let unit = |n: usize, d: RowDType| d.slots(n).div_ceil(LORA_ROW_ALIGN);
-    let total: usize = slots.iter().map(|&(rank, d)| rank * (unit(in_f, d) + unit(out_f, d))).sum();
-    let rows_total: usize = slots.iter().map(|&(rank, _)| 2 * rank).sum();
-    let mut pool = vec![f32::NAN; (total + rows_total + 1) * LORA_ROW_ALIGN];
-    let mut ad = Adapters { pool: vec![], directory: vec![0; slots.len() * NUM_MODULES * 2], a_rows: vec![], b_rows: vec![], dtypes: vec![] };
-    // Rows take whole, disjoint unit ranges, a gap after each; the rest of the pool is NaN, so a
-    // read outside a row shows.
-    let mut next_unit = 0usize;
-    let mut place = |pool: &mut Vec<f32>, data: &[f32], d: RowDType| -> u32 {
-        let off = next_unit;
-        next_unit += unit(data.len(), d) + 1;
-        match d {
-            RowDType::F32 => pool[off * LORA_ROW_ALIGN..off * LORA_ROW_ALIGN + data.len()].copy_from_slice(data),
-            RowDType::Bf16 => {
-                let bits: Vec<u16> = data.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-                let p16: &mut [u16] = bytemuck::cast_slice_mut(&mut pool[..]);
-                p16[2 * off * LORA_ROW_ALIGN..2 * off * LORA_ROW_ALIGN + bits.len()].copy_from_slice(&bits);
-            }
-        }
-        off as u32
-    };
-    for (slot, &(rank, d)) in slots.iter().enumerate() {
-        let e = (slot * NUM_MODULES + module) * 2;
-        ad.directory[e] = ad.a_rows.len() as u32;
-        ad.directory[e + 1] = rank as u32;
-        for _ in 0..rank {
-            let a = randn(r, in_f, 0.05);
-            let b = randn(r, out_f, 0.05);
-            ad.a_rows.push(place(&mut pool, &a, d));
-            ad.b_rows.push(place(&mut pool, &b, d));
-        }
-        ad.dtypes.push(d as u32);
-    }
-    ad.pool = pool;
-    ad
-}
-
 fn rows<B: Memory>(b: &B, ad: &Adapters) -> LoraRows<B::Buffer> {
     LoraRows {
         num_slots: ad.dtypes.len(),
@@ -359,12 +232,7 @@ fn sgmv_and_bgmv_match_the_cpu() {
         let target = LoraTarget { layer: 0, module, in_features: in_f, out_features: out_f, max_rank: 64 };
         // Segments of uneven lengths, one without an adapter, one empty.
         let seg = [(2u32, 19usize), (NO_ADAPTER, 5), (0, 8), (4, 0), (1, 3), (5, 30), (3, 4)];
-        let mut starts = vec![0u32];
-        let mut seg_slots = vec![];
-        for &(s, n) in &seg {
-            starts.push(starts.last().unwrap() + n as u32);
-            seg_slots.push(s);
-        }
+        let (starts, seg_slots) = segments(&seg);
         let tokens = *starts.last().unwrap() as usize;
         let decode_slots: Vec<u32> = (0..37).map(|i| [0, 1, 2, NO_ADAPTER, 3, 4, 5, 2, 2][i % 9]).collect();
         for dtype in DTYPES {

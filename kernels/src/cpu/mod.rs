@@ -78,15 +78,7 @@ impl crate::check::HostU32 for CpuBuffer {
     }
 }
 
-pub(crate) use crate::check::ensure_len;
-
-/// Fails with a shape error unless `len` is a whole number of `dim`-long rows.
-pub(crate) fn rows_of(op: &'static str, what: &str, len: usize, dim: usize) -> Result<usize> {
-    if dim == 0 || !len.is_multiple_of(dim) {
-        return Err(KernelError::Shape { op, detail: format!("{what} holds {len} elements, not a multiple of the row length {dim}") });
-    }
-    Ok(len / dim)
-}
+pub(crate) use crate::check::{ensure_len, rows_of};
 
 impl Memory for CpuBackend {
     type Buffer = CpuBuffer;

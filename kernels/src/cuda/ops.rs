@@ -7,7 +7,7 @@ use cudarc::driver::{DevicePtr, PushKernelArg};
 
 use super::plan::{self, AttentionPlan};
 use super::{ATTENTION, CudaBackend, CudaBuffer, CudaWeight, DENSE, Data, LORA, SAMPLING, dev_err, suffix};
-use crate::check::{Batch, Directory, Segments, check_slots, ensure_len, ensure_rows};
+use crate::check::{Batch, Directory, Segments, check_slots, ensure_len, ensure_rows, rows_of};
 use crate::{
     AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KernelError, KvLayout, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory,
     NO_ADAPTER, Result, SampleParams, SamplingOps,
@@ -20,13 +20,6 @@ fn same_float(op: &'static str, bufs: &[&CudaBuffer]) -> Result<DType> {
         b.expect(op, dtype)?;
     }
     Ok(dtype)
-}
-
-fn rows_of(op: &'static str, what: &str, len: usize, dim: usize) -> Result<usize> {
-    if dim == 0 || !len.is_multiple_of(dim) {
-        return Err(KernelError::Shape { op, detail: format!("{what} holds {len} elements, not a multiple of the row length {dim}") });
-    }
-    Ok(len / dim)
 }
 
 impl Memory for CudaBackend {

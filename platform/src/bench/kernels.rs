@@ -163,13 +163,18 @@ fn lora_row(g: &CudaBackend, rng: &mut StdRng, kernel: &'static str, s: &Shape, 
     let used = s.adapters.min(s.tokens.div_ceil(s.segment));
     // A and B rows of every adapter used, x read, y read and written (bf16).
     let bytes = (used * s.rank * HIDDEN * 2 * 2 + s.tokens * HIDDEN * 2 * 3) as u64;
+    Ok(Row { tokens: s.tokens, rank: s.rank, adapters: s.adapters, ..measured(kernel, &s.name, secs, bytes, copy_gbs) })
+}
+
+/// A row's timing and bandwidth; the shape fields are left at zero.
+fn measured(kernel: &'static str, name: &str, secs: f64, bytes: u64, copy_gbs: f64) -> Row {
     let gbs = bytes as f64 / secs / 1e9;
-    Ok(Row {
+    Row {
         kernel,
-        name: s.name.clone(),
-        tokens: s.tokens,
-        rank: s.rank,
-        adapters: s.adapters,
+        name: name.to_string(),
+        tokens: 0,
+        rank: 0,
+        adapters: 0,
         us: secs * 1e6,
         bytes,
         gbs,
@@ -177,7 +182,7 @@ fn lora_row(g: &CudaBackend, rng: &mut StdRng, kernel: &'static str, s: &Shape, 
         torch_loop_us: None,
         torch_bmm_us: None,
         speedup: None,
-    })
+    }
 }
 
 /// Decode attention: `batch` sequences of `context` tokens, 32 heads over 8 KV heads of 128, bf16.
@@ -208,21 +213,7 @@ fn attention_row(g: &CudaBackend, rng: &mut StdRng, batch: usize, context: usize
     let params = AttentionParams { layer: 0, num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), sliding_window: None };
     let secs = g.time_runs(WARMUP, ITERS, |_| g.attention(&q, &cache, &mut out, &meta, &layout, &params))?;
     let bytes = (batch * context * kv_heads * hd * 2 * 2 + batch * heads * hd * 2 * 2) as u64;
-    let gbs = bytes as f64 / secs / 1e9;
-    Ok(Row {
-        kernel: "attention",
-        name: format!("decode b{batch} ctx{context}"),
-        tokens: batch,
-        rank: 0,
-        adapters: 0,
-        us: secs * 1e6,
-        bytes,
-        gbs,
-        of_copy: gbs / copy_gbs,
-        torch_loop_us: None,
-        torch_bmm_us: None,
-        speedup: None,
-    })
+    Ok(Row { tokens: batch, ..measured("attention", &format!("decode b{batch} ctx{context}"), secs, bytes, copy_gbs) })
 }
 
 /// Runs the PyTorch baselines with `python` for `shapes`.
