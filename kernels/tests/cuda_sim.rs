@@ -36,8 +36,14 @@ const SOURCES: [&str; 7] = [
 ];
 
 /// The simulator binary for the current sources, built once (per source hash) with the C++
-/// compiler (`CXX`, else `c++`).
+/// compiler (`CXX`, else `c++`): once per process (tests run as threads), and atomically
+/// across processes (each builds under its own name, then renames).
 fn simulator() -> PathBuf {
+    static SIM: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    SIM.get_or_init(build_simulator).clone()
+}
+
+fn build_simulator() -> PathBuf {
     let text = SOURCES.join("\n");
     let hash = text.bytes().fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
