@@ -1,14 +1,6 @@
-// Row-wise dense ops: embedding gather, RMS norm fused with the residual add, rotary embedding,
-// SiLU·mul, elementwise add, row gather and bias add. Launch shapes come from the host's plans
+// Row-wise dense ops: row gather (also the embedding lookup), RMS norm fused with the residual add, rotary embedding,
+// SiLU·mul, elementwise add and bias add. Launch shapes come from the host's plans
 // (`kernels/src/cuda/plan.rs`); indices were checked on the host before launch.
-
-// grid (rows), block (threads): out[r, :] = table[ids[r], :]
-template <typename T>
-__device__ void embedding_impl(const T* __restrict__ table, const u32* __restrict__ ids, T* __restrict__ out, u32 hidden) {
-    const u64 src = (u64)ids[blockIdx.x] * hidden;
-    const u64 dst = (u64)blockIdx.x * hidden;
-    for (u32 c = threadIdx.x; c < hidden; c += blockDim.x) out[dst + c] = table[src + c];
-}
 
 // grid (rows), block (threads, a multiple of 32). Without a residual: out = x / rms(x) * w.
 // With one: h = x + residual is written back to `residual` (rounded to T), then out = h / rms(h) * w.
@@ -70,7 +62,7 @@ __device__ void add_assign_impl(T* acc, const T* x, u64 n) {
     }
 }
 
-// grid (rows), block (threads): out[i, :] = x[rows[i], :]
+// grid (rows), block (threads): out[i, :] = x[rows[i], :] (with x the embedding table, the lookup)
 template <typename T>
 __device__ void gather_rows_impl(const T* __restrict__ x, const u32* __restrict__ rows, T* __restrict__ out, u32 dim) {
     const u64 src = (u64)rows[blockIdx.x] * dim;
@@ -87,9 +79,6 @@ __device__ void add_bias_impl(T* y, const T* __restrict__ bias, u64 total, u32 n
 }
 
 #define DENSE_KERNELS(name, T)                                                                                     \
-    extern "C" __global__ void embedding_##name(const T* table, const u32* ids, T* out, u32 hidden) {              \
-        embedding_impl<T>(table, ids, out, hidden);                                                                \
-    }                                                                                                              \
     extern "C" __global__ void rms_norm_##name(const T* x, T* residual, const T* w, T* out, u32 dim, float eps) { \
         rms_norm_impl<T>(x, residual, w, out, dim, eps);                                                           \
     }                                                                                                              \

@@ -202,7 +202,7 @@ fn dense_kernels_match_the_cpu() {
         let table = round_to(&randn(&mut r, vocab * hidden, 1.0), dtype);
         let ids: Vec<u32> = (0..n).map(|_| r.random_range(0..vocab as u32)).collect();
         let (t, i, emb) = (sim.floats(&table, dtype), sim.u32s(&ids), sim.nans(n * hidden, dtype));
-        sim.launch(&format!("embedding_{s}"), &plan::per_row("t", n, hidden).unwrap(), &[t, i, emb, Arg::U32(hidden as u32)]);
+        sim.launch(&format!("gather_rows_{s}"), &plan::per_row("t", n, hidden).unwrap(), &[t, i, emb, Arg::U32(hidden as u32)]);
         // rms_norm plain and with the residual
         let (rows, dim) = (5, 300);
         let x = round_to(&randn(&mut r, rows * dim, 2.0), dtype);

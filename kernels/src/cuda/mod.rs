@@ -145,7 +145,6 @@ pub struct DeviceInfo {
     pub sm_count: usize,
     /// Shared memory a block may use after opting in.
     pub max_smem_optin: usize,
-    pub total_memory: usize,
 }
 
 /// One CUDA device with its stream, its cuBLAS handle and its compiled kernels.
@@ -201,7 +200,6 @@ impl CudaBackend {
             arch: format!("sm_{major}{minor}"),
             sm_count: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize,
             max_smem_optin: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize,
-            total_memory: ctx.total_mem().map_err(|e| dev_err(OP, e))?,
         };
         Ok(CudaBackend {
             ctx,
@@ -427,7 +425,7 @@ pub fn kernel_names() -> Vec<(&'static str, String)> {
     let mut names = Vec::new();
     for dt in [DType::F32, DType::F16, DType::Bf16] {
         let s = suffix(dt);
-        for k in ["embedding", "rms_norm", "rope", "silu_mul", "add_assign", "gather_rows", "add_bias"] {
+        for k in ["rms_norm", "rope", "silu_mul", "add_assign", "gather_rows", "add_bias"] {
             names.push((compile::SOURCES[DENSE].0, format!("{k}_{s}")));
         }
         for k in ["write_kv", "attn_decode", "attn_combine", "attn_prefill"] {

@@ -157,6 +157,30 @@ impl CudaBackend {
         })
     }
 
+    /// `out[i] = x[rows[i]]` over rows of `dim` (the embedding lookup when `x` is the table).
+    fn gather(&self, op: &'static str, x: &CudaBuffer, rows: &CudaBuffer, out: &CudaBuffer, dim: usize) -> Result<()> {
+        let dtype = same_float(op, &[x, out])?;
+        let total = rows_of(op, "the source", x.len, dim)?;
+        let host = crate::check::HostU32::host_u32(rows, op)?;
+        ensure_len(op, "out", out.len, host.len() * dim)?;
+        if let Some(&bad) = host.iter().find(|&&r| r as usize >= total) {
+            return Err(KernelError::Index { op, index: bad as usize, limit: total });
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        let name = format!("gather_rows_{}", suffix(dtype));
+        let f = self.function(DENSE, &name)?;
+        let l = plan::per_row(op, host.len(), dim)?;
+        let dim = dim as u32;
+        self.launch(op, &name, &f, &l, |b| {
+            x.push(b);
+            rows.push(b);
+            out.push(b);
+            b.arg(&dim);
+        })
+    }
+
     /// `y[rows, n] += bias`.
     fn add_bias(&self, y: &CudaBuffer, bias: &CudaBuffer, rows: usize, n: usize) -> Result<()> {
         const OP: &str = "add_bias";
@@ -177,27 +201,8 @@ impl CudaBackend {
 
 impl DenseOps for CudaBackend {
     fn embedding(&self, table: &CudaBuffer, ids: &CudaBuffer, out: &mut CudaBuffer, hidden: usize) -> Result<()> {
-        const OP: &str = "embedding";
-        let dtype = same_float(OP, &[table, out])?;
-        let vocab = rows_of(OP, "table", table.len, hidden)?;
-        let host = crate::check::HostU32::host_u32(ids, OP)?;
-        ensure_len(OP, "out", out.len, host.len() * hidden)?;
-        if let Some(&bad) = host.iter().find(|&&id| id as usize >= vocab) {
-            return Err(KernelError::Index { op: OP, index: bad as usize, limit: vocab });
-        }
-        if host.is_empty() {
-            return Ok(());
-        }
-        let name = format!("embedding_{}", suffix(dtype));
-        let f = self.function(DENSE, &name)?;
-        let l = plan::per_row(OP, host.len(), hidden)?;
-        let hidden = hidden as u32;
-        self.launch(OP, &name, &f, &l, |b| {
-            table.push(b);
-            ids.push(b);
-            out.push(b);
-            b.arg(&hidden);
-        })
+        // The lookup is a row gather from the table.
+        self.gather("embedding", table, ids, out, hidden)
     }
 
     fn rms_norm(&self, x: &CudaBuffer, weight: &CudaBuffer, out: &mut CudaBuffer, eps: f32) -> Result<()> {
@@ -306,27 +311,7 @@ impl DenseOps for CudaBackend {
     }
 
     fn gather_rows(&self, x: &CudaBuffer, rows: &CudaBuffer, out: &mut CudaBuffer, dim: usize) -> Result<()> {
-        const OP: &str = "gather_rows";
-        let dtype = same_float(OP, &[x, out])?;
-        let total = rows_of(OP, "x", x.len, dim)?;
-        let host = crate::check::HostU32::host_u32(rows, OP)?;
-        ensure_len(OP, "out", out.len, host.len() * dim)?;
-        if let Some(&bad) = host.iter().find(|&&r| r as usize >= total) {
-            return Err(KernelError::Index { op: OP, index: bad as usize, limit: total });
-        }
-        if host.is_empty() {
-            return Ok(());
-        }
-        let name = format!("gather_rows_{}", suffix(dtype));
-        let f = self.function(DENSE, &name)?;
-        let l = plan::per_row(OP, host.len(), dim)?;
-        let dim = dim as u32;
-        self.launch(OP, &name, &f, &l, |b| {
-            x.push(b);
-            rows.push(b);
-            out.push(b);
-            b.arg(&dim);
-        })
+        self.gather("gather_rows", x, rows, out, dim)
     }
 }
 
@@ -492,7 +477,7 @@ impl SamplingOps for CudaBackend {
         let ps: Vec<f32> = params.iter().map(|p| p.top_p).collect();
         let us: Vec<f32> = params.iter().map(|p| p.uniform).collect();
         let (temps, ps, us) = (self.upload_f32(&temps)?, self.upload_f32(&ps)?, self.upload_f32(&us)?);
-        let ks = self.upload_meta(OP, &ks)?;
+        let ks = self.upload_u32(&ks)?;
         let out = self.zeros_as(rows, DType::U32)?;
         let f = self.function(SAMPLING, "sample_rows")?;
         let l = plan::per_row(OP, rows, vocab)?;
@@ -500,7 +485,7 @@ impl SamplingOps for CudaBackend {
         self.launch(OP, "sample_rows", &f, &l, |b| {
             logits.push(b);
             temps.push(b);
-            b.arg(&*ks);
+            ks.push(b);
             ps.push(b);
             us.push(b);
             out.push(b);

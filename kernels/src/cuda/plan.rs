@@ -5,7 +5,7 @@
 //! The constants mirror the `#define`s of `kernels/cuda/*.cu`; a plan that disagrees with its
 //! kernel is a bug the GPU tests catch.
 
-use crate::{KernelError, NO_ADAPTER, Result};
+use crate::{KernelError, Result};
 
 /// Largest head dimension the attention kernels hold in registers (`MAX_LANE_DIMS * 32`).
 pub const MAX_HEAD_DIM: usize = 256;
@@ -202,14 +202,10 @@ pub fn lora_expand(op: &'static str, tiles: usize, out_features: usize) -> Resul
     })
 }
 
-/// Whether a tile list names an adapter (shrink of idle segments only writes zeros).
-pub fn any_adapter(tiles: &[u32]) -> bool {
-    tiles.chunks_exact(3).any(|t| t[0] != NO_ADAPTER)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::NO_ADAPTER;
 
     fn lim(sm_count: usize, max_smem: usize) -> Limits {
         Limits { sm_count, max_smem }
@@ -296,7 +292,7 @@ mod tests {
         assert_eq!(t, vec![2, 0, 8, 2, 8, 8, 2, 16, 3]);
         let t = segment_tiles(&[0, 19, 19, 20], &[5, 6, NO_ADAPTER], |s| s != NO_ADAPTER);
         assert_eq!(t, vec![5, 0, 8, 5, 8, 8, 5, 16, 3]);
-        assert!(!any_adapter(&segment_tiles(&[0, 3], &[NO_ADAPTER], |_| true)));
+        assert_eq!(segment_tiles(&[0, 3], &[NO_ADAPTER], |_| true), vec![NO_ADAPTER, 0, 3]);
     }
 
     #[test]
