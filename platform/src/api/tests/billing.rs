@@ -140,9 +140,7 @@ async fn a_client_that_leaves_is_billed_for_what_was_generated() {
     let h = Harness::new().await;
     let app = app!(h.state);
     let (tenant_id, key) = tenant(&app, &h.admin, json!({"name": "acme"})).await;
-    let long = json!({"model": MODEL, "prompt": "x", "max_tokens": 400, "ignore_eos": true, "stream": true});
-    let res = call_service(&app, TestRequest::post().uri("/v1/completions").insert_header(bearer(&key)).set_json(&long).to_request()).await;
-    assert_eq!(res.status(), StatusCode::OK);
+    let res = long_stream(&app, &key).await;
     // Read a little, then hang up.
     let mut body = res.into_body();
     let first = futures::future::poll_fn(|cx| actix_web::body::MessageBody::poll_next(std::pin::Pin::new(&mut body), cx)).await;

@@ -296,9 +296,7 @@ async fn a_failure_mid_stream_arrives_as_an_error_event_and_is_recorded() {
     let h = Harness::new().await;
     let app = app!(h.state);
     let (tenant_id, key) = tenant(&app, &h.admin, json!({"name": "acme"})).await;
-    let long = json!({"model": MODEL, "prompt": "x", "max_tokens": 400, "ignore_eos": true, "stream": true});
-    let res = call_service(&app, TestRequest::post().uri("/v1/completions").insert_header(bearer(&key)).set_json(&long).to_request()).await;
-    assert_eq!(res.status(), StatusCode::OK);
+    let res = long_stream(&app, &key).await;
     assert!(h.state.serving.inject_fault(0, "drill"));
     let events = sse_events(&read_body(res).await);
     let error = events.iter().find(|e| e.get("error").is_some()).expect("an error event");

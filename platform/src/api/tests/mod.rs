@@ -114,6 +114,18 @@ where
     (status, body)
 }
 
+/// Starts a streamed completion long enough (400 tokens, EOS ignored) to still be running when
+/// the test acts on it; the response has been checked for 200.
+pub async fn long_stream<S>(app: &S, key: &str) -> actix_web::dev::ServiceResponse
+where
+    S: actix_web::dev::Service<actix_http::Request, Response = actix_web::dev::ServiceResponse, Error = actix_web::Error>,
+{
+    let long = json!({"model": MODEL, "prompt": "x", "max_tokens": 400, "ignore_eos": true, "stream": true});
+    let res = call_service(app, TestRequest::post().uri("/v1/completions").insert_header(bearer(key)).set_json(&long).to_request()).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    res
+}
+
 /// The `data:` payloads of a server-sent event stream; `[DONE]` is kept as a string.
 pub fn sse_events(body: &[u8]) -> Vec<Value> {
     String::from_utf8_lossy(body)
