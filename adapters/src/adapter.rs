@@ -15,10 +15,7 @@ pub struct AdapterLimits {
 
 impl Default for AdapterLimits {
     fn default() -> Self {
-        AdapterLimits {
-            max_rank: 256,
-            max_file_bytes: 8 << 30,
-        }
+        AdapterLimits { max_rank: 256, max_file_bytes: 8 << 30 }
     }
 }
 
@@ -51,14 +48,8 @@ impl LoraAdapter {
     /// Builds an adapter from entries that are already validated by the caller (tests, other
     /// formats). Later entries for the same (layer, module) replace earlier ones.
     pub fn from_modules(modules: impl IntoIterator<Item = LoraModule>, use_rslora: bool) -> Self {
-        let modules = modules
-            .into_iter()
-            .map(|m| ((m.layer, m.module), m))
-            .collect();
-        LoraAdapter {
-            modules,
-            use_rslora,
-        }
+        let modules = modules.into_iter().map(|m| ((m.layer, m.module), m)).collect();
+        LoraAdapter { modules, use_rslora }
     }
 
     /// The entry for `(layer, module)`, if that projection is adapted.
@@ -87,10 +78,7 @@ impl LoraAdapter {
 
     /// The distinct target modules adapted in at least one layer, in [`TargetModule::ALL`] order.
     pub fn target_modules(&self) -> Vec<TargetModule> {
-        TargetModule::ALL
-            .into_iter()
-            .filter(|&m| self.modules.keys().any(|&(_, mm)| mm == m))
-            .collect()
+        TargetModule::ALL.into_iter().filter(|&m| self.modules.keys().any(|&(_, mm)| mm == m)).collect()
     }
 
     /// Sum of the ranks over all entries: the number of A rows (and B columns) to store.
@@ -100,10 +88,7 @@ impl LoraAdapter {
 
     /// Bytes of f32 weight data held (A and B of every entry).
     pub fn bytes(&self) -> usize {
-        self.modules
-            .values()
-            .map(|m| (m.a.len() + m.b.len()) * size_of::<f32>())
-            .sum()
+        self.modules.values().map(|m| (m.a.len() + m.b.len()) * size_of::<f32>()).sum()
     }
 
     /// See [`crate::hash::content_hash`].

@@ -6,10 +6,7 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum AdapterError {
     #[error("{}: {source}", path.display())]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
 
     #[error("{}: file not found ({what})", path.display())]
     MissingFile { path: PathBuf, what: &'static str },
@@ -25,37 +22,21 @@ pub enum AdapterError {
     ConfigJson { path: PathBuf, reason: String },
 
     #[error("{}: key `{key}`: {reason}", path.display())]
-    Config {
-        path: PathBuf,
-        key: String,
-        reason: String,
-    },
+    Config { path: PathBuf, key: String, reason: String },
 
     #[error("{}: invalid safetensors file: {reason}", path.display())]
     Safetensors { path: PathBuf, reason: String },
 
     #[error("{}: tensor `{tensor}`: {reason}", path.display())]
-    Tensor {
-        path: PathBuf,
-        tensor: String,
-        reason: String,
-    },
+    Tensor { path: PathBuf, tensor: String, reason: String },
 }
 
 impl AdapterError {
     pub(crate) fn config(path: &std::path::Path, key: &str, reason: impl Into<String>) -> Self {
-        AdapterError::Config {
-            path: path.to_path_buf(),
-            key: key.to_string(),
-            reason: reason.into(),
-        }
+        AdapterError::Config { path: path.to_path_buf(), key: key.to_string(), reason: reason.into() }
     }
 
     pub(crate) fn tensor(path: &std::path::Path, tensor: &str, reason: impl Into<String>) -> Self {
-        AdapterError::Tensor {
-            path: path.to_path_buf(),
-            tensor: tensor.to_string(),
-            reason: reason.into(),
-        }
+        AdapterError::Tensor { path: path.to_path_buf(), tensor: tensor.to_string(), reason: reason.into() }
     }
 }

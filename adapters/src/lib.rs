@@ -34,15 +34,8 @@ pub enum TargetModule {
 }
 
 impl TargetModule {
-    pub const ALL: [TargetModule; 7] = [
-        TargetModule::Q,
-        TargetModule::K,
-        TargetModule::V,
-        TargetModule::O,
-        TargetModule::Gate,
-        TargetModule::Up,
-        TargetModule::Down,
-    ];
+    pub const ALL: [TargetModule; 7] =
+        [TargetModule::Q, TargetModule::K, TargetModule::V, TargetModule::O, TargetModule::Gate, TargetModule::Up, TargetModule::Down];
 
     /// The module's name in HuggingFace checkpoints and PEFT configs (`q_proj`, ...).
     pub fn hf_name(self) -> &'static str {

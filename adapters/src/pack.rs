@@ -48,9 +48,7 @@ impl RowStorage {
     /// The narrowest storage that holds every value of `adapter` (B with its scaling) exactly.
     pub fn exact_for(adapter: &LoraAdapter) -> Self {
         let is_bf16 = |v: f32| v.to_bits() & 0xFFFF == 0;
-        let exact = adapter
-            .modules()
-            .all(|m| m.a.iter().all(|&v| is_bf16(v)) && m.b.iter().all(|&v| is_bf16(v * m.scaling)));
+        let exact = adapter.modules().all(|m| m.a.iter().all(|&v| is_bf16(v)) && m.b.iter().all(|&v| is_bf16(v * m.scaling)));
         if exact { RowStorage::Bf16 } else { RowStorage::F32 }
     }
 }
@@ -112,14 +110,7 @@ impl PackedAdapter {
                 rows.extend((0..m.rank).map(|r| (slots, e, r, is_b)));
             }
             let first_row = entries.last().map_or(0, |p: &PackedEntry| p.first_row + p.rank);
-            entries.push(PackedEntry {
-                layer: m.layer,
-                module: m.module,
-                rank: m.rank,
-                in_features: m.in_features,
-                out_features: m.out_features,
-                first_row,
-            });
+            entries.push(PackedEntry { layer: m.layer, module: m.module, rank: m.rank, in_features: m.in_features, out_features: m.out_features, first_row });
         }
         // Longest first; ties keep table order so the layout is deterministic.
         rows.sort_by_key(|&(len, e, r, is_b)| (std::cmp::Reverse(len), e, is_b, r));

@@ -16,23 +16,13 @@ pub struct BaseShape {
 impl BaseShape {
     /// General constructor: `dims` gives `(in_features, out_features)` for each module.
     pub fn new(num_layers: usize, dims: impl Fn(TargetModule) -> (usize, usize)) -> Self {
-        BaseShape {
-            num_layers,
-            dims: TargetModule::ALL.map(dims),
-        }
+        BaseShape { num_layers, dims: TargetModule::ALL.map(dims) }
     }
 
     /// A Llama-family decoder (Llama, Mistral, Qwen2, ...): grouped-query attention with
     /// `num_heads` query heads and `num_kv_heads` key/value heads of `head_dim` each, and a
     /// gated MLP of width `intermediate`.
-    pub fn llama(
-        hidden: usize,
-        intermediate: usize,
-        num_heads: usize,
-        num_kv_heads: usize,
-        head_dim: usize,
-        num_layers: usize,
-    ) -> Self {
+    pub fn llama(hidden: usize, intermediate: usize, num_heads: usize, num_kv_heads: usize, head_dim: usize, num_layers: usize) -> Self {
         let q = num_heads * head_dim;
         let kv = num_kv_heads * head_dim;
         Self::new(num_layers, |m| match m {

@@ -28,9 +28,7 @@ pub(crate) fn rows_of(op: &'static str, what: &str, len: usize, dim: usize) -> R
 
 /// Fails unless a buffer of `len` elements holds `rows` rows of `dim` (overflow included).
 pub(crate) fn ensure_rows(op: &'static str, what: &str, len: usize, rows: usize, dim: usize) -> Result<()> {
-    let need = rows
-        .checked_mul(dim)
-        .ok_or_else(|| KernelError::Shape { op, detail: format!("{what}: {rows} rows of {dim} overflow") })?;
+    let need = rows.checked_mul(dim).ok_or_else(|| KernelError::Shape { op, detail: format!("{what}: {rows} rows of {dim} overflow") })?;
     ensure_len(op, what, len, need)
 }
 
@@ -72,13 +70,7 @@ impl<'a> Batch<'a> {
                 });
             }
         }
-        Ok(Batch {
-            positions: &m.positions[..t],
-            slots: &m.slots[..t],
-            seq_starts: &m.seq_starts[..s + 1],
-            context_lens: &m.context_lens[..s],
-            ..m
-        })
+        Ok(Batch { positions: &m.positions[..t], slots: &m.slots[..t], seq_starts: &m.seq_starts[..s + 1], context_lens: &m.context_lens[..s], ..m })
     }
 
     pub fn num_seqs(&self) -> usize {
@@ -243,10 +235,7 @@ impl<'a> Segments<'a> {
         }
         for s in 0..n {
             if starts[s + 1] < starts[s] {
-                return Err(KernelError::Shape {
-                    op,
-                    detail: format!("segment {s} runs from token {} back to {}", starts[s], starts[s + 1]),
-                });
+                return Err(KernelError::Shape { op, detail: format!("segment {s} runs from token {} back to {}", starts[s], starts[s + 1]) });
             }
         }
         check_slots(op, &slots[..n], num_slots)?;

@@ -16,9 +16,7 @@ pub mod cuda;
 mod layout;
 pub mod mmap;
 
-pub use layout::{
-    AttentionParams, BatchMeta, KvLayout, LORA_ROW_ALIGN, LoraRows, LoraSegments, LoraTarget, NO_ADAPTER, NUM_MODULES, RowDType,
-};
+pub use layout::{AttentionParams, BatchMeta, KvLayout, LORA_ROW_ALIGN, LoraRows, LoraSegments, LoraTarget, NO_ADAPTER, NUM_MODULES, RowDType};
 
 /// Errors from a backend. Each names the op and what was wrong with its arguments.
 #[derive(Debug, thiserror::Error)]
@@ -122,10 +120,26 @@ pub trait AttentionOps: Memory {
     /// sines; `positions` has one u32 per token.
     fn rope(&self, x: &mut Self::Buffer, positions: &Self::Buffer, cos_sin: &Self::Buffer, heads: usize, head_dim: usize) -> Result<()>;
     /// Writes each token's K and V (`[tokens, kv_heads, head_dim]`) into its slot of the cache.
-    fn write_kv(&self, k: &Self::Buffer, v: &Self::Buffer, cache: &mut Self::Buffer, meta: &BatchMeta<Self::Buffer>, layout: &KvLayout, layer: usize) -> Result<()>;
+    fn write_kv(
+        &self,
+        k: &Self::Buffer,
+        v: &Self::Buffer,
+        cache: &mut Self::Buffer,
+        meta: &BatchMeta<Self::Buffer>,
+        layout: &KvLayout,
+        layer: usize,
+    ) -> Result<()>;
     /// Causal attention of each query token over its sequence's cached keys and values (which must
     /// already include the batch's own tokens). `q` and `out` are `[tokens, heads, head_dim]`.
-    fn attention(&self, q: &Self::Buffer, cache: &Self::Buffer, out: &mut Self::Buffer, meta: &BatchMeta<Self::Buffer>, layout: &KvLayout, params: &AttentionParams) -> Result<()>;
+    fn attention(
+        &self,
+        q: &Self::Buffer,
+        cache: &Self::Buffer,
+        out: &mut Self::Buffer,
+        meta: &BatchMeta<Self::Buffer>,
+        layout: &KvLayout,
+        params: &AttentionParams,
+    ) -> Result<()>;
 }
 
 /// One row's settings for [`SamplingOps::sample_rows`].

@@ -17,8 +17,8 @@ use loraplex_kernels::cpu::CpuBackend;
 use loraplex_kernels::cuda::plan::{self, AttentionPlan, Launch, Limits};
 use loraplex_kernels::cuda::{from_bits, round_to, to_bits};
 use loraplex_kernels::{
-    AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KvLayout, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory,
-    NO_ADAPTER, RowDType, SampleParams, SamplingOps,
+    AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KvLayout, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory, NO_ADAPTER, RowDType,
+    SampleParams, SamplingOps,
 };
 use rand::{Rng, rngs::StdRng};
 
@@ -287,9 +287,23 @@ fn attention_case(c: &CpuBackend, r: &mut StdRng, dtype: DType, case: Case<'_>) 
     let (sslots, spos, stables) = (sim.u32s(&p.slots), sim.u32s(&p.positions), sim.u32s(&p.block_tables));
     let out = sim.nans(t * heads * hd, dtype);
     let (bs, pe, layer) = (Arg::U32(16), Arg::U64(layout.page_elems() as u64), Arg::U32(1));
-    sim.launch(&format!("write_kv_{s}"), &plan::per_row("t", t, kv_heads * hd).unwrap(), &[sk, sv, scache, sslots, Arg::U32(kv_heads as u32), Arg::U32(hd as u32), bs, pe, layer]);
+    sim.launch(
+        &format!("write_kv_{s}"),
+        &plan::per_row("t", t, kv_heads * hd).unwrap(),
+        &[sk, sv, scache, sslots, Arg::U32(kv_heads as u32), Arg::U32(hd as u32), bs, pe, layer],
+    );
     let limits = Limits { sm_count: 132, max_smem: 227 * 1024 };
-    let common = [Arg::U32(p.max_blocks as u32), Arg::U32(heads as u32), Arg::U32(kv_heads as u32), Arg::U32(hd as u32), bs, pe, layer, Arg::F32(params.scale), Arg::U32(window.unwrap_or(0) as u32)];
+    let common = [
+        Arg::U32(p.max_blocks as u32),
+        Arg::U32(heads as u32),
+        Arg::U32(kv_heads as u32),
+        Arg::U32(hd as u32),
+        bs,
+        pe,
+        layer,
+        Arg::F32(params.scale),
+        Arg::U32(window.unwrap_or(0) as u32),
+    ];
     let attn = plan::attention("t", &p.seq_starts, &p.positions, heads, hd, window, limits).unwrap();
     let kind = match &attn {
         AttentionPlan::Decode { parts, .. } => format!("decode, {parts} part(s)"),
@@ -343,7 +357,12 @@ fn attention_kernels_match_the_cpu() {
         attention_case(&c, &mut r, dtype, Case { what: "decode gqa", heads: 4, kv_heads: 2, hd: 64, seqs: &[(40, 1), (0, 1), (70, 1)], window: None });
         attention_case(&c, &mut r, dtype, Case { what: "decode partitions", heads: 2, kv_heads: 1, hd: 40, seqs: &[(600, 1)], window: None });
         attention_case(&c, &mut r, dtype, Case { what: "decode window", heads: 2, kv_heads: 2, hd: 32, seqs: &[(100, 1), (5, 1)], window: Some(24) });
-        attention_case(&c, &mut r, dtype, Case { what: "prefill cached prefix", heads: 4, kv_heads: 2, hd: 40, seqs: &[(20, 17), (0, 5), (3, 1)], window: None });
+        attention_case(
+            &c,
+            &mut r,
+            dtype,
+            Case { what: "prefill cached prefix", heads: 4, kv_heads: 2, hd: 40, seqs: &[(20, 17), (0, 5), (3, 1)], window: None },
+        );
         attention_case(&c, &mut r, dtype, Case { what: "prefill window", heads: 2, kv_heads: 1, hd: 64, seqs: &[(30, 40)], window: Some(20) });
     }
 }
@@ -370,7 +389,8 @@ fn lora_kernels_match_the_cpu() {
             let yd = round_to(&randn(&mut r, decode.len() * out_f, 1.0), dtype);
 
             let mut sim = Sim::default();
-            let (sx, spool, sdir, sa, sb, sdt) = (sim.floats(&x, dtype), sim.floats(&pool, DType::F32), sim.u32s(&directory), sim.u32s(&a_rows), sim.u32s(&b_rows), sim.u32s(&dtypes));
+            let (sx, spool, sdir, sa, sb, sdt) =
+                (sim.floats(&x, dtype), sim.floats(&pool, DType::F32), sim.u32s(&directory), sim.u32s(&a_rows), sim.u32s(&b_rows), sim.u32s(&dtypes));
             let sv = sim.nans(tokens * max_rank, DType::F32);
             let sy = sim.floats(&y0, dtype);
             let tail = |n: usize| [Arg::U32(n as u32), Arg::U32(max_rank as u32), Arg::U32(1), Arg::U32(0), Arg::U32(module as u32)];

@@ -8,14 +8,13 @@
 use loraplex_kernels::cpu::CpuBackend;
 use loraplex_kernels::cuda::{CudaBackend, CudaBuffer, round_to};
 use loraplex_kernels::{
-    AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KvLayout, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory,
-    NO_ADAPTER, RowDType, SampleParams, SamplingOps,
+    AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KvLayout, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory, NO_ADAPTER, RowDType,
+    SampleParams, SamplingOps,
 };
 use rand::{Rng, rngs::StdRng};
 
 mod common;
 use common::{Adapters, Case, DTYPES, Paged, adapters, check, paged, randn, rng, segments};
-
 
 fn gpu() -> CudaBackend {
     let dir = std::env::temp_dir().join("loraplex-test-kernels");
@@ -172,11 +171,23 @@ fn paged_attention_matches_the_cpu() {
     let (g, c, mut r) = (gpu(), CpuBackend::new(), rng());
     for dtype in DTYPES {
         // Decode: one token per sequence; a long single sequence is split into partitions.
-        attention_case(&g, &c, &mut r, dtype, Case { what: "decode gqa", heads: 8, kv_heads: 2, hd: 128, seqs: &[(40, 1), (1, 1), (200, 1), (17, 1)], window: None });
+        attention_case(
+            &g,
+            &c,
+            &mut r,
+            dtype,
+            Case { what: "decode gqa", heads: 8, kv_heads: 2, hd: 128, seqs: &[(40, 1), (1, 1), (200, 1), (17, 1)], window: None },
+        );
         attention_case(&g, &c, &mut r, dtype, Case { what: "decode long (partitions)", heads: 8, kv_heads: 8, hd: 64, seqs: &[(3000, 1)], window: None });
         attention_case(&g, &c, &mut r, dtype, Case { what: "decode window", heads: 4, kv_heads: 2, hd: 80, seqs: &[(300, 1), (20, 1)], window: Some(64) });
         // Prefill with a cached prefix, chunks not multiples of the tile, mixed with decode rows.
-        attention_case(&g, &c, &mut r, dtype, Case { what: "prefill cached prefix", heads: 8, kv_heads: 2, hd: 128, seqs: &[(50, 17), (0, 33), (5, 1), (64, 40)], window: None });
+        attention_case(
+            &g,
+            &c,
+            &mut r,
+            dtype,
+            Case { what: "prefill cached prefix", heads: 8, kv_heads: 2, hd: 128, seqs: &[(50, 17), (0, 33), (5, 1), (64, 40)], window: None },
+        );
         attention_case(&g, &c, &mut r, dtype, Case { what: "prefill window", heads: 6, kv_heads: 3, hd: 64, seqs: &[(70, 45), (0, 9)], window: Some(40) });
         attention_case(&g, &c, &mut r, dtype, Case { what: "prefill head_dim 256", heads: 4, kv_heads: 1, hd: 256, seqs: &[(10, 20), (0, 3)], window: None });
         attention_case(&g, &c, &mut r, dtype, Case { what: "prefill head_dim 40", heads: 3, kv_heads: 3, hd: 40, seqs: &[(0, 37)], window: None });

@@ -66,4 +66,3 @@ fn a_kernel_that_does_not_compile_is_reported_with_the_log() {
     let msg = err.to_string();
     assert!(msg.contains("broken does not compile") && msg.contains("undefined_thing"), "{msg}");
 }
-

@@ -298,9 +298,9 @@ impl Device {
         let ordinals = |first: usize, count: usize| -> Result<Vec<usize>, String> {
             let want: Vec<usize> = (first..first + workers).collect();
             match want.last() {
-                Some(&last) if last >= count => Err(format!(
-                    "--device {self} with {workers} worker(s) needs cuda:{last}, but this machine has {count} CUDA device(s)"
-                )),
+                Some(&last) if last >= count => {
+                    Err(format!("--device {self} with {workers} worker(s) needs cuda:{last}, but this machine has {count} CUDA device(s)"))
+                }
                 _ => Ok(want),
             }
         };

@@ -42,8 +42,7 @@ fn assert_fails_with(o: &Output, needles: &[&str]) {
 
 #[test]
 fn json_output_matches_the_reference() {
-    let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("qwen2/reference.json")).unwrap()).unwrap();
+    let reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixtures().join("qwen2/reference.json")).unwrap()).unwrap();
     let case = &reference["variants"]["base"]["results"][1];
     let prompt: Vec<String> = reference["prompts"][1]["token_ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
     let o = loraplex(&[
@@ -73,7 +72,8 @@ fn text_prompt_and_chat_go_through_the_tokenizer() {
     let out: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(out["prompt_tokens"], 9, "BOS plus 8 tokens, as transformers encodes it");
     let chat = r#"[{"role": "user", "content": "Hi"}]"#;
-    let o = loraplex(&["generate", "--model", model.to_str().unwrap(), "--chat", chat, "--max-new-tokens", "2", "--json", "--temperature", "0.7", "--seed", "3"]);
+    let o =
+        loraplex(&["generate", "--model", model.to_str().unwrap(), "--chat", chat, "--max-new-tokens", "2", "--json", "--temperature", "0.7", "--seed", "3"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let bad = loraplex(&["generate", "--model", model.to_str().unwrap(), "--chat", "{not json", "--max-new-tokens", "2"]);
     assert_fails_with(&bad, &["--chat"]);

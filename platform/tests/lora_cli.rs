@@ -51,8 +51,17 @@ fn generate_with_an_adapter_gives_pefts_tokens() {
     let r = reference("qwen2");
     let prompt: Vec<String> = ids(&r["prompts"][1]["token_ids"]).iter().map(u64::to_string).collect();
     let o = loraplex(&[
-        "generate", "--model", &model("qwen2"), "--adapter", &adapter("qwen2", "a3_r4_rslora"),
-        "--prompt-ids", &prompt.join(","), "--max-new-tokens", "16", "--ignore-eos", "--json",
+        "generate",
+        "--model",
+        &model("qwen2"),
+        "--adapter",
+        &adapter("qwen2", "a3_r4_rslora"),
+        "--prompt-ids",
+        &prompt.join(","),
+        "--max-new-tokens",
+        "16",
+        "--ignore-eos",
+        "--json",
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let out: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -122,6 +131,7 @@ fn broken_adapter_files_and_rank_limits_are_refused() {
     let o = loraplex(&["generate", "--model", &model("llama"), "--adapter", dir.path().to_str().unwrap(), "--prompt", "hi"]);
     assert_fails_with(&o, &["adapter_model.safetensors"]);
 
-    let wrong_rank_limit = loraplex(&["generate", "--model", &model("llama"), "--adapter", &adapter("llama", "a2_r16_all"), "--prompt", "hi", "--max-lora-rank", "8"]);
+    let wrong_rank_limit =
+        loraplex(&["generate", "--model", &model("llama"), "--adapter", &adapter("llama", "a2_r16_all"), "--prompt", "hi", "--max-lora-rank", "8"]);
     assert_fails_with(&wrong_rank_limit, &["rank 16", "8"]);
 }

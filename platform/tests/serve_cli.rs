@@ -52,7 +52,12 @@ fn start(data: &std::path::Path, extra: &[&str]) -> Server {
 fn http(addr: &str, method: &str, path: &str, key: Option<&str>, body: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).unwrap();
     let auth = key.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     let status = out.split(' ').nth(1).unwrap().parse().unwrap();
@@ -149,14 +154,16 @@ fn the_official_openai_python_client_works_unchanged() {
 #[test]
 fn without_cuda_auto_serves_on_the_cpu_and_cuda_is_a_clear_error() {
     let data = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_loraplex")).args(["serve", "--port", "0", "--device", "nvidia"]).arg("--data-dir").arg(data.path()).output().unwrap();
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_loraplex")).args(["serve", "--port", "0", "--device", "nvidia"]).arg("--data-dir").arg(data.path()).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("use auto, cpu, cuda or cuda:N"));
     if let Ok(n) = loraplex_kernels::cuda::probe() {
         eprintln!("skipped: this machine has {n} CUDA device(s)");
         return;
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_loraplex")).args(["serve", "--port", "0", "--device", "cuda:0"]).arg("--data-dir").arg(data.path()).output().unwrap();
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_loraplex")).args(["serve", "--port", "0", "--device", "cuda:0"]).arg("--data-dir").arg(data.path()).output().unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--device cuda:0: CUDA is not usable on this machine"), "{err}");

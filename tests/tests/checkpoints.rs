@@ -101,10 +101,7 @@ fn f16_weights_are_converted_on_load() {
     let tensors: Vec<_> = fixture_tensors()
         .into_iter()
         .map(|(n, _, s, b)| {
-            let halves: Vec<u8> = b
-                .chunks_exact(4)
-                .flat_map(|c| half::f16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]])).to_le_bytes())
-                .collect();
+            let halves: Vec<u8> = b.chunks_exact(4).flat_map(|c| half::f16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]])).to_le_bytes()).collect();
             (n, safetensors::Dtype::F16, s, halves)
         })
         .collect();

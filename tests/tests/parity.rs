@@ -117,14 +117,8 @@ fn preempted_sequences_resume_with_identical_output() {
     let (model, tok) = load(v);
     let reference = common::reference(v.arch);
     // The short prompts: all of them start together, then outgrow the pool as they decode.
-    let (index, prompts): (Vec<usize>, Vec<Vec<u32>>) = reference["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| common::ids(&p["token_ids"]))
-        .enumerate()
-        .filter(|(_, p)| p.len() < 100)
-        .unzip();
+    let (index, prompts): (Vec<usize>, Vec<Vec<u32>>) =
+        reference["prompts"].as_array().unwrap().iter().map(|p| common::ids(&p["token_ids"])).enumerate().filter(|(_, p)| p.len() < 100).unzip();
     assert!(prompts.len() >= 4);
     let new_tokens = 24;
     let block = 4;

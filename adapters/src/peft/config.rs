@@ -57,40 +57,19 @@ pub(crate) struct PeftConfig {
 /// Keys that must be absent, null, false or empty: each changes what the saved weights mean
 /// (or adds weights) in a way the serving path does not implement.
 const REFUSED_WHEN_SET: &[(&str, &str)] = &[
-    (
-        "use_dora",
-        "DoRA adapters (weight-decomposed LoRA) are not supported",
-    ),
-    (
-        "fan_in_fan_out",
-        "fan_in_fan_out (transposed Conv1D-style weights) is not supported; Llama-family linears are not transposed",
-    ),
-    (
-        "modules_to_save",
-        "modules_to_save (fully fine-tuned extra modules) is not supported",
-    ),
+    ("use_dora", "DoRA adapters (weight-decomposed LoRA) are not supported"),
+    ("fan_in_fan_out", "fan_in_fan_out (transposed Conv1D-style weights) is not supported; Llama-family linears are not transposed"),
+    ("modules_to_save", "modules_to_save (fully fine-tuned extra modules) is not supported"),
     ("lora_bias", "LoRA with a bias on lora_B is not supported"),
     ("use_qalora", "QA-LoRA is not supported"),
     ("layer_replication", "layer_replication is not supported"),
-    (
-        "target_parameters",
-        "target_parameters (LoRA on raw parameters) is not supported",
-    ),
-    (
-        "trainable_token_indices",
-        "trainable_token_indices (extra embedding rows) is not supported",
-    ),
-    (
-        "alora_invocation_tokens",
-        "activated LoRA (alora_invocation_tokens) is not supported",
-    ),
+    ("target_parameters", "target_parameters (LoRA on raw parameters) is not supported"),
+    ("trainable_token_indices", "trainable_token_indices (extra embedding rows) is not supported"),
+    ("alora_invocation_tokens", "activated LoRA (alora_invocation_tokens) is not supported"),
 ];
 
 fn compile(path: &Path, key: &str, pattern: &str) -> Result<Regex, AdapterError> {
-    regex::RegexBuilder::new(pattern)
-        .size_limit(1 << 22)
-        .build()
-        .map_err(|e| AdapterError::config(path, key, format!("invalid regex {pattern:?}: {e}")))
+    regex::RegexBuilder::new(pattern).size_limit(1 << 22).build().map_err(|e| AdapterError::config(path, key, format!("invalid regex {pattern:?}: {e}")))
 }
 
 /// The value of `v` as a list of strings (used by `target_modules`, `exclude_modules`, ...).
@@ -98,58 +77,29 @@ fn string_list(path: &Path, key: &str, v: &[Json]) -> Result<Vec<String>, Adapte
     v.iter()
         .map(|item| match item {
             Json::Str(s) => Ok(s.clone()),
-            other => Err(AdapterError::config(
-                path,
-                key,
-                format!("list entries must be strings, found {}", other.kind()),
-            )),
+            other => Err(AdapterError::config(path, key, format!("list entries must be strings, found {}", other.kind()))),
         })
         .collect()
 }
 
-fn patterns(
-    path: &Path,
-    key: &str,
-    v: Option<&Json>,
-    integer: bool,
-) -> Result<Vec<Pattern>, AdapterError> {
+fn patterns(path: &Path, key: &str, v: Option<&Json>, integer: bool) -> Result<Vec<Pattern>, AdapterError> {
     let pairs = match v {
         None | Some(Json::Null) => return Ok(Vec::new()),
         Some(Json::Obj(pairs)) => pairs,
         Some(other) => {
-            return Err(AdapterError::config(
-                path,
-                key,
-                format!("expected an object, found {}", other.kind()),
-            ));
+            return Err(AdapterError::config(path, key, format!("expected an object, found {}", other.kind())));
         }
     };
     let mut out = Vec::with_capacity(pairs.len());
     for (pat, val) in pairs {
         let entry_key = format!("{key}.{pat}");
-        let value = if integer {
-            val.as_index().filter(|&r| r > 0).map(|r| r as f64)
-        } else {
-            val.as_f64().filter(|a| a.is_finite())
-        };
+        let value = if integer { val.as_index().filter(|&r| r > 0).map(|r| r as f64) } else { val.as_f64().filter(|a| a.is_finite()) };
         let Some(value) = value else {
-            let want = if integer {
-                "a positive integer"
-            } else {
-                "a finite number"
-            };
-            return Err(AdapterError::config(
-                path,
-                &entry_key,
-                format!("expected {want}, found {}", val.kind()),
-            ));
+            let want = if integer { "a positive integer" } else { "a finite number" };
+            return Err(AdapterError::config(path, &entry_key, format!("expected {want}, found {}", val.kind())));
         };
         let re = compile(path, &entry_key, &format!(r"^(?:.*\.)?(?:{pat})$"))?;
-        out.push(Pattern {
-            key: pat.clone(),
-            re,
-            value,
-        });
+        out.push(Pattern { key: pat.clone(), re, value });
     }
     Ok(out)
 }
@@ -157,17 +107,11 @@ fn patterns(
 impl PeftConfig {
     /// Parses and validates the config text read from `path`.
     pub(crate) fn parse(path: &Path, text: &str) -> Result<PeftConfig, AdapterError> {
-        let root: Json = serde_json::from_str(text).map_err(|e| AdapterError::ConfigJson {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
+        let root: Json = serde_json::from_str(text).map_err(|e| AdapterError::ConfigJson { path: path.to_path_buf(), reason: e.to_string() })?;
         let Json::Obj(pairs) = root else {
             return Err(AdapterError::ConfigJson {
                 path: path.to_path_buf(),
-                reason: format!(
-                    "expected a JSON object at the top level, found {}",
-                    root.kind()
-                ),
+                reason: format!("expected a JSON object at the top level, found {}", root.kind()),
             });
         };
         let get = |k: &str| pairs.iter().find(|(key, _)| key == k).map(|(_, v)| v);
@@ -177,11 +121,7 @@ impl PeftConfig {
                 Json::Str(s) if s.eq_ignore_ascii_case("lora") => {}
                 Json::Null => {}
                 other => {
-                    return Err(AdapterError::config(
-                        path,
-                        "peft_type",
-                        format!("only LORA adapters are supported, found {other:?}"),
-                    ));
+                    return Err(AdapterError::config(path, "peft_type", format!("only LORA adapters are supported, found {other:?}")));
                 }
             }
         }
@@ -189,24 +129,14 @@ impl PeftConfig {
             if let Some(v) = get(key)
                 && !v.is_falsy()
             {
-                return Err(AdapterError::config(
-                    path,
-                    key,
-                    format!("{why} (value {v:?})"),
-                ));
+                return Err(AdapterError::config(path, key, format!("{why} (value {v:?})")));
             }
         }
         match get("bias") {
             None | Some(Json::Null) => {}
             Some(Json::Str(s)) if s == "none" => {}
             Some(other) => {
-                return Err(AdapterError::config(
-                    path,
-                    "bias",
-                    format!(
-                        "only \"none\" is supported (trained biases change the base layers), found {other:?}"
-                    ),
-                ));
+                return Err(AdapterError::config(path, "bias", format!("only \"none\" is supported (trained biases change the base layers), found {other:?}")));
             }
         }
 
@@ -215,31 +145,20 @@ impl PeftConfig {
             && *v != Json::Null
             && v.as_index().is_none_or(|r| r == 0)
         {
-            return Err(AdapterError::config(
-                path,
-                "r",
-                format!("expected a positive integer, found {v:?}"),
-            ));
+            return Err(AdapterError::config(path, "r", format!("expected a positive integer, found {v:?}")));
         }
         let lora_alpha = match get("lora_alpha") {
             None | Some(Json::Null) => 8.0,
-            Some(v) => v.as_f64().filter(|a| a.is_finite()).ok_or_else(|| {
-                AdapterError::config(
-                    path,
-                    "lora_alpha",
-                    format!("expected a finite number, found {v:?}"),
-                )
-            })?,
+            Some(v) => v
+                .as_f64()
+                .filter(|a| a.is_finite())
+                .ok_or_else(|| AdapterError::config(path, "lora_alpha", format!("expected a finite number, found {v:?}")))?,
         };
         let use_rslora = match get("use_rslora") {
             None | Some(Json::Null) => false,
             Some(Json::Bool(b)) => *b,
             Some(other) => {
-                return Err(AdapterError::config(
-                    path,
-                    "use_rslora",
-                    format!("expected a boolean, found {}", other.kind()),
-                ));
+                return Err(AdapterError::config(path, "use_rslora", format!("expected a boolean, found {}", other.kind())));
             }
         };
 
@@ -252,50 +171,27 @@ impl PeftConfig {
                 ));
             }
             Some(Json::Str(s)) if s.eq_ignore_ascii_case("all-linear") => Targets::AllLinear,
-            Some(Json::Str(s)) => {
-                Targets::Regex(compile(path, "target_modules", &format!("^(?:{s})$"))?)
-            }
+            Some(Json::Str(s)) => Targets::Regex(compile(path, "target_modules", &format!("^(?:{s})$"))?),
             Some(Json::Arr(items)) => Targets::Names(string_list(path, "target_modules", items)?),
             Some(other) => {
-                return Err(AdapterError::config(
-                    path,
-                    "target_modules",
-                    format!("expected a list or a string, found {}", other.kind()),
-                ));
+                return Err(AdapterError::config(path, "target_modules", format!("expected a list or a string, found {}", other.kind())));
             }
         };
         let exclude = match get("exclude_modules") {
             None | Some(Json::Null) => Exclude::Nothing,
             Some(Json::Str(s)) if s.is_empty() => Exclude::Nothing,
-            Some(Json::Str(s)) => {
-                Exclude::Regex(compile(path, "exclude_modules", &format!("^(?:{s})$"))?)
-            }
+            Some(Json::Str(s)) => Exclude::Regex(compile(path, "exclude_modules", &format!("^(?:{s})$"))?),
             Some(Json::Arr(items)) => Exclude::Names(string_list(path, "exclude_modules", items)?),
             Some(other) => {
-                return Err(AdapterError::config(
-                    path,
-                    "exclude_modules",
-                    format!("expected a list or a string, found {}", other.kind()),
-                ));
+                return Err(AdapterError::config(path, "exclude_modules", format!("expected a list or a string, found {}", other.kind())));
             }
         };
 
-        let bad_layer = |v: &Json| {
-            AdapterError::config(
-                path,
-                "layers_to_transform",
-                format!("expected a non-negative integer, found {v:?}"),
-            )
-        };
+        let bad_layer = |v: &Json| AdapterError::config(path, "layers_to_transform", format!("expected a non-negative integer, found {v:?}"));
         let layers = match get("layers_to_transform") {
             None | Some(Json::Null) => None,
             Some(Json::Arr(items)) if items.is_empty() => None,
-            Some(Json::Arr(items)) => Some(
-                items
-                    .iter()
-                    .map(|v| v.as_index().ok_or_else(|| bad_layer(v)))
-                    .collect::<Result<Vec<_>, _>>()?,
-            ),
+            Some(Json::Arr(items)) => Some(items.iter().map(|v| v.as_index().ok_or_else(|| bad_layer(v))).collect::<Result<Vec<_>, _>>()?),
             Some(v) => Some(vec![v.as_index().ok_or_else(|| bad_layer(v))?]),
         };
         let layers_pattern = match get("layers_pattern") {
@@ -304,28 +200,16 @@ impl PeftConfig {
             Some(Json::Str(s)) => vec![s.clone()],
             Some(Json::Arr(items)) => string_list(path, "layers_pattern", items)?,
             Some(other) => {
-                return Err(AdapterError::config(
-                    path,
-                    "layers_pattern",
-                    format!("expected a list or a string, found {}", other.kind()),
-                ));
+                return Err(AdapterError::config(path, "layers_pattern", format!("expected a list or a string, found {}", other.kind())));
             }
         };
         // PEFT's LoraConfig refuses these combinations too: with a regex the layers are the
         // regex's business.
         if matches!(targets, Targets::Regex(_)) && layers.is_some() {
-            return Err(AdapterError::config(
-                path,
-                "layers_to_transform",
-                "cannot be used when target_modules is a regex string",
-            ));
+            return Err(AdapterError::config(path, "layers_to_transform", "cannot be used when target_modules is a regex string"));
         }
         if matches!(targets, Targets::Regex(_)) && !layers_pattern.is_empty() {
-            return Err(AdapterError::config(
-                path,
-                "layers_pattern",
-                "cannot be used when target_modules is a regex string",
-            ));
+            return Err(AdapterError::config(path, "layers_pattern", "cannot be used when target_modules is a regex string"));
         }
 
         Ok(PeftConfig {

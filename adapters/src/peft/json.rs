@@ -97,9 +97,7 @@ impl<'de> Visitor<'de> for JsonVisitor {
         Ok(Json::Int(v))
     }
     fn visit_u64<E>(self, v: u64) -> Result<Json, E> {
-        Ok(i64::try_from(v)
-            .map(Json::Int)
-            .unwrap_or(Json::Float(v as f64)))
+        Ok(i64::try_from(v).map(Json::Int).unwrap_or(Json::Float(v as f64)))
     }
     fn visit_f64<E>(self, v: f64) -> Result<Json, E> {
         Ok(Json::Float(v))
@@ -135,18 +133,12 @@ mod tests {
 
     #[test]
     fn object_keys_keep_file_order() {
-        let j: Json =
-            serde_json::from_str(r#"{"z": 1, "a": 2.5, "m": [true, null, "s"]}"#).unwrap();
-        let Json::Obj(pairs) = j else {
-            panic!("not an object")
-        };
+        let j: Json = serde_json::from_str(r#"{"z": 1, "a": 2.5, "m": [true, null, "s"]}"#).unwrap();
+        let Json::Obj(pairs) = j else { panic!("not an object") };
         let keys: Vec<&str> = pairs.iter().map(|(k, _)| k.as_str()).collect();
         assert_eq!(keys, ["z", "a", "m"]);
         assert_eq!(pairs[1].1, Json::Float(2.5));
-        assert_eq!(
-            pairs[2].1,
-            Json::Arr(vec![Json::Bool(true), Json::Null, Json::Str("s".into())])
-        );
+        assert_eq!(pairs[2].1, Json::Arr(vec![Json::Bool(true), Json::Null, Json::Str("s".into())]));
     }
 
     #[test]

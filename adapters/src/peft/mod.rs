@@ -61,20 +61,13 @@ fn parse_tensor_name(name: &str) -> Result<(usize, TargetModule, Half), String> 
     let rest = name.strip_prefix(PREFIX).ok_or_else(refuse)?;
     let parts: Vec<&str> = rest.split('.').collect();
     let (layer, parent, module, half) = match parts.as_slice() {
-        [layer, parent, module, half, "weight"]
-        | [layer, parent, module, half, "default", "weight"] => (*layer, *parent, *module, *half),
+        [layer, parent, module, half, "weight"] | [layer, parent, module, half, "default", "weight"] => (*layer, *parent, *module, *half),
         [_, _, _, "lora_A" | "lora_B", adapter, "weight"] => {
-            return Err(format!(
-                "adapter name `{adapter}`: only a single adapter, saved as `default` or unnamed, is supported"
-            ));
+            return Err(format!("adapter name `{adapter}`: only a single adapter, saved as `default` or unnamed, is supported"));
         }
         _ => return Err(refuse()),
     };
-    let layer: usize = layer
-        .parse()
-        .ok()
-        .filter(|_| layer.bytes().all(|b| b.is_ascii_digit()))
-        .ok_or_else(refuse)?;
+    let layer: usize = layer.parse().ok().filter(|_| layer.bytes().all(|b| b.is_ascii_digit())).ok_or_else(refuse)?;
     let module = TargetModule::from_hf_name(module).ok_or_else(refuse)?;
     if module.hf_parent() != parent {
         return Err(refuse());
@@ -88,20 +81,11 @@ fn parse_tensor_name(name: &str) -> Result<(usize, TargetModule, Half), String> 
 }
 
 /// The tensor's data as f32, checking dtype, shape and finiteness.
-fn read_f32(
-    path: &Path,
-    name: &str,
-    st: &SafeTensors<'_>,
-    rows: usize,
-    cols: usize,
-) -> Result<Vec<f32>, AdapterError> {
+fn read_f32(path: &Path, name: &str, st: &SafeTensors<'_>, rows: usize, cols: usize) -> Result<Vec<f32>, AdapterError> {
     let err = |reason: String| AdapterError::tensor(path, name, reason);
     let view = st.tensor(name).map_err(|e| err(e.to_string()))?;
     if view.shape() != [rows, cols] {
-        return Err(err(format!(
-            "shape {:?}, expected [{rows}, {cols}]",
-            view.shape()
-        )));
+        return Err(err(format!("shape {:?}, expected [{rows}, {cols}]", view.shape())));
     }
     let n = rows * cols;
     let data = view.data();
@@ -109,36 +93,19 @@ fn read_f32(
         Dtype::F32 => 4,
         Dtype::F16 | Dtype::BF16 => 2,
         other => {
-            return Err(err(format!(
-                "dtype {other:?} is not supported (f32, f16 and bf16 are)"
-            )));
+            return Err(err(format!("dtype {other:?} is not supported (f32, f16 and bf16 are)")));
         }
     };
     if data.len() != n * width {
-        return Err(err(format!(
-            "{} data bytes for {n} values of {width} bytes",
-            data.len()
-        )));
+        return Err(err(format!("{} data bytes for {n} values of {width} bytes", data.len())));
     }
     let out: Vec<f32> = match view.dtype() {
-        Dtype::F32 => data
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Dtype::F16 => data
-            .chunks_exact(2)
-            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        _ => data
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
+        Dtype::F32 => data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        Dtype::F16 => data.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        _ => data.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
     };
     if let Some(i) = out.iter().position(|v| !v.is_finite()) {
-        return Err(err(format!(
-            "value {} at flat index {i} is not finite",
-            out[i]
-        )));
+        return Err(err(format!("value {} at flat index {i} is not finite", out[i])));
     }
     Ok(out)
 }
@@ -147,11 +114,7 @@ impl LoraAdapter {
     /// Reads and validates the PEFT adapter in `dir` against `base`. See the [module
     /// documentation](self) for what is accepted; anything else is an [`AdapterError`] naming
     /// the file and the key or tensor at fault.
-    pub fn load(
-        dir: &Path,
-        base: &BaseShape,
-        limits: &AdapterLimits,
-    ) -> Result<LoraAdapter, AdapterError> {
+    pub fn load(dir: &Path, base: &BaseShape, limits: &AdapterLimits) -> Result<LoraAdapter, AdapterError> {
         let cfg_path = dir.join(CONFIG_FILE);
         let st_path = dir.join(WEIGHTS_FILE);
         if !st_path.is_file() {
@@ -159,42 +122,19 @@ impl LoraAdapter {
             if pickle.exists() {
                 return Err(AdapterError::PickleCheckpoint { path: pickle });
             }
-            return Err(AdapterError::MissingFile {
-                path: st_path,
-                what: "adapter weights",
-            });
+            return Err(AdapterError::MissingFile { path: st_path, what: "adapter weights" });
         }
         if !cfg_path.is_file() {
-            return Err(AdapterError::MissingFile {
-                path: cfg_path,
-                what: "adapter config",
-            });
+            return Err(AdapterError::MissingFile { path: cfg_path, what: "adapter config" });
         }
-        let text = std::fs::read_to_string(&cfg_path).map_err(|source| AdapterError::Io {
-            path: cfg_path.clone(),
-            source,
-        })?;
+        let text = std::fs::read_to_string(&cfg_path).map_err(|source| AdapterError::Io { path: cfg_path.clone(), source })?;
         let config = PeftConfig::parse(&cfg_path, &text)?;
 
-        let size = std::fs::metadata(&st_path)
-            .map_err(|source| AdapterError::Io {
-                path: st_path.clone(),
-                source,
-            })?
-            .len();
+        let size = std::fs::metadata(&st_path).map_err(|source| AdapterError::Io { path: st_path.clone(), source })?.len();
         if size > limits.max_file_bytes {
-            return Err(AdapterError::Safetensors {
-                path: st_path,
-                reason: format!(
-                    "{size} bytes exceeds the limit of {} bytes",
-                    limits.max_file_bytes
-                ),
-            });
+            return Err(AdapterError::Safetensors { path: st_path, reason: format!("{size} bytes exceeds the limit of {} bytes", limits.max_file_bytes) });
         }
-        let bytes = std::fs::read(&st_path).map_err(|source| AdapterError::Io {
-            path: st_path.clone(),
-            source,
-        })?;
+        let bytes = std::fs::read(&st_path).map_err(|source| AdapterError::Io { path: st_path.clone(), source })?;
         Self::from_parts(&cfg_path, &config, &st_path, &bytes, base, limits)
     }
 
@@ -206,54 +146,33 @@ impl LoraAdapter {
         base: &BaseShape,
         limits: &AdapterLimits,
     ) -> Result<LoraAdapter, AdapterError> {
-        let st = SafeTensors::deserialize(bytes).map_err(|e| AdapterError::Safetensors {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
+        let st = SafeTensors::deserialize(bytes).map_err(|e| AdapterError::Safetensors { path: path.to_path_buf(), reason: e.to_string() })?;
 
         // (layer, module) -> tensor names of A and B.
         let mut found: BTreeMap<(usize, TargetModule), [Option<String>; 2]> = BTreeMap::new();
         let mut names: Vec<&str> = st.names();
         names.sort();
         for name in names {
-            let (layer, module, half) = parse_tensor_name(name)
-                .map_err(|reason| AdapterError::tensor(path, name, reason))?;
+            let (layer, module, half) = parse_tensor_name(name).map_err(|reason| AdapterError::tensor(path, name, reason))?;
             if layer >= base.num_layers {
-                return Err(AdapterError::tensor(
-                    path,
-                    name,
-                    format!(
-                        "layer {layer} does not exist: the base model has {} layers",
-                        base.num_layers
-                    ),
-                ));
+                return Err(AdapterError::tensor(path, name, format!("layer {layer} does not exist: the base model has {} layers", base.num_layers)));
             }
             let full = patterns::full_name(layer, module);
             if !config.selects(&full) {
                 return Err(AdapterError::tensor(
                     path,
                     name,
-                    format!(
-                        "module `{full}` is not selected by {} (target_modules / exclude_modules / layers_to_transform)",
-                        cfg_path.display()
-                    ),
+                    format!("module `{full}` is not selected by {} (target_modules / exclude_modules / layers_to_transform)", cfg_path.display()),
                 ));
             }
             let slot = &mut found.entry((layer, module)).or_default()[half as usize];
             if let Some(other) = slot {
-                return Err(AdapterError::tensor(
-                    path,
-                    name,
-                    format!("duplicates `{other}`"),
-                ));
+                return Err(AdapterError::tensor(path, name, format!("duplicates `{other}`")));
             }
             *slot = Some(name.to_string());
         }
         if found.is_empty() {
-            return Err(AdapterError::Safetensors {
-                path: path.to_path_buf(),
-                reason: "no LoRA tensors in the file".to_string(),
-            });
+            return Err(AdapterError::Safetensors { path: path.to_path_buf(), reason: "no LoRA tensors in the file".to_string() });
         }
         for layer in 0..base.num_layers {
             for module in TargetModule::ALL {
@@ -261,10 +180,7 @@ impl LoraAdapter {
                 if config.selects(&full) && !found.contains_key(&(layer, module)) {
                     return Err(AdapterError::Safetensors {
                         path: path.to_path_buf(),
-                        reason: format!(
-                            "no lora_A/lora_B tensors for `{full}`, which {} selects",
-                            cfg_path.display()
-                        ),
+                        reason: format!("no lora_A/lora_B tensors for `{full}`, which {} selects", cfg_path.display()),
                     });
                 }
             }
@@ -284,52 +200,32 @@ impl LoraAdapter {
             };
             let (in_f, out_f) = base.dims(module);
             let full = patterns::full_name(layer, module);
-            let a_view = st
-                .tensor(&a_name)
-                .map_err(|e| AdapterError::tensor(path, &a_name, e.to_string()))?;
+            let a_view = st.tensor(&a_name).map_err(|e| AdapterError::tensor(path, &a_name, e.to_string()))?;
             let rank = match a_view.shape() {
                 &[r, i] if i == in_f => r,
                 &[_, i] => {
                     return Err(AdapterError::tensor(
                         path,
                         &a_name,
-                        format!(
-                            "in_features {i} does not match the base `{}` input size {in_f}",
-                            module.hf_name()
-                        ),
+                        format!("in_features {i} does not match the base `{}` input size {in_f}", module.hf_name()),
                     ));
                 }
                 s => {
-                    return Err(AdapterError::tensor(
-                        path,
-                        &a_name,
-                        format!("shape {s:?} is not [r, in]"),
-                    ));
+                    return Err(AdapterError::tensor(path, &a_name, format!("shape {s:?} is not [r, in]")));
                 }
             };
             if rank == 0 {
                 return Err(AdapterError::tensor(path, &a_name, "rank 0"));
             }
             if rank > limits.max_rank {
-                return Err(AdapterError::tensor(
-                    path,
-                    &a_name,
-                    format!("rank {rank} exceeds the limit of {}", limits.max_rank),
-                ));
+                return Err(AdapterError::tensor(path, &a_name, format!("rank {rank} exceeds the limit of {}", limits.max_rank)));
             }
-            let b_shape = st
-                .tensor(&b_name)
-                .map_err(|e| AdapterError::tensor(path, &b_name, e.to_string()))?
-                .shape()
-                .to_vec();
+            let b_shape = st.tensor(&b_name).map_err(|e| AdapterError::tensor(path, &b_name, e.to_string()))?.shape().to_vec();
             if b_shape != [out_f, rank] {
                 return Err(AdapterError::tensor(
                     path,
                     &b_name,
-                    format!(
-                        "shape {b_shape:?}, expected [{out_f}, {rank}] (base `{}` output size, lora_A rank)",
-                        module.hf_name()
-                    ),
+                    format!("shape {b_shape:?}, expected [{out_f}, {rank}] (base `{}` output size, lora_A rank)", module.hf_name()),
                 ));
             }
             if let Some(p) = patterns::first_match(&config.rank_pattern, &full)
@@ -338,33 +234,14 @@ impl LoraAdapter {
                 return Err(AdapterError::config(
                     cfg_path,
                     &format!("rank_pattern.{}", p.key),
-                    format!(
-                        "gives rank {} for `{full}`, but tensor `{a_name}` in {} has rank {rank}",
-                        p.value,
-                        path.display()
-                    ),
+                    format!("gives rank {} for `{full}`, but tensor `{a_name}` in {} has rank {rank}", p.value, path.display()),
                 ));
             }
-            let alpha = patterns::first_match(&config.alpha_pattern, &full)
-                .map_or(config.lora_alpha, |p| p.value);
-            let scaling = if config.use_rslora {
-                alpha / (rank as f64).sqrt()
-            } else {
-                alpha / rank as f64
-            };
+            let alpha = patterns::first_match(&config.alpha_pattern, &full).map_or(config.lora_alpha, |p| p.value);
+            let scaling = if config.use_rslora { alpha / (rank as f64).sqrt() } else { alpha / rank as f64 };
             let a = read_f32(path, &a_name, &st, rank, in_f)?;
             let b = read_f32(path, &b_name, &st, out_f, rank)?;
-            modules.push(LoraModule {
-                layer,
-                module,
-                rank,
-                alpha: alpha as f32,
-                scaling: scaling as f32,
-                in_features: in_f,
-                out_features: out_f,
-                a,
-                b,
-            });
+            modules.push(LoraModule { layer, module, rank, alpha: alpha as f32, scaling: scaling as f32, in_features: in_f, out_features: out_f, a, b });
         }
         Ok(LoraAdapter::from_modules(modules, config.use_rslora))
     }

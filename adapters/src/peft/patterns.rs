@@ -9,19 +9,12 @@ use crate::TargetModule;
 /// The module's name inside the causal-LM model, as PEFT matches it (without the
 /// `base_model.model.` prefix of saved tensor names).
 pub(crate) fn full_name(layer: usize, module: TargetModule) -> String {
-    format!(
-        "model.layers.{layer}.{}.{}",
-        module.hf_parent(),
-        module.hf_name()
-    )
+    format!("model.layers.{layer}.{}.{}", module.hf_parent(), module.hf_name())
 }
 
 /// A list entry selects `name` when it equals it or is a dot-separated suffix of it.
 fn name_matches(name: &str, key: &str) -> bool {
-    name == key
-        || (name.len() > key.len()
-            && name.ends_with(key)
-            && name[..name.len() - key.len()].ends_with('.'))
+    name == key || (name.len() > key.len() && name.ends_with(key) && name[..name.len() - key.len()].ends_with('.'))
 }
 
 impl PeftConfig {
@@ -45,10 +38,7 @@ impl PeftConfig {
             Targets::Regex(re) => return re.is_match(name),
             Targets::Names(keys) => keys,
             Targets::AllLinear => {
-                all_linear = TargetModule::ALL
-                    .iter()
-                    .map(|m| m.hf_name().to_string())
-                    .collect();
+                all_linear = TargetModule::ALL.iter().map(|m| m.hf_name().to_string()).collect();
                 &all_linear
             }
         };
@@ -76,9 +66,7 @@ impl PeftConfig {
         if self.layers_pattern.is_empty() {
             return captures(r"^.*\.[^.]*\.(\d+)\.");
         }
-        self.layers_pattern
-            .iter()
-            .find_map(|p| captures(&format!(r"^.*\.(?:{p})\.(\d+)\.")))
+        self.layers_pattern.iter().find_map(|p| captures(&format!(r"^.*\.(?:{p})\.(\d+)\.")))
     }
 }
 
@@ -110,21 +98,13 @@ mod tests {
     #[test]
     fn layers_to_transform_restricts_suffix_matches() {
         let c = cfg(r#"{"target_modules": ["q_proj"], "layers_to_transform": [1, 3]}"#);
-        let picked: Vec<usize> = (0..4)
-            .filter(|&l| c.selects(&full_name(l, TargetModule::Q)))
-            .collect();
+        let picked: Vec<usize> = (0..4).filter(|&l| c.selects(&full_name(l, TargetModule::Q))).collect();
         assert_eq!(picked, [1, 3]);
-        let c = cfg(
-            r#"{"target_modules": ["q_proj"], "layers_to_transform": 2, "layers_pattern": "layers"}"#,
-        );
-        let picked: Vec<usize> = (0..4)
-            .filter(|&l| c.selects(&full_name(l, TargetModule::Q)))
-            .collect();
+        let c = cfg(r#"{"target_modules": ["q_proj"], "layers_to_transform": 2, "layers_pattern": "layers"}"#);
+        let picked: Vec<usize> = (0..4).filter(|&l| c.selects(&full_name(l, TargetModule::Q))).collect();
         assert_eq!(picked, [2]);
         // A layers_pattern that is not in the name selects nothing.
-        let c = cfg(
-            r#"{"target_modules": ["q_proj"], "layers_to_transform": 2, "layers_pattern": "h"}"#,
-        );
+        let c = cfg(r#"{"target_modules": ["q_proj"], "layers_to_transform": 2, "layers_pattern": "h"}"#);
         assert!((0..4).all(|l| !c.selects(&full_name(l, TargetModule::Q))));
     }
 
@@ -135,10 +115,7 @@ mod tests {
         assert!(c.selects("model.layers.3.self_attn.v_proj"));
         assert!(!c.selects("model.layers.3.self_attn.o_proj"));
         let c = cfg(r#"{"target_modules": "q_proj"}"#);
-        assert!(
-            !c.selects("model.layers.0.self_attn.q_proj"),
-            "a regex is a full match, not a suffix"
-        );
+        assert!(!c.selects("model.layers.0.self_attn.q_proj"), "a regex is a full match, not a suffix");
     }
 
     #[test]
@@ -150,29 +127,13 @@ mod tests {
 
     #[test]
     fn first_pattern_in_file_order_wins() {
-        let c = cfg(
-            r#"{"target_modules": ["q_proj"], "rank_pattern": {"q_proj": 4, "layers.1.self_attn.q_proj": 2}}"#,
-        );
+        let c = cfg(r#"{"target_modules": ["q_proj"], "rank_pattern": {"q_proj": 4, "layers.1.self_attn.q_proj": 2}}"#);
         let name = full_name(1, TargetModule::Q);
-        assert_eq!(
-            first_match(&c.rank_pattern, &name).map(|p| p.value),
-            Some(4.0)
-        );
-        let c = cfg(
-            r#"{"target_modules": ["q_proj"], "rank_pattern": {"layers.1.self_attn.q_proj": 2, "q_proj": 4}}"#,
-        );
-        assert_eq!(
-            first_match(&c.rank_pattern, &name).map(|p| p.value),
-            Some(2.0)
-        );
-        assert_eq!(
-            first_match(&c.rank_pattern, &full_name(0, TargetModule::Q)).map(|p| p.value),
-            Some(4.0)
-        );
+        assert_eq!(first_match(&c.rank_pattern, &name).map(|p| p.value), Some(4.0));
+        let c = cfg(r#"{"target_modules": ["q_proj"], "rank_pattern": {"layers.1.self_attn.q_proj": 2, "q_proj": 4}}"#);
+        assert_eq!(first_match(&c.rank_pattern, &name).map(|p| p.value), Some(2.0));
+        assert_eq!(first_match(&c.rank_pattern, &full_name(0, TargetModule::Q)).map(|p| p.value), Some(4.0));
         // Keys match at a dot boundary only.
-        assert!(
-            first_match(&c.rank_pattern, "model.layers.11.self_attn.q_proj")
-                .is_some_and(|p| p.value == 4.0)
-        );
+        assert!(first_match(&c.rank_pattern, "model.layers.11.self_attn.q_proj").is_some_and(|p| p.value == 4.0));
     }
 }

@@ -37,15 +37,7 @@ impl AttentionOps for CpuBackend {
         Ok(())
     }
 
-    fn write_kv(
-        &self,
-        k: &CpuBuffer,
-        v: &CpuBuffer,
-        cache: &mut CpuBuffer,
-        meta: &BatchMeta<CpuBuffer>,
-        layout: &KvLayout,
-        layer: usize,
-    ) -> Result<()> {
+    fn write_kv(&self, k: &CpuBuffer, v: &CpuBuffer, cache: &mut CpuBuffer, meta: &BatchMeta<CpuBuffer>, layout: &KvLayout, layer: usize) -> Result<()> {
         const OP: &str = "write_kv";
         let m = Batch::read(OP, meta)?;
         let (k, v) = (k.f32(OP)?, v.f32(OP)?);
@@ -96,35 +88,32 @@ impl AttentionOps for CpuBackend {
         let bs = layout.block_size;
         // One task per (token, kv head): the group of query heads sharing that kv head reuses
         // each key and value row while it is in cache.
-        out[..meta.num_tokens * heads * hd]
-            .par_chunks_mut(group * hd)
-            .enumerate()
-            .for_each_init(Vec::new, |scores: &mut Vec<f32>, (task, o)| {
-                let (t, kvh) = (task / p.num_kv_heads, task % p.num_kv_heads);
-                let s = token_seq[t] as usize;
-                let pos = m.positions[t] as usize;
-                let last = pos;
-                let first = p.sliding_window.map_or(0, |w| (last + 1).saturating_sub(w));
-                let table = &m.block_tables[s * m.max_blocks..];
-                let n = last + 1 - first;
-                scores.resize(group * n, 0.0);
-                for g in 0..group {
-                    let h = kvh * group + g;
-                    let qh = &q[(t * heads + h) * hd..(t * heads + h + 1) * hd];
-                    let sc = &mut scores[g * n..(g + 1) * n];
-                    for (j, key_pos) in (first..=last).enumerate() {
-                        let off = layout.offset(table[key_pos / bs] as usize, p.layer, 0, kvh, key_pos % bs);
-                        sc[j] = simd::dot(qh, &cache[off..off + hd]) * p.scale;
-                    }
-                    softmax_in_place(sc);
-                    let oh = &mut o[g * hd..(g + 1) * hd];
-                    oh.fill(0.0);
-                    for (j, key_pos) in (first..=last).enumerate() {
-                        let off = layout.offset(table[key_pos / bs] as usize, p.layer, 1, kvh, key_pos % bs);
-                        simd::axpy(oh, sc[j], &cache[off..off + hd]);
-                    }
+        out[..meta.num_tokens * heads * hd].par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (task, o)| {
+            let (t, kvh) = (task / p.num_kv_heads, task % p.num_kv_heads);
+            let s = token_seq[t] as usize;
+            let pos = m.positions[t] as usize;
+            let last = pos;
+            let first = p.sliding_window.map_or(0, |w| (last + 1).saturating_sub(w));
+            let table = &m.block_tables[s * m.max_blocks..];
+            let n = last + 1 - first;
+            scores.resize(group * n, 0.0);
+            for g in 0..group {
+                let h = kvh * group + g;
+                let qh = &q[(t * heads + h) * hd..(t * heads + h + 1) * hd];
+                let sc = &mut scores[g * n..(g + 1) * n];
+                for (j, key_pos) in (first..=last).enumerate() {
+                    let off = layout.offset(table[key_pos / bs] as usize, p.layer, 0, kvh, key_pos % bs);
+                    sc[j] = simd::dot(qh, &cache[off..off + hd]) * p.scale;
                 }
-            });
+                softmax_in_place(sc);
+                let oh = &mut o[g * hd..(g + 1) * hd];
+                oh.fill(0.0);
+                for (j, key_pos) in (first..=last).enumerate() {
+                    let off = layout.offset(table[key_pos / bs] as usize, p.layer, 1, kvh, key_pos % bs);
+                    simd::axpy(oh, sc[j], &cache[off..off + hd]);
+                }
+            }
+        });
         Ok(())
     }
 }

@@ -175,15 +175,7 @@ impl LoraOps for CpuBackend {
         Ok(())
     }
 
-    fn bgmv(
-        &self,
-        x: &CpuBuffer,
-        pool: &CpuBuffer,
-        rows: &LoraRows<CpuBuffer>,
-        slots: &CpuBuffer,
-        target: &LoraTarget,
-        y: &mut CpuBuffer,
-    ) -> Result<()> {
+    fn bgmv(&self, x: &CpuBuffer, pool: &CpuBuffer, rows: &LoraRows<CpuBuffer>, slots: &CpuBuffer, target: &LoraTarget, y: &mut CpuBuffer) -> Result<()> {
         const OP: &str = "bgmv";
         let ad = Adapters::read(OP, pool, rows, target)?;
         let slots = slots.u32(OP)?;
@@ -193,20 +185,16 @@ impl LoraOps for CpuBackend {
         ensure_rows(OP, "x", x.len(), n, ad.in_features)?;
         let y = y.f32_mut(OP)?;
         ensure_rows(OP, "y", y.len(), n, ad.out_features)?;
-        y[..n * ad.out_features]
-            .par_chunks_mut(ad.out_features)
-            .zip(x[..n * ad.in_features].par_chunks(ad.in_features))
-            .zip(slots.par_iter())
-            .for_each_init(
-                || vec![0f32; ad.max_rank],
-                |v, ((yt, xt), &slot)| {
-                    if ad.active(slot) {
-                        // The same shrink and expand as SGMV, on a block of one token.
-                        ad.shrink(slot, xt, v);
-                        ad.expand(slot, v, yt);
-                    }
-                },
-            );
+        y[..n * ad.out_features].par_chunks_mut(ad.out_features).zip(x[..n * ad.in_features].par_chunks(ad.in_features)).zip(slots.par_iter()).for_each_init(
+            || vec![0f32; ad.max_rank],
+            |v, ((yt, xt), &slot)| {
+                if ad.active(slot) {
+                    // The same shrink and expand as SGMV, on a block of one token.
+                    ad.shrink(slot, xt, v);
+                    ad.expand(slot, v, yt);
+                }
+            },
+        );
         Ok(())
     }
 }

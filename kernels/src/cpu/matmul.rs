@@ -29,10 +29,7 @@ impl CpuWeight {
     /// Builds the weight in the packed or the plain layout.
     fn with_layout(data: &[f32], out_features: usize, in_features: usize, packed: bool) -> Result<Self> {
         if data.len() != out_features * in_features || out_features == 0 || in_features == 0 {
-            return Err(KernelError::Shape {
-                op: "load_weight",
-                detail: format!("{} elements for a [{out_features}, {in_features}] weight", data.len()),
-            });
+            return Err(KernelError::Shape { op: "load_weight", detail: format!("{} elements for a [{out_features}, {in_features}] weight", data.len()) });
         }
         let layout = if packed { Layout::Packed(packed::pack(data, out_features, in_features)) } else { Layout::Plain(data.to_vec()) };
         Ok(Self { layout, out_features, in_features })
@@ -48,14 +45,7 @@ impl CpuWeight {
 }
 
 impl CpuBackend {
-    pub(crate) fn matmul_impl(
-        &self,
-        x: &CpuBuffer,
-        w: &CpuWeight,
-        bias: Option<&CpuBuffer>,
-        out: &mut CpuBuffer,
-        rows: usize,
-    ) -> Result<()> {
+    pub(crate) fn matmul_impl(&self, x: &CpuBuffer, w: &CpuWeight, bias: Option<&CpuBuffer>, out: &mut CpuBuffer, rows: usize) -> Result<()> {
         const OP: &str = "matmul";
         let (k, n) = (w.in_features, w.out_features);
         let x = x.f32(OP)?;
@@ -154,14 +144,10 @@ mod tests {
             let w = pseudo_random(n * k, 2);
             let b = pseudo_random(n, 3);
             let layouts = if packed::available() { vec![false, true] } else { vec![false] };
-            for (weight, with_bias) in layouts
-                .into_iter()
-                .flat_map(|p| [false, true].map(|b| (CpuWeight::with_layout(&w, n, k, p).unwrap(), b)))
-            {
+            for (weight, with_bias) in layouts.into_iter().flat_map(|p| [false, true].map(|b| (CpuWeight::with_layout(&w, n, k, p).unwrap(), b))) {
                 let mut out = cpu.upload_f32(&vec![f32::NAN; rows * n]).unwrap();
                 let bias_buf = cpu.upload_f32(&b).unwrap();
-                cpu.matmul(&cpu.upload_f32(&x).unwrap(), &weight, with_bias.then_some(&bias_buf), &mut out, rows)
-                    .unwrap();
+                cpu.matmul(&cpu.upload_f32(&x).unwrap(), &weight, with_bias.then_some(&bias_buf), &mut out, rows).unwrap();
                 let got = cpu.download_f32(&out).unwrap();
                 let want = reference(&x, &w, with_bias.then_some(&b[..]), rows, k, n);
                 for (g, w) in got.iter().zip(&want) {

@@ -90,8 +90,7 @@ impl Memory for CpuBackend {
 
     fn zeros(&self, len: usize) -> Result<CpuBuffer> {
         let mut v = Vec::new();
-        v.try_reserve_exact(len)
-            .map_err(|_| KernelError::OutOfMemory { device: self.device_name(), bytes: len.saturating_mul(4) })?;
+        v.try_reserve_exact(len).map_err(|_| KernelError::OutOfMemory { device: self.device_name(), bytes: len.saturating_mul(4) })?;
         advise_huge_pages(v.spare_capacity_mut());
         v.resize(len, 0.0);
         Ok(CpuBuffer::F32(v))

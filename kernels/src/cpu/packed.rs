@@ -190,7 +190,13 @@ unsafe fn init(bias: Option<&[f32]>, mask_lo: __mmask16, mask_hi: __mmask16) -> 
 #[inline]
 fn masks(cols: usize) -> (__mmask16, __mmask16) {
     let lo = if cols >= 16 { 0xFFFF } else { (1u32 << cols) as u16 - 1 };
-    let hi = if cols >= 32 { 0xFFFF } else if cols > 16 { (1u32 << (cols - 16)) as u16 - 1 } else { 0 };
+    let hi = if cols >= 32 {
+        0xFFFF
+    } else if cols > 16 {
+        (1u32 << (cols - 16)) as u16 - 1
+    } else {
+        0
+    };
     (lo, hi)
 }
 

@@ -9,8 +9,8 @@ use super::plan::{self, AttentionPlan};
 use super::{ATTENTION, CudaBackend, CudaBuffer, CudaWeight, DENSE, Data, LORA, SAMPLING, dev_err, suffix};
 use crate::check::{Batch, Directory, Segments, check_slots, ensure_len, ensure_rows, rows_of};
 use crate::{
-    AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KernelError, KvLayout, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory,
-    NO_ADAPTER, Result, SampleParams, SamplingOps,
+    AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KernelError, KvLayout, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory, NO_ADAPTER, Result,
+    SampleParams, SamplingOps,
 };
 
 /// Fails unless every buffer holds the same float type; returns it.
@@ -126,7 +126,15 @@ impl CudaBackend {
         self.rms_norm_impl("rms_norm_residual", x, Some(residual), weight, out, eps)
     }
 
-    fn rms_norm_impl(&self, op: &'static str, x: &CudaBuffer, residual: Option<&mut CudaBuffer>, weight: &CudaBuffer, out: &mut CudaBuffer, eps: f32) -> Result<()> {
+    fn rms_norm_impl(
+        &self,
+        op: &'static str,
+        x: &CudaBuffer,
+        residual: Option<&mut CudaBuffer>,
+        weight: &CudaBuffer,
+        out: &mut CudaBuffer,
+        eps: f32,
+    ) -> Result<()> {
         let dtype = same_float(op, &[x, weight, out])?;
         let dim = weight.len;
         let rows = rows_of(op, "x", x.len, dim)?;
@@ -368,7 +376,15 @@ impl AttentionOps for CudaBackend {
         })
     }
 
-    fn attention(&self, q: &CudaBuffer, cache: &CudaBuffer, out: &mut CudaBuffer, meta: &BatchMeta<CudaBuffer>, layout: &KvLayout, p: &AttentionParams) -> Result<()> {
+    fn attention(
+        &self,
+        q: &CudaBuffer,
+        cache: &CudaBuffer,
+        out: &mut CudaBuffer,
+        meta: &BatchMeta<CudaBuffer>,
+        layout: &KvLayout,
+        p: &AttentionParams,
+    ) -> Result<()> {
         const OP: &str = "attention";
         let dtype = same_float(OP, &[q, cache, out])?;
         let m = Batch::read(OP, meta)?;
@@ -379,7 +395,15 @@ impl AttentionOps for CudaBackend {
         if meta.num_tokens == 0 {
             return Ok(());
         }
-        let attn_plan = plan::attention(OP, m.seq_starts, m.positions, heads, hd, p.sliding_window, plan::Limits { sm_count: self.info.sm_count, max_smem: self.info.max_smem_optin })?;
+        let attn_plan = plan::attention(
+            OP,
+            m.seq_starts,
+            m.positions,
+            heads,
+            hd,
+            p.sliding_window,
+            plan::Limits { sm_count: self.info.sm_count, max_smem: self.info.max_smem_optin },
+        )?;
         let (mb, nh, nkv, hd32, bs) = (m.max_blocks as u32, heads as u32, p.num_kv_heads as u32, hd as u32, layout.block_size as u32);
         let (pe, layer, scale) = (layout.page_elems() as u64, p.layer as u32, p.scale);
         let window = p.sliding_window.map_or(0u32, |w| w.min(u32::MAX as usize) as u32);
@@ -388,11 +412,8 @@ impl AttentionOps for CudaBackend {
             AttentionPlan::Decode { launch, part_size, parts, combine } => {
                 let token_seq = self.upload_meta(OP, &token_seq)?;
                 let rows = meta.num_tokens * heads * parts as usize;
-                let (part_acc, part_ml) = if parts > 1 {
-                    (Some(self.zeros_as(rows * hd, DType::F32)?), Some(self.zeros_as(rows * 2, DType::F32)?))
-                } else {
-                    (None, None)
-                };
+                let (part_acc, part_ml) =
+                    if parts > 1 { (Some(self.zeros_as(rows * hd, DType::F32)?), Some(self.zeros_as(rows * 2, DType::F32)?)) } else { (None, None) };
                 let name = format!("attn_decode_{s}");
                 let f = self.function(ATTENTION, &name)?;
                 let null = 0u64;
@@ -509,7 +530,16 @@ impl CudaBackend {
 
     /// The shrink over `tiles`: `v[t, r]` for every token the tiles cover.
     #[allow(clippy::too_many_arguments)]
-    fn lora_shrink(&self, op: &'static str, x: &CudaBuffer, pool: &CudaBuffer, rows: &LoraRows<CudaBuffer>, tiles: &[u32], target: &LoraTarget, v: &CudaBuffer) -> Result<()> {
+    fn lora_shrink(
+        &self,
+        op: &'static str,
+        x: &CudaBuffer,
+        pool: &CudaBuffer,
+        rows: &LoraRows<CudaBuffer>,
+        tiles: &[u32],
+        target: &LoraTarget,
+        v: &CudaBuffer,
+    ) -> Result<()> {
         if tiles.is_empty() {
             return Ok(());
         }
@@ -518,7 +548,8 @@ impl CudaBackend {
         let f = self.function(LORA, &name)?;
         let l = plan::lora_shrink(op, tiles.len() / 3, target.max_rank)?;
         let tiles = self.upload_meta(op, tiles)?;
-        let (inf, mr, nl, layer, module) = (target.in_features as u32, target.max_rank as u32, rows.num_layers as u32, target.layer as u32, target.module as u32);
+        let (inf, mr, nl, layer, module) =
+            (target.in_features as u32, target.max_rank as u32, rows.num_layers as u32, target.layer as u32, target.module as u32);
         self.launch(op, &name, &f, &l, |b| {
             x.push(b);
             pool.push(b);
@@ -533,7 +564,16 @@ impl CudaBackend {
 
     /// The expand over `tiles`: `y[t] += v[t] · Bᵀ` for every token the tiles cover.
     #[allow(clippy::too_many_arguments)]
-    fn lora_expand(&self, op: &'static str, v: &CudaBuffer, pool: &CudaBuffer, rows: &LoraRows<CudaBuffer>, tiles: &[u32], target: &LoraTarget, y: &CudaBuffer) -> Result<()> {
+    fn lora_expand(
+        &self,
+        op: &'static str,
+        v: &CudaBuffer,
+        pool: &CudaBuffer,
+        rows: &LoraRows<CudaBuffer>,
+        tiles: &[u32],
+        target: &LoraTarget,
+        y: &CudaBuffer,
+    ) -> Result<()> {
         if tiles.is_empty() {
             return Ok(());
         }
@@ -542,7 +582,8 @@ impl CudaBackend {
         let f = self.function(LORA, &name)?;
         let l = plan::lora_expand(op, tiles.len() / 3, target.out_features)?;
         let tiles = self.upload_meta(op, tiles)?;
-        let (outf, mr, nl, layer, module) = (target.out_features as u32, target.max_rank as u32, rows.num_layers as u32, target.layer as u32, target.module as u32);
+        let (outf, mr, nl, layer, module) =
+            (target.out_features as u32, target.max_rank as u32, rows.num_layers as u32, target.layer as u32, target.module as u32);
         self.launch(op, &name, &f, &l, |b| {
             v.push(b);
             pool.push(b);
@@ -557,7 +598,15 @@ impl CudaBackend {
 }
 
 impl LoraOps for CudaBackend {
-    fn sgmv_shrink(&self, x: &CudaBuffer, pool: &CudaBuffer, rows: &LoraRows<CudaBuffer>, segs: &LoraSegments<CudaBuffer>, target: &LoraTarget, v: &mut CudaBuffer) -> Result<()> {
+    fn sgmv_shrink(
+        &self,
+        x: &CudaBuffer,
+        pool: &CudaBuffer,
+        rows: &LoraRows<CudaBuffer>,
+        segs: &LoraSegments<CudaBuffer>,
+        target: &LoraTarget,
+        v: &mut CudaBuffer,
+    ) -> Result<()> {
         const OP: &str = "sgmv_shrink";
         pool.expect(OP, DType::F32)?;
         x.float(OP)?;
@@ -571,7 +620,15 @@ impl LoraOps for CudaBackend {
         self.lora_shrink(OP, x, pool, rows, &tiles, target, v)
     }
 
-    fn sgmv_expand(&self, v: &CudaBuffer, pool: &CudaBuffer, rows: &LoraRows<CudaBuffer>, segs: &LoraSegments<CudaBuffer>, target: &LoraTarget, y: &mut CudaBuffer) -> Result<()> {
+    fn sgmv_expand(
+        &self,
+        v: &CudaBuffer,
+        pool: &CudaBuffer,
+        rows: &LoraRows<CudaBuffer>,
+        segs: &LoraSegments<CudaBuffer>,
+        target: &LoraTarget,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
         const OP: &str = "sgmv_expand";
         pool.expect(OP, DType::F32)?;
         v.expect(OP, DType::F32)?;

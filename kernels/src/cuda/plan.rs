@@ -95,7 +95,15 @@ pub struct Limits {
 
 /// The attention plan for a checked batch: `seq_starts` (`[seqs + 1]`), each token's position
 /// and key window.
-pub fn attention(op: &'static str, seq_starts: &[u32], positions: &[u32], heads: usize, head_dim: usize, window: Option<usize>, limits: Limits) -> Result<AttentionPlan> {
+pub fn attention(
+    op: &'static str,
+    seq_starts: &[u32],
+    positions: &[u32],
+    heads: usize,
+    head_dim: usize,
+    window: Option<usize>,
+    limits: Limits,
+) -> Result<AttentionPlan> {
     let Limits { sm_count, max_smem } = limits;
     if head_dim == 0 || head_dim > MAX_HEAD_DIM {
         return Err(KernelError::Shape { op, detail: format!("head_dim {head_dim} is outside 1..={MAX_HEAD_DIM}") });
@@ -113,18 +121,12 @@ pub fn attention(op: &'static str, seq_starts: &[u32], positions: &[u32], heads:
         let max_keys = positions.iter().map(|&p| keys(p)).max().unwrap_or(1);
         let blocks = tokens * heads;
         let want = 2 * sm_count.max(1);
-        let parts = if blocks >= want || max_keys <= DECODE_MIN_PART {
-            1
-        } else {
-            want.div_ceil(blocks).min(max_keys.div_ceil(DECODE_MIN_PART)).clamp(1, MAX_GRID_YZ)
-        };
+        let parts =
+            if blocks >= want || max_keys <= DECODE_MIN_PART { 1 } else { want.div_ceil(blocks).min(max_keys.div_ceil(DECODE_MIN_PART)).clamp(1, MAX_GRID_YZ) };
         let part_size = max_keys.div_ceil(parts).next_multiple_of(32);
         let parts = max_keys.div_ceil(part_size);
-        let launch = Launch {
-            grid: (tokens as u32, heads_dim, parts as u32),
-            block: (DECODE_WARPS * 32) as u32,
-            smem: ((2 + head_dim) * DECODE_WARPS * 4) as u32,
-        };
+        let launch =
+            Launch { grid: (tokens as u32, heads_dim, parts as u32), block: (DECODE_WARPS * 32) as u32, smem: ((2 + head_dim) * DECODE_WARPS * 4) as u32 };
         let combine = (parts > 1).then(|| Launch { grid: (tokens as u32, heads_dim, 1), block: row_threads(head_dim, 256), smem: 0 });
         return Ok(AttentionPlan::Decode { launch, part_size: part_size as u32, parts: parts as u32, combine });
     }
@@ -140,7 +142,10 @@ pub fn attention(op: &'static str, seq_starts: &[u32], positions: &[u32], heads:
         }
     }
     let n = tiles.len() / 3;
-    Ok(AttentionPlan::Prefill { launch: Launch { grid: (dim(op, "tiles", n, MAX_GRID_X)?, heads_dim, 1), block: (PREFILL_WARPS * 32) as u32, smem: smem as u32 }, tiles })
+    Ok(AttentionPlan::Prefill {
+        launch: Launch { grid: (dim(op, "tiles", n, MAX_GRID_X)?, heads_dim, 1), block: (PREFILL_WARPS * 32) as u32, smem: smem as u32 },
+        tiles,
+    })
 }
 
 /// Shared memory of a prefill block: Q tile, padded K tile, V tile, as f32.

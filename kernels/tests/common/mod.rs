@@ -60,7 +60,15 @@ pub fn paged(r: &mut StdRng, block: usize, seqs: &[(usize, usize)]) -> Paged {
         order.swap(i, r.random_range(0..=i));
     }
     let mut next = order.into_iter();
-    let mut p = Paged { pages, positions: vec![], slots: vec![], seq_starts: vec![0], context_lens: vec![], block_tables: vec![0; seqs.len() * max_blocks], max_blocks };
+    let mut p = Paged {
+        pages,
+        positions: vec![],
+        slots: vec![],
+        seq_starts: vec![0],
+        context_lens: vec![],
+        block_tables: vec![0; seqs.len() * max_blocks],
+        max_blocks,
+    };
     for (s, &(cached, new)) in seqs.iter().enumerate() {
         for b in 0..(cached + new).div_ceil(block) {
             p.block_tables[s * max_blocks + b] = next.next().unwrap();
@@ -132,7 +140,6 @@ pub fn adapters(r: &mut StdRng, module: usize, slots: &[(usize, RowDType)], in_f
     ad.pool = pool;
     ad
 }
-
 
 /// Segment starts and slots from (slot, tokens) pairs.
 pub fn segments(seg: &[(u32, usize)]) -> (Vec<u32>, Vec<u32>) {

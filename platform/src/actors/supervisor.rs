@@ -7,8 +7,8 @@ use actix::{Actor, Addr, Arbiter, AsyncContext, Context, Handler, ResponseFuture
 use loraplex_kernels::Backend;
 
 use super::{Cancel, GetStats, InjectFault, LoadAdapter, Loader, RunLoad, RuntimeError, Submit, UnloadAdapter, Worker, WorkerReport, WorkerStats};
-use crate::memory::{LoaderPool, Residency};
 use crate::engine::EngineConfig;
+use crate::memory::{LoaderPool, Residency};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 
@@ -40,9 +40,8 @@ impl<B: Backend> Supervisor<B> {
     /// least loaded of all.
     fn route(&self, submit: &Submit) -> Option<usize> {
         let key = submit.request.get().adapter.as_ref().map(|a| a.key.clone());
-        let least = |pick: &dyn Fn(&Slot<B>) -> bool| {
-            self.workers.iter().enumerate().filter(|(_, w)| pick(w)).min_by_key(|(i, w)| (w.in_flight, *i)).map(|(i, _)| i)
-        };
+        let least =
+            |pick: &dyn Fn(&Slot<B>) -> bool| self.workers.iter().enumerate().filter(|(_, w)| pick(w)).min_by_key(|(i, w)| (w.in_flight, *i)).map(|(i, _)| i);
         key.and_then(|k| least(&|w| w.resident.contains(&k))).or_else(|| least(&|_| true))
     }
 }

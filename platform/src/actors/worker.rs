@@ -10,11 +10,11 @@ use loraplex_kernels::Backend;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::{
-    AdapterCounters,
-    Cancel, Event, GetStats, InjectFault, LoadAdapter, RequestId, RuntimeError, Step, Submit, TokenOut, UnloadAdapter, Usage, WorkerReport, WorkerStats,
+    AdapterCounters, Cancel, Event, GetStats, InjectFault, LoadAdapter, RequestId, RuntimeError, Step, Submit, TokenOut, UnloadAdapter, Usage, WorkerReport,
+    WorkerStats,
 };
-use crate::memory::{LoaderPool, Residency};
 use crate::engine::{Engine, EngineConfig, SeqId, TokenEvent};
+use crate::memory::{LoaderPool, Residency};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 

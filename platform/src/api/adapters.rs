@@ -229,7 +229,11 @@ async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
                 file.flush().await.map_err(|e| ApiError::Internal(format!("writing the upload: {e}")))?;
                 file.sync_all().await.map_err(|e| ApiError::Internal(format!("writing the upload: {e}")))?;
             }
-            other => return Err(ApiError::Invalid(format!("unknown form field `{other}`: send `name`, `config` (adapter_config.json) and `weights` (adapter_model.safetensors)"))),
+            other => {
+                return Err(ApiError::Invalid(format!(
+                    "unknown form field `{other}`: send `name`, `config` (adapter_config.json) and `weights` (adapter_model.safetensors)"
+                )));
+            }
         }
     }
     let name = name.ok_or_else(|| ApiError::Invalid("the form has no `name` field".into()))?;
@@ -277,10 +281,7 @@ async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
     std::fs::create_dir_all(state.data_dir.join("adapters")).map_err(|e| ApiError::Internal(e.to_string()))?;
     std::fs::rename(&dir, &target).map_err(|e| ApiError::Internal(format!("moving the upload into place: {e}")))?;
     scratch.0 = Some(target.clone());
-    let record = state
-        .store
-        .insert_adapter(&NewAdapter { owner: owner.id, name, rank, targets: targets.join(","), bytes, content_hash, blob })
-        .await?;
+    let record = state.store.insert_adapter(&NewAdapter { owner: owner.id, name, rank, targets: targets.join(","), bytes, content_hash, blob }).await?;
     // Recorded: the files are the adapter's now.
     scratch.0 = None;
     Ok(HttpResponse::Created().json(record_json(&record)))

@@ -146,17 +146,7 @@ pub async fn start(state: &AppState, caller: Caller, spec: JobSpec) -> Result<Jo
     let (tx, rx) = mpsc::unbounded_channel();
     let label = spec.target.label();
     state.metrics.job_queued(&label);
-    let run = Run {
-        state: state.clone(),
-        endpoint: spec.endpoint,
-        caller,
-        label,
-        prompt_tokens,
-        started,
-        started_at,
-        permit,
-        _guard: guard,
-    };
+    let run = Run { state: state.clone(), endpoint: spec.endpoint, caller, label, prompt_tokens, started, started_at, permit, _guard: guard };
     state.jobs.spawn(run.drive(handles, tx));
     Ok(Job { events: rx, prompt_tokens })
 }
@@ -184,9 +174,8 @@ enum Outcome {
 impl Run {
     async fn drive(self, handles: Vec<RequestHandle>, tx: mpsc::UnboundedSender<JobEvent>) {
         let prompts = handles.len();
-        let streams = handles.into_iter().enumerate().map(|(i, h)| {
-            futures::stream::unfold(h, move |mut h| async move { h.next().await.map(|e| ((i, e), h)) }).boxed()
-        });
+        let streams =
+            handles.into_iter().enumerate().map(|(i, h)| futures::stream::unfold(h, move |mut h| async move { h.next().await.map(|e| ((i, e), h)) }).boxed());
         let mut merged = futures::stream::select_all(streams);
         let mut usage = Usage::default();
         let mut finished = 0;
@@ -319,4 +308,3 @@ pub fn response_id(prefix: &str) -> String {
 pub fn token_text(state: &AppState, id: u32) -> String {
     state.tokenizer.decode(&[id], false).unwrap_or_default()
 }
-

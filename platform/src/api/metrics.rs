@@ -175,7 +175,8 @@ impl Metrics {
         for (tenant, n) in &m.limited {
             let _ = writeln!(o, "loraplex_rate_limited_total{{tenant=\"{}\"}} {n}", escape(tenant));
         }
-        let _ = writeln!(o, "# HELP loraplex_tokens_total Tokens by tenant and kind (prompt, cached_prompt, completion).\n# TYPE loraplex_tokens_total counter");
+        let _ =
+            writeln!(o, "# HELP loraplex_tokens_total Tokens by tenant and kind (prompt, cached_prompt, completion).\n# TYPE loraplex_tokens_total counter");
         for ((tenant, kind), n) in &m.tokens {
             let _ = writeln!(o, "loraplex_tokens_total{{tenant=\"{}\",kind=\"{kind}\"}} {n}", escape(tenant));
         }
@@ -198,18 +199,25 @@ impl Metrics {
         let _ = writeln!(o, "# HELP loraplex_pool_pages Page pool pages by kind, per worker.\n# TYPE loraplex_pool_pages gauge");
         for w in s.workers {
             let p = &w.pool;
-            for (kind, n) in [("total", p.total), ("free", p.free), ("kv", p.kv), ("adapter", p.adapter), ("prefix", p.cached), ("reclaimable", p.reclaimable)] {
+            for (kind, n) in [("total", p.total), ("free", p.free), ("kv", p.kv), ("adapter", p.adapter), ("prefix", p.cached), ("reclaimable", p.reclaimable)]
+            {
                 let _ = writeln!(o, "loraplex_pool_pages{{worker=\"{}\",kind=\"{kind}\"}} {n}", w.worker);
             }
         }
         let _ = writeln!(o, "# HELP loraplex_pool_evictions_total Pool entries evicted, by kind.\n# TYPE loraplex_pool_evictions_total counter");
         let _ = writeln!(o, "loraplex_pool_evictions_total{{kind=\"adapter\"}} {}", sum(&|w| w.pool.adapter_evictions));
         let _ = writeln!(o, "loraplex_pool_evictions_total{{kind=\"prefix\"}} {}", sum(&|w| w.pool.evictions - w.pool.adapter_evictions));
-        let _ = writeln!(o, "# HELP loraplex_adapter_requests_total Requests by where their adapter was when they arrived (device, host, disk).\n# TYPE loraplex_adapter_requests_total counter");
+        let _ = writeln!(
+            o,
+            "# HELP loraplex_adapter_requests_total Requests by where their adapter was when they arrived (device, host, disk).\n# TYPE loraplex_adapter_requests_total counter"
+        );
         for (tier, n) in [("device", sum(&|w| w.adapters.device_hits)), ("host", sum(&|w| w.adapters.host_hits)), ("disk", sum(&|w| w.adapters.disk_misses))] {
             let _ = writeln!(o, "loraplex_adapter_requests_total{{tier=\"{tier}\"}} {n}");
         }
-        let _ = writeln!(o, "# HELP loraplex_adapter_loads_total Adapters placed in a device pool, by the tier they came from.\n# TYPE loraplex_adapter_loads_total counter");
+        let _ = writeln!(
+            o,
+            "# HELP loraplex_adapter_loads_total Adapters placed in a device pool, by the tier they came from.\n# TYPE loraplex_adapter_loads_total counter"
+        );
         for (tier, n) in [("host", sum(&|w| w.adapters.loads_from_host)), ("disk", sum(&|w| w.adapters.loads_from_disk))] {
             let _ = writeln!(o, "loraplex_adapter_loads_total{{from=\"{tier}\"}} {n}");
         }

@@ -300,7 +300,10 @@ async fn chat_completions(req: HttpRequest, state: web::Data<AppState>, payload:
     let stream = b.stream.unwrap_or(false);
     let include_usage = check_stream_options(stream, &b.stream_options)?;
     let target = infer::resolve(&state, &caller.tenant.id, &b.model).await?;
-    let prompt = state.tokenizer.encode_chat(&b.messages, true).map_err(|e| ApiError::Invalid(format!("the messages could not be rendered with the model's chat template: {e}")))?;
+    let prompt = state
+        .tokenizer
+        .encode_chat(&b.messages, true)
+        .map_err(|e| ApiError::Invalid(format!("the messages could not be rendered with the model's chat template: {e}")))?;
     let context = state.serving.model_config().max_position_embeddings;
     let logprobs = if b.logprobs == Some(true) { Some(b.top_logprobs.unwrap_or(0)) } else { None };
     let knobs = knobs!(b, b.max_completion_tokens.or(b.max_tokens), logprobs);

@@ -109,14 +109,26 @@ async fn usage(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpRespo
             for l in &report.lines {
                 add(by.entry(l.day).or_default(), &l.totals);
             }
-            by.iter().map(|(d, t)| { let mut v = totals_json(t); v["date"] = date(*d).into(); v }).collect()
+            by.iter()
+                .map(|(d, t)| {
+                    let mut v = totals_json(t);
+                    v["date"] = date(*d).into();
+                    v
+                })
+                .collect()
         }
         Some("adapter") => {
             let mut by: BTreeMap<&str, Totals> = BTreeMap::new();
             for l in &report.lines {
                 add(by.entry(&l.adapter).or_default(), &l.totals);
             }
-            by.iter().map(|(a, t)| { let mut v = totals_json(t); v["adapter"] = (*a).into(); v }).collect()
+            by.iter()
+                .map(|(a, t)| {
+                    let mut v = totals_json(t);
+                    v["adapter"] = (*a).into();
+                    v
+                })
+                .collect()
         }
         Some(other) => return Err(ApiError::Invalid(format!("`group_by` must be `day` or `adapter`; given {other:?}"))),
     };

@@ -135,7 +135,8 @@ fn prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
 fn engine_for<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, seqs: usize, tokens: usize, batch_tokens: usize) -> anyhow::Result<Engine<B>> {
     let layout = model.kv_layout(16);
     let pages = seqs * tokens.div_ceil(16) + 1;
-    let config = EngineConfig { block_size: 16, pool_bytes: pages * layout.page_bytes(), max_batch_tokens: batch_tokens, max_running: seqs, ..EngineConfig::default() };
+    let config =
+        EngineConfig { block_size: 16, pool_bytes: pages * layout.page_bytes(), max_batch_tokens: batch_tokens, max_running: seqs, ..EngineConfig::default() };
     Ok(Engine::new(model.clone(), tok.clone(), config)?)
 }
 
@@ -231,7 +232,12 @@ impl Measured {
 }
 
 fn print_table(r: &Report) {
-    println!("model: {} ({:.1} M parameters, {:.0} MB of weights read per step)", r.model.source, r.model.parameters as f64 / 1e6, r.model.weight_bytes as f64 / 1e6);
+    println!(
+        "model: {} ({:.1} M parameters, {:.0} MB of weights read per step)",
+        r.model.source,
+        r.model.parameters as f64 / 1e6,
+        r.model.weight_bytes as f64 / 1e6
+    );
     println!(
         "{:<8} {:>5} {:>7} {:>10} {:>9} {:>8} {:>6} {:>7} {:>6} {:>6} {:>6}",
         "phase", "batch", "context", "tokens/s", "step ms", "GFLOP/s", "MFU", "GB/s", "MBU", "peak", "bw"

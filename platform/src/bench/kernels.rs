@@ -13,8 +13,7 @@ use std::process::{Command, Stdio};
 use anyhow::{Context, bail};
 use loraplex_kernels::cuda::{self, CudaBackend, CudaBuffer};
 use loraplex_kernels::{
-    AttentionOps, AttentionParams, BatchMeta, DType, KvLayout, LORA_ROW_ALIGN, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory, NUM_MODULES,
-    RowDType,
+    AttentionOps, AttentionParams, BatchMeta, DType, KvLayout, LORA_ROW_ALIGN, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory, NUM_MODULES, RowDType,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
@@ -203,7 +202,8 @@ fn attention_row(g: &CudaBackend, rng: &mut StdRng, batch: usize, context: usize
         num_tokens: batch,
         max_blocks_per_seq: blocks,
         positions: g.upload_u32(&vec![context as u32 - 1; batch])?,
-        slots: g.upload_u32(&(0..batch).map(|s| order[s * blocks + (context - 1) / block] * block as u32 + ((context - 1) % block) as u32).collect::<Vec<_>>())?,
+        slots: g
+            .upload_u32(&(0..batch).map(|s| order[s * blocks + (context - 1) / block] * block as u32 + ((context - 1) % block) as u32).collect::<Vec<_>>())?,
         seq_starts: g.upload_u32(&(0..=batch as u32).collect::<Vec<_>>())?,
         context_lens: g.upload_u32(&vec![context as u32; batch])?,
         block_tables: g.upload_u32(&order)?,
@@ -227,7 +227,11 @@ fn torch_baselines(python: &str, shapes: &[Shape]) -> anyhow::Result<Vec<TorchRo
     if !out.status.success() {
         bail!("the PyTorch baseline failed ({})", out.status);
     }
-    String::from_utf8_lossy(&out.stdout).lines().filter(|l| !l.trim().is_empty()).map(|l| serde_json::from_str(l).with_context(|| format!("baseline line `{l}`"))).collect()
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).with_context(|| format!("baseline line `{l}`")))
+        .collect()
 }
 
 pub fn run(args: &BenchKernelsArgs) -> anyhow::Result<()> {

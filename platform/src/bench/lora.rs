@@ -9,13 +9,13 @@ use anyhow::{Context, ensure};
 use loraplex_kernels::cpu::CpuBackend;
 use serde::Serialize;
 
+use super::{dims_of, prompt};
 use crate::config::BenchLoraArgs;
 use crate::engine::{Engine, EngineConfig, SeqId};
 use crate::memory::{AdapterLoader, AdapterRef, AdapterResidency, DevicePool, LoaderConfig, Residency, ResidencyEvent, Tier};
 use crate::model::{self, Model};
 use crate::request::{GenerationRequest, StopConditions};
 use crate::sampling::SamplingParams;
-use super::{dims_of, prompt};
 use crate::synth::{self, AdapterSynthOptions, AdapterTargets, FileDType};
 use crate::tokenizer::Tokenizer;
 
@@ -177,7 +177,13 @@ impl Bench<'_> {
         let mut ids = Vec::new();
         for (i, adapter) in rows.iter().enumerate() {
             let stop = StopConditions { max_new_tokens: new_tokens, ignore_eos: true, ..Default::default() };
-            let req = GenerationRequest { prompt: prompt(self.args.context, c.vocab_size, i), sampling: SamplingParams::greedy(), stop, adapter: adapter.clone(), n: 1 };
+            let req = GenerationRequest {
+                prompt: prompt(self.args.context, c.vocab_size, i),
+                sampling: SamplingParams::greedy(),
+                stop,
+                adapter: adapter.clone(),
+                n: 1,
+            };
             ids.push(engine.add(req.validate(c)?)?);
         }
         Ok(ids)

@@ -43,4 +43,3 @@ pub(crate) fn prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
     // Deterministic, varied ids; ids below 5 are special tokens in synthesized vocabularies.
     (0..len).map(|i| (5 + (i * 7919 + salt * 104_729) % (vocab - 5)) as u32).collect()
 }
-

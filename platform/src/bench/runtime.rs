@@ -376,7 +376,8 @@ pub fn churn(setup: &Setup, opts: &ChurnOptions) -> anyhow::Result<ChurnResult> 
     let kv_pages = opts.engine.max_running.min(opts.requests) * setup.blocks(&opts.engine, opts.prompt + opts.max_new_tokens);
     let page_bytes = setup.page_bytes(&opts.engine);
     let host = LoaderConfig { host_cache_bytes: 16 << 30, ..opts.engine.adapters.clone() };
-    let sized = |adapters: usize| EngineConfig { pool_bytes: (kv_pages + adapters * adapter_pages) * page_bytes, adapters: host.clone(), ..opts.engine.clone() };
+    let sized =
+        |adapters: usize| EngineConfig { pool_bytes: (kv_pages + adapters * adapter_pages) * page_bytes, adapters: host.clone(), ..opts.engine.clone() };
 
     let draws = zipf_draws(opts.adapters, opts.zipf, opts.requests, 11);
     let distinct = draws.iter().collect::<std::collections::HashSet<_>>().len();
@@ -522,12 +523,8 @@ pub fn run(args: &BenchRuntimeArgs) -> anyhow::Result<()> {
     let tmp = tempfile::tempdir().context("creating a scratch directory")?;
     let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, tmp.path())?;
     let setup = load_setup(&dir, tmp.path())?;
-    let engine = EngineConfig {
-        max_batch_tokens: args.max_batch_tokens,
-        max_running: args.max_running,
-        pool_bytes: args.pool_mb << 20,
-        ..EngineConfig::default()
-    };
+    let engine =
+        EngineConfig { max_batch_tokens: args.max_batch_tokens, max_running: args.max_running, pool_bytes: args.pool_mb << 20, ..EngineConfig::default() };
     let want = |name: &str| args.scenarios.iter().any(|s| s == name || s == "all");
     for s in &args.scenarios {
         if !["all", "fairness", "prefix", "churn", "preemption"].contains(&s.as_str()) {
@@ -563,7 +560,12 @@ pub fn run(args: &BenchRuntimeArgs) -> anyhow::Result<()> {
         let r = prefix(&setup, &opts)?;
         println!(
             "prefix: TTFT miss p50 {:.1} ms, hit p50 {:.1} ms ({} tokens cached): {:.3}x, target <= {:.1}x; replayed prompt equal: {}",
-            r.miss_p50_ms, r.hit_p50_ms, r.hit_cached_tokens.first().copied().unwrap_or(0), r.ratio, r.target, r.hit_equals_miss
+            r.miss_p50_ms,
+            r.hit_p50_ms,
+            r.hit_cached_tokens.first().copied().unwrap_or(0),
+            r.ratio,
+            r.target,
+            r.hit_equals_miss
         );
         report.prefix = Some(r);
     }

@@ -38,8 +38,7 @@ pub fn prompt_ids(input: &PromptArgs, tokenizer: &Tokenizer) -> anyhow::Result<V
         return Ok(ids.clone());
     }
     if let Some(chat) = &input.chat {
-        let messages: Vec<ChatMessage> =
-            serde_json::from_str(chat).context("--chat must be a JSON array of {\"role\", \"content\"} messages")?;
+        let messages: Vec<ChatMessage> = serde_json::from_str(chat).context("--chat must be a JSON array of {\"role\", \"content\"} messages")?;
         return Ok(tokenizer.encode_chat(&messages, true)?);
     }
     bail!("give one of --prompt, --prompt-ids, --chat or --batch")
@@ -68,12 +67,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let request = GenerationRequest {
         prompt: prompt_ids(&args.input, &tokenizer)?,
         sampling: args.sampling.params(),
-        stop: StopConditions {
-            max_new_tokens: args.max_new_tokens,
-            stop_token_ids: Vec::new(),
-            stop_strings: args.stop.clone(),
-            ignore_eos: args.ignore_eos,
-        },
+        stop: StopConditions { max_new_tokens: args.max_new_tokens, stop_token_ids: Vec::new(), stop_strings: args.stop.clone(), ignore_eos: args.ignore_eos },
         adapter,
         n: 1,
     }
@@ -83,13 +77,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         let done = engine.run_to_completion()?;
         let c = done.first().context("the engine returned no completion")?;
         let logprobs = args.sampling.logprobs.map(|_| c.logprobs.as_slice());
-        let out = JsonOutput {
-            prompt_tokens: c.prompt_tokens,
-            tokens: &c.tokens,
-            text: &c.text,
-            finish_reason: c.finish_reason.as_str(),
-            logprobs,
-        };
+        let out = JsonOutput { prompt_tokens: c.prompt_tokens, tokens: &c.tokens, text: &c.text, finish_reason: c.finish_reason.as_str(), logprobs };
         println!("{}", serde_json::to_string(&out)?);
     } else {
         let mut stdout = std::io::stdout().lock();

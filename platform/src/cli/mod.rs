@@ -21,10 +21,7 @@ pub fn synth(args: &crate::config::SynthArgs) -> anyhow::Result<()> {
     use crate::synth::{AdapterSynthOptions, SynthOptions};
 
     let adapters = AdapterSynthOptions {
-        out: args
-            .adapters_out
-            .clone()
-            .unwrap_or_else(|| args.out.join("adapters")),
+        out: args.adapters_out.clone().unwrap_or_else(|| args.out.join("adapters")),
         dims: args.preset.dims(),
         count: args.adapters,
         ranks: args.ranks.clone(),
@@ -34,11 +31,7 @@ pub fn synth(args: &crate::config::SynthArgs) -> anyhow::Result<()> {
     };
     // Refuse bad adapter options before spending time on the model.
     crate::synth::check_adapter_options(&adapters).context("--adapters/--ranks/--targets")?;
-    let summary = crate::synth::synthesize_model(&SynthOptions {
-        out: args.out.clone(),
-        preset: args.preset,
-        seed: args.seed,
-    })?;
+    let summary = crate::synth::synthesize_model(&SynthOptions { out: args.out.clone(), preset: args.preset, seed: args.seed })?;
     println!(
         "wrote a {:?} model ({:.1} M parameters, {:.1} MB) to {}",
         args.preset,
@@ -48,19 +41,8 @@ pub fn synth(args: &crate::config::SynthArgs) -> anyhow::Result<()> {
     );
     if adapters.count > 0 {
         let dirs = crate::synth::synthesize_adapters(&adapters)?;
-        let ranks: Vec<String> = args
-            .ranks
-            .iter()
-            .take(dirs.len())
-            .map(ToString::to_string)
-            .collect();
-        println!(
-            "wrote {} LoRA adapters (ranks {}, targets {}) to {}",
-            dirs.len(),
-            ranks.join(","),
-            args.targets.name(),
-            adapters.out.display()
-        );
+        let ranks: Vec<String> = args.ranks.iter().take(dirs.len()).map(ToString::to_string).collect();
+        println!("wrote {} LoRA adapters (ranks {}, targets {}) to {}", dirs.len(), ranks.join(","), args.targets.name(), adapters.out.display());
     }
     Ok(())
 }

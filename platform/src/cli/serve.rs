@@ -27,7 +27,11 @@ pub const SYNTHETIC_MODEL: &str = "loraplex-tiny";
 /// directory (written on first start, atomically).
 fn model_dir(args: &ServeArgs) -> anyhow::Result<(PathBuf, String)> {
     if let Some(dir) = &args.model {
-        let name = dir.canonicalize().with_context(|| format!("model directory {}", dir.display()))?.file_name().map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned());
+        let name = dir
+            .canonicalize()
+            .with_context(|| format!("model directory {}", dir.display()))?
+            .file_name()
+            .map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned());
         return Ok((dir.clone(), name));
     }
     let dir = args.data_dir.join("model");
@@ -103,8 +107,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         api::sweep(&data_dir, &store).await.context("cleaning the data directory")?;
         let state = AppState::new(store.clone(), serving, tokenizer, &model_name, &data_dir, settings);
         let app_state = state.clone();
-        let mut server = HttpServer::new(move || App::new().app_data(web::Data::new(app_state.clone())).configure(api::routes))
-            .shutdown_timeout(args.shutdown_timeout);
+        let mut server =
+            HttpServer::new(move || App::new().app_data(web::Data::new(app_state.clone())).configure(api::routes)).shutdown_timeout(args.shutdown_timeout);
         if let Some(n) = args.http_workers {
             server = server.workers(n.max(1));
         }

@@ -55,14 +55,7 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self {
-            block_size: 16,
-            pool_bytes: 1 << 30,
-            max_batch_tokens: 2048,
-            max_running: 256,
-            adapters: LoaderConfig::default(),
-            prefix_cache: true,
-        }
+        Self { block_size: 16, pool_bytes: 1 << 30, max_batch_tokens: 2048, max_running: 256, adapters: LoaderConfig::default(), prefix_cache: true }
     }
 }
 
@@ -158,11 +151,7 @@ impl<B: Backend> Engine<B> {
             mem,
             adapters,
             prefix: PrefixCache::new(),
-            sched: Scheduler::new(SchedulerConfig {
-                max_batch_tokens: config.max_batch_tokens,
-                max_running: config.max_running,
-                ..SchedulerConfig::default()
-            }),
+            sched: Scheduler::new(SchedulerConfig { max_batch_tokens: config.max_batch_tokens, max_running: config.max_running, ..SchedulerConfig::default() }),
             config,
             next_id: 0,
             failures: Vec::new(),
@@ -407,9 +396,7 @@ impl<B: Backend> Engine<B> {
         }
         let available = self.mem.pages.available();
         let adapters = &self.adapters;
-        let stuck = |s: &Sequence| {
-            s.adapter.as_ref().and_then(|a| adapters.staged_pages(&a.key).filter(|&n| n > available).map(|n| (a.key.clone(), n)))
-        };
+        let stuck = |s: &Sequence| s.adapter.as_ref().and_then(|a| adapters.staged_pages(&a.key).filter(|&n| n > available).map(|n| (a.key.clone(), n)));
         for s in self.sched.remove_waiting_where(|s| stuck(s).is_some()) {
             if let Some((key, n)) = stuck(&s) {
                 let error = format!("adapter {key} needs {n} pool pages; only {available} can be made free (the rest are held); raise --pool-mb");
@@ -444,15 +431,18 @@ impl<B: Backend> Engine<B> {
         let mut open: std::collections::HashMap<SeqId, Completion> = Default::default();
         for s in self.sched.all() {
             for id in std::iter::once(s.id).chain(s.forks.iter().map(|f| f.0)) {
-                open.insert(id, Completion {
-                    seq: id,
-                    prompt_tokens: s.prompt_len,
-                    tokens: Vec::new(),
-                    text: String::new(),
-                    finish_reason: FinishReason::Length,
-                    logprobs: Vec::new(),
-                    usage: None,
-                });
+                open.insert(
+                    id,
+                    Completion {
+                        seq: id,
+                        prompt_tokens: s.prompt_len,
+                        tokens: Vec::new(),
+                        text: String::new(),
+                        finish_reason: FinishReason::Length,
+                        logprobs: Vec::new(),
+                        usage: None,
+                    },
+                );
             }
         }
         while self.has_work() {

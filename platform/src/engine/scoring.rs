@@ -22,10 +22,8 @@ pub fn greedy_logits<B: Backend>(
     let layout = model.kv_layout(block_size);
     let backend = model.backend().as_ref();
     let total = prompt.len() + n;
-    let packed = adapter
-        .map(|a| PackedAdapter::pack(a, layout.page_elems(), LORA_ROW_ALIGN))
-        .transpose()
-        .map_err(|e| EngineError::Adapter(e.to_string().into()))?;
+    let packed =
+        adapter.map(|a| PackedAdapter::pack(a, layout.page_elems(), LORA_ROW_ALIGN)).transpose().map_err(|e| EngineError::Adapter(e.to_string().into()))?;
     let pages = total.div_ceil(block_size) + packed.as_ref().map_or(0, PackedAdapter::num_pages);
     let mut kv = DevicePool::with_bytes(backend, layout, pages * layout.page_bytes())?;
     let mut table = BlockTable::new(&kv.pages, block_size);

@@ -104,10 +104,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl LoaderPool {
     fn context(config: &LoaderConfig, shape: BaseShape, page_elems: usize) -> Arc<LoadContext> {
-        let cache: Cache<Arc<str>, Arc<HostAdapter>> = Cache::builder()
-            .max_capacity(config.host_cache_bytes / 1024)
-            .weigher(|_k, v: &Arc<HostAdapter>| weight_kib(v.packed.bytes()))
-            .build();
+        let cache: Cache<Arc<str>, Arc<HostAdapter>> =
+            Cache::builder().max_capacity(config.host_cache_bytes / 1024).weigher(|_k, v: &Arc<HostAdapter>| weight_kib(v.packed.bytes())).build();
         Arc::new(LoadContext { shape, limits: config.limits, page_elems, cache })
     }
 
@@ -134,12 +132,7 @@ impl LoaderPool {
 
     /// A host tier whose loads run on `execute` (which returns false when it can no longer
     /// run anything).
-    pub fn with_executor(
-        config: &LoaderConfig,
-        shape: BaseShape,
-        page_elems: usize,
-        execute: impl Fn(LoadTask) -> bool + Send + Sync + 'static,
-    ) -> Arc<Self> {
+    pub fn with_executor(config: &LoaderConfig, shape: BaseShape, page_elems: usize, execute: impl Fn(LoadTask) -> bool + Send + Sync + 'static) -> Arc<Self> {
         Arc::new(Self { ctx: Self::context(config, shape, page_elems), runner: Runner::External(Box::new(execute)) })
     }
 

@@ -19,11 +19,8 @@ pub enum Architecture {
 }
 
 impl Architecture {
-    const KNOWN: [(&'static str, Architecture); 3] = [
-        ("LlamaForCausalLM", Architecture::Llama),
-        ("MistralForCausalLM", Architecture::Mistral),
-        ("Qwen2ForCausalLM", Architecture::Qwen2),
-    ];
+    const KNOWN: [(&'static str, Architecture); 3] =
+        [("LlamaForCausalLM", Architecture::Llama), ("MistralForCausalLM", Architecture::Mistral), ("Qwen2ForCausalLM", Architecture::Qwen2)];
 
     pub fn hf_name(self) -> &'static str {
         Self::KNOWN.iter().find(|(_, a)| *a == self).map_or("", |(n, _)| n)
@@ -35,9 +32,16 @@ impl Architecture {
 pub enum RopeScaling {
     Default,
     /// Positions divided by `factor`.
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     /// Llama 3.1's frequency-dependent scaling.
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
 }
 
 /// Which linear layers carry a bias.
@@ -128,8 +132,7 @@ impl ModelConfig {
 
     /// Parses config text; `path` is only used in error messages.
     pub fn from_json(text: &str, path: &Path) -> Result<Self, ModelError> {
-        let raw: RawConfig = serde_json::from_str(text)
-            .map_err(|e| ModelError::Config { path: path.to_path_buf(), detail: format!("not valid JSON: {e}") })?;
+        let raw: RawConfig = serde_json::from_str(text).map_err(|e| ModelError::Config { path: path.to_path_buf(), detail: format!("not valid JSON: {e}") })?;
         Parser { path: path.to_path_buf() }.parse(raw)
     }
 }
@@ -153,20 +156,15 @@ impl Parser {
 
     fn parse(&self, raw: RawConfig) -> Result<ModelConfig, ModelError> {
         let names = raw.architectures.clone().unwrap_or_default();
-        let architecture = names
-            .iter()
-            .find_map(|n| Architecture::KNOWN.iter().find(|(k, _)| k == n).map(|(_, a)| *a))
-            .ok_or_else(|| {
-                let known: Vec<_> = Architecture::KNOWN.iter().map(|(n, _)| *n).collect();
-                self.err(format!("unsupported architecture {names:?}; supported: {}", known.join(", ")))
-            })?;
+        let architecture = names.iter().find_map(|n| Architecture::KNOWN.iter().find(|(k, _)| k == n).map(|(_, a)| *a)).ok_or_else(|| {
+            let known: Vec<_> = Architecture::KNOWN.iter().map(|(n, _)| *n).collect();
+            self.err(format!("unsupported architecture {names:?}; supported: {}", known.join(", ")))
+        })?;
         let hidden_size = self.required(raw.hidden_size, "hidden_size")?;
         let num_heads = self.required(raw.num_attention_heads, "num_attention_heads")?;
         let num_kv_heads = self.required(raw.num_key_value_heads.or(Some(num_heads)), "num_key_value_heads")?;
         if num_heads % num_kv_heads != 0 {
-            return Err(self.err(format!(
-                "num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv_heads})"
-            )));
+            return Err(self.err(format!("num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv_heads})")));
         }
         let head_dim = match raw.head_dim {
             Some(d) => d,
@@ -302,7 +300,9 @@ mod tests {
 
     #[test]
     fn reads_both_rope_styles() {
-        let new = parse(&format!(r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_parameters": {{"rope_type": "default", "rope_theta": 500000.0}}}}"#)).unwrap();
+        let new =
+            parse(&format!(r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_parameters": {{"rope_type": "default", "rope_theta": 500000.0}}}}"#))
+                .unwrap();
         let old = parse(&format!(r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_theta": 500000.0}}"#)).unwrap();
         assert_eq!(new, old);
         assert_eq!(new.rope_theta, 500000.0);
@@ -335,7 +335,10 @@ mod tests {
     fn errors_name_the_problem_and_file() {
         let cases = [
             (format!(r#"{{"architectures": ["GPT2LMHeadModel"], {BASE}}}"#), "unsupported architecture"),
-            (format!(r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_scaling": {{"rope_type": "yarn", "factor": 4.0}}}}"#), "unsupported rope type `yarn`"),
+            (
+                format!(r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "rope_scaling": {{"rope_type": "yarn", "factor": 4.0}}}}"#),
+                "unsupported rope type `yarn`",
+            ),
             (format!(r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, "hidden_act": "gelu"}}"#), "hidden_act"),
             (r#"{"architectures": ["LlamaForCausalLM"], "vocab_size": 10}"#.to_string(), "missing `hidden_size`"),
             (r#"{"architectures": ["LlamaForCausalLM""#.to_string(), "not valid JSON"),

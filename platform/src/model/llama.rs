@@ -66,9 +66,7 @@ impl<B: Backend> Model<B> {
         let mut layers = Vec::with_capacity(c.num_layers);
         for l in 0..c.num_layers {
             let p = format!("model.layers.{l}");
-            let lin = |name: &str, inf: usize, outf: usize, bias: bool, m: TargetModule| {
-                Linear::load(b, ck, &format!("{p}.{name}"), inf, outf, bias, Some(m))
-            };
+            let lin = |name: &str, inf: usize, outf: usize, bias: bool, m: TargetModule| Linear::load(b, ck, &format!("{p}.{name}"), inf, outf, bias, Some(m));
             layers.push(Layer {
                 input_norm: norm(&format!("{p}.input_layernorm.weight"))?,
                 q: lin("self_attn.q_proj", h, qd, c.biases.qkv, TargetModule::Q)?,
@@ -108,12 +106,7 @@ impl<B: Backend> Model<B> {
 
     /// The layout of one KV page for this model.
     pub fn kv_layout(&self, block_size: usize) -> KvLayout {
-        KvLayout {
-            num_layers: self.config.num_layers,
-            num_kv_heads: self.config.num_kv_heads,
-            head_dim: self.config.head_dim,
-            block_size,
-        }
+        KvLayout { num_layers: self.config.num_layers, num_kv_heads: self.config.num_kv_heads, head_dim: self.config.head_dim, block_size }
     }
 
     /// The projection shapes adapters are validated against.
@@ -125,13 +118,7 @@ impl<B: Backend> Model<B> {
     /// Runs the batch through the model, writing its K/V into `cache`, and returns the logits
     /// of the requested rows, `[num_logit_rows, vocab_size]`. `cache` is the whole page pool:
     /// KV blocks and, for `lora`, the adapters' rows.
-    pub fn forward(
-        &self,
-        batch: &ForwardBatch<B>,
-        lora: Option<&LoraBatch<B>>,
-        cache: &mut B::Buffer,
-        layout: &KvLayout,
-    ) -> Result<B::Buffer, KernelError> {
+    pub fn forward(&self, batch: &ForwardBatch<B>, lora: Option<&LoraBatch<B>>, cache: &mut B::Buffer, layout: &KvLayout) -> Result<B::Buffer, KernelError> {
         let b = self.backend.as_ref();
         let c = &self.config;
         let t = batch.meta.num_tokens;

@@ -52,13 +52,7 @@ impl<B: Backend> LoraBatch<B> {
     /// Builds the batch's LoRA tables: `adapters[s]` is the adapter in slot `s`, `token_slots`
     /// gives each token's slot (or [`NO_ADAPTER`]). `per_row` picks BGMV over SGMV.
     /// `None` when no token uses an adapter.
-    pub fn build(
-        backend: &B,
-        adapters: &[&ResidentRows],
-        token_slots: &[u32],
-        per_row: bool,
-        num_layers: usize,
-    ) -> Result<Option<Self>, KernelError> {
+    pub fn build(backend: &B, adapters: &[&ResidentRows], token_slots: &[u32], per_row: bool, num_layers: usize) -> Result<Option<Self>, KernelError> {
         if adapters.is_empty() || token_slots.iter().all(|&s| s == NO_ADAPTER) {
             return Ok(None);
         }

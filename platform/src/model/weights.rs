@@ -42,8 +42,8 @@ impl Checkpoint {
         let single = dir.join(SINGLE_FILE);
         if index_path.is_file() {
             let text = std::fs::read_to_string(&index_path).map_err(|source| ModelError::Io { path: index_path.clone(), source })?;
-            let idx: IndexFile = serde_json::from_str(&text)
-                .map_err(|e| ModelError::Checkpoint { path: index_path.clone(), detail: format!("invalid index: {e}") })?;
+            let idx: IndexFile =
+                serde_json::from_str(&text).map_err(|e| ModelError::Checkpoint { path: index_path.clone(), detail: format!("invalid index: {e}") })?;
             let mut files: Vec<String> = idx.weight_map.values().cloned().collect();
             files.sort();
             files.dedup();
@@ -84,10 +84,8 @@ impl Checkpoint {
 
     /// Reads tensor `name`, checks its shape, and converts it to f32.
     pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
-        let shard = self.index.get(name).map(|&i| &self.shards[i]).ok_or_else(|| ModelError::MissingTensor {
-            name: name.to_string(),
-            path: self.describe(),
-        })?;
+        let shard =
+            self.index.get(name).map(|&i| &self.shards[i]).ok_or_else(|| ModelError::MissingTensor { name: name.to_string(), path: self.describe() })?;
         let info = shard.metadata.info(name).ok_or_else(|| ModelError::MissingTensor { name: name.to_string(), path: shard.path.clone() })?;
         if info.shape != shape {
             return Err(ModelError::TensorShape { name: name.to_string(), path: shard.path.clone(), expected: shape.to_vec(), actual: info.shape.clone() });
@@ -116,10 +114,8 @@ impl Checkpoint {
 impl Shard {
     fn open(path: PathBuf) -> Result<Self, ModelError> {
         let map = MappedFile::open(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
-        let (header_len, metadata) = SafeTensors::read_metadata(map.bytes()).map_err(|e| ModelError::Checkpoint {
-            path: path.clone(),
-            detail: format!("not a valid safetensors file (truncated or corrupt?): {e}"),
-        })?;
+        let (header_len, metadata) = SafeTensors::read_metadata(map.bytes())
+            .map_err(|e| ModelError::Checkpoint { path: path.clone(), detail: format!("not a valid safetensors file (truncated or corrupt?): {e}") })?;
         Ok(Self { path, map, data_start: 8 + header_len, metadata })
     }
 }
@@ -129,10 +125,7 @@ mod tests {
     use super::*;
 
     fn write_tensors(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
-        let views: Vec<_> = tensors
-            .iter()
-            .map(|(n, d, s, b)| (n.to_string(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
-            .collect();
+        let views: Vec<_> = tensors.iter().map(|(n, d, s, b)| (n.to_string(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap())).collect();
         safetensors::serialize_to_file(views, None, path).unwrap();
     }
 

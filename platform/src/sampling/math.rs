@@ -72,8 +72,7 @@ fn block_sum(ws: &[f32]) -> f64 {
 
 /// Sum in f64: block sums added in order. Fast, and the same order on every machine.
 pub(super) fn sum(ws: &[f32]) -> f64 {
-    ws.chunks(BLOCK)
-        .fold(0.0, |acc, block| acc + block_sum(block))
+    ws.chunks(BLOCK).fold(0.0, |acc, block| acc + block_sum(block))
 }
 
 /// Maximum of NaN-free values (-inf for an empty slice).
@@ -86,9 +85,7 @@ pub(super) fn max(xs: &[f32]) -> f32 {
             *a = if x > *a { x } else { *a };
         }
     }
-    acc.into_iter()
-        .chain(rest.iter().copied())
-        .fold(f32::NEG_INFINITY, f32::max)
+    acc.into_iter().chain(rest.iter().copied()).fold(f32::NEG_INFINITY, f32::max)
 }
 
 /// The index at which the running sum of `ws` first exceeds `target`; if rounding leaves the

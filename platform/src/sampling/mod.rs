@@ -84,10 +84,7 @@ pub struct SamplingError {
 impl SamplingParams {
     /// Deterministic argmax decoding.
     pub fn greedy() -> Self {
-        Self {
-            temperature: 0.0,
-            ..Self::default()
-        }
+        Self { temperature: 0.0, ..Self::default() }
     }
 
     /// Whether this request decodes greedily (also the fallback for a NaN temperature).
@@ -98,11 +95,7 @@ impl SamplingParams {
     /// Checks every parameter's range; the first violation is reported.
     pub fn validate(&self) -> Result<(), SamplingError> {
         fn bad(field: &'static str, expected: &'static str, given: impl ToString) -> SamplingError {
-            SamplingError {
-                field,
-                expected,
-                given: given.to_string(),
-            }
+            SamplingError { field, expected, given: given.to_string() }
         }
         let t = self.temperature;
         if !(t.is_finite() && t >= 0.0) {
@@ -122,11 +115,7 @@ impl SamplingParams {
             return Err(bad("presence_penalty", "in [-2, 2]", self.presence_penalty));
         }
         if !(-2.0..=2.0).contains(&self.frequency_penalty) {
-            return Err(bad(
-                "frequency_penalty",
-                "in [-2, 2]",
-                self.frequency_penalty,
-            ));
+            return Err(bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty));
         }
         if let Some(n) = self.logprobs
             && n > MAX_LOGPROBS

@@ -23,12 +23,7 @@ pub(crate) struct Xoshiro256 {
 impl Xoshiro256 {
     pub(crate) fn seed_from_u64(seed: u64) -> Self {
         let mut sm = seed;
-        let s = [
-            splitmix64(&mut sm),
-            splitmix64(&mut sm),
-            splitmix64(&mut sm),
-            splitmix64(&mut sm),
-        ];
+        let s = [splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm)];
         // SplitMix64 never yields four zero words in a row, so the state is never all zero.
         Self { s }
     }

@@ -81,9 +81,7 @@ const TOP_P_BINS: usize = 88 * 32 + 1;
 /// resolved the same way regardless of how the candidates happen to be arranged. Logits are
 /// NaN-free here; -0 and +0 compare equal, as they do for greedy's argmax.
 pub(super) fn by_rank(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
-    b.0.partial_cmp(&a.0)
-        .unwrap_or(Ordering::Equal)
-        .then(a.1.cmp(&b.1))
+    b.0.partial_cmp(&a.0).unwrap_or(Ordering::Equal).then(a.1.cmp(&b.1))
 }
 
 /// Replaces NaN by -inf and +inf by `f32::MAX`, so every later comparison and subtraction is
@@ -97,11 +95,7 @@ fn sanitize(logits: &mut [f32]) {
 /// NaN becomes -inf and +inf (or an overflow) becomes `f32::MAX`.
 #[inline]
 fn clean(x: f32) -> f32 {
-    if x.is_nan() {
-        f32::NEG_INFINITY
-    } else {
-        x.min(f32::MAX)
-    }
+    if x.is_nan() { f32::NEG_INFINITY } else { x.min(f32::MAX) }
 }
 
 /// The `n` largest logits as (logit, id), largest first, lower id first among equals.
@@ -142,19 +136,8 @@ impl Sampler {
     /// panic, but the tokens they produce are unspecified.
     pub fn new(params: SamplingParams, prompt: &[u32]) -> Self {
         let seed = params.seed.unwrap_or_else(rand::random);
-        let seen = if params.repetition_penalty != 1.0 {
-            prompt.iter().copied().collect()
-        } else {
-            HashSet::new()
-        };
-        Self {
-            rng: Xoshiro256::seed_from_u64(seed),
-            params,
-            seen,
-            counts: HashMap::new(),
-            saved: Vec::new(),
-            scratch: Scratch::default(),
-        }
+        let seen = if params.repetition_penalty != 1.0 { prompt.iter().copied().collect() } else { HashSet::new() };
+        Self { rng: Xoshiro256::seed_from_u64(seed), params, seen, counts: HashMap::new(), saved: Vec::new(), scratch: Scratch::default() }
     }
 
     /// The parameters this sampler was created with.
@@ -190,11 +173,7 @@ impl Sampler {
             return Sample {
                 token: 0,
                 logprob: f32::NEG_INFINITY,
-                top_logprobs: self.params.logprobs.map_or_else(Vec::new, |n| {
-                    (0..n.min(logits.len()) as u32)
-                        .map(|id| (id, f32::NEG_INFINITY))
-                        .collect()
-                }),
+                top_logprobs: self.params.logprobs.map_or_else(Vec::new, |n| (0..n.min(logits.len()) as u32).map(|id| (id, f32::NEG_INFINITY)).collect()),
             };
         }
         let weights = &mut self.scratch.weights;
@@ -202,31 +181,16 @@ impl Sampler {
         let ln_z = libm::log(math::sum(weights));
         let raw_logprob = |x: f32| ((x - raw_max) as f64 - ln_z) as f32;
         let top_logprobs = match self.params.logprobs {
-            Some(n) => top_n(logits, n)
-                .into_iter()
-                .map(|(x, id)| (id, raw_logprob(x)))
-                .collect(),
+            Some(n) => top_n(logits, n).into_iter().map(|(x, id)| (id, raw_logprob(x))).collect(),
             None => Vec::new(),
         };
 
         self.apply_penalties(logits);
-        let token = if self.params.is_greedy() {
-            argmax(logits)
-        } else {
-            self.draw(logits)
-        };
+        let token = if self.params.is_greedy() { argmax(logits) } else { self.draw(logits) };
 
-        let raw = self
-            .saved
-            .iter()
-            .find(|(id, _)| *id == token)
-            .map_or(logits[token as usize], |&(_, x)| x);
+        let raw = self.saved.iter().find(|(id, _)| *id == token).map_or(logits[token as usize], |&(_, x)| x);
         self.record(token);
-        Sample {
-            token,
-            logprob: raw_logprob(raw),
-            top_logprobs,
-        }
+        Sample { token, logprob: raw_logprob(raw), top_logprobs }
     }
 
     fn record(&mut self, token: u32) {
@@ -274,13 +238,7 @@ impl Sampler {
     /// depend on the standard library's sorting or the platform's math library.
     fn draw(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
-        let Scratch {
-            cands,
-            weights,
-            bins,
-            boundary,
-            heap,
-        } = &mut self.scratch;
+        let Scratch { cands, weights, bins, boundary, heap } = &mut self.scratch;
         let m = math::max(logits);
         if m == f32::NEG_INFINITY {
             return 0;
@@ -297,11 +255,7 @@ impl Sampler {
             return i.map_or_else(|| argmax(logits), |i| i as u32);
         }
 
-        let ln_min_p = if min_p {
-            libm::logf(p.min_p)
-        } else {
-            f32::NEG_INFINITY
-        };
+        let ln_min_p = if min_p { libm::logf(p.min_p) } else { f32::NEG_INFINITY };
         let passes = |x: f32| x > f32::NEG_INFINITY && (x - m) * inv_t >= ln_min_p;
         cands.clear();
         if let Some(k) = top_k {
@@ -355,22 +309,12 @@ impl Sampler {
 
 /// (logit, id) of the logits that pass `keep`, in id order.
 fn ids_where(logits: &[f32], keep: impl Fn(f32) -> bool) -> impl Iterator<Item = (f32, u32)> {
-    logits
-        .iter()
-        .enumerate()
-        .filter(move |&(_, &x)| keep(x))
-        .map(|(i, &x)| (x, i as u32))
+    logits.iter().enumerate().filter(move |&(_, &x)| keep(x)).map(|(i, &x)| (x, i as u32))
 }
 
 /// Appends to `out` the best `k` (by rank) logits that pass `keep`, in no particular order.
 /// One pass with a bounded heap: most logits are rejected by a single comparison.
-pub(super) fn best_k(
-    logits: &[f32],
-    k: usize,
-    keep: impl Fn(f32) -> bool,
-    storage: &mut Vec<WorstFirst>,
-    out: &mut Vec<(f32, u32)>,
-) {
+pub(super) fn best_k(logits: &[f32], k: usize, keep: impl Fn(f32) -> bool, storage: &mut Vec<WorstFirst>, out: &mut Vec<(f32, u32)>) {
     storage.clear();
     let mut heap = BinaryHeap::from(std::mem::take(storage));
     for (i, &x) in logits.iter().enumerate() {
@@ -396,11 +340,7 @@ pub(super) fn best_k(
 #[inline]
 fn top_p_bin(x: f32, m: f32, inv_t: f32) -> usize {
     let k = (m - x) * inv_t * TOP_P_BINS_PER_UNIT;
-    if k < (TOP_P_BINS - 1) as f32 {
-        k as usize
-    } else {
-        TOP_P_BINS - 1
-    }
+    if k < (TOP_P_BINS - 1) as f32 { k as usize } else { TOP_P_BINS - 1 }
 }
 
 /// Top-p's cut: the worst-ranked candidate it keeps, so that it keeps the shortest prefix (in
@@ -441,13 +381,7 @@ pub(super) fn top_p_cut(
         (Some(at?), cum)
     };
     boundary.clear();
-    boundary.extend(
-        cands
-            .iter()
-            .zip(weights)
-            .filter(|(c, _)| bin.is_none_or(|b| top_p_bin(c.0, m, inv_t) == b))
-            .map(|(c, &w)| (c.0, c.1, w)),
-    );
+    boundary.extend(cands.iter().zip(weights).filter(|(c, _)| bin.is_none_or(|b| top_p_bin(c.0, m, inv_t) == b)).map(|(c, &w)| (c.0, c.1, w)));
     boundary.sort_unstable_by(|a, b| by_rank(&(a.0, a.1), &(b.0, b.1)));
     for &(x, id, w) in boundary.iter() {
         cum += w as f64;
@@ -456,8 +390,5 @@ pub(super) fn top_p_cut(
         }
     }
     // Rounding left the target unreached within the bin: keep the whole bin.
-    boundary
-        .last()
-        .map(|&(x, id, _)| (x, id))
-        .filter(|_| bin.is_some())
+    boundary.last().map(|&(x, id, _)| (x, id)).filter(|_| bin.is_some())
 }

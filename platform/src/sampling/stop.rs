@@ -28,11 +28,7 @@ pub struct StopOutcome {
 impl StopStrings {
     /// Empty stop strings are ignored (they keep their index for the others, though).
     pub fn new(stops: Vec<String>) -> Self {
-        Self {
-            stops,
-            held: String::new(),
-            stopped: None,
-        }
+        Self { stops, held: String::new(), stopped: None }
     }
 
     /// Whether a stop string has matched.
@@ -48,10 +44,7 @@ impl StopStrings {
     /// stream ends as soon as any stop string has occurred. After a stop, pushes release nothing.
     pub fn push(&mut self, new_text: &str) -> StopOutcome {
         if let Some(i) = self.stopped {
-            return StopOutcome {
-                emit: String::new(),
-                stopped: Some(i),
-            };
+            return StopOutcome { emit: String::new(), stopped: Some(i) };
         }
         self.held.push_str(new_text);
 
@@ -69,18 +62,12 @@ impl StopStrings {
         if let Some((pos, i)) = best {
             self.held.truncate(pos);
             self.stopped = Some(i);
-            return StopOutcome {
-                emit: std::mem::take(&mut self.held),
-                stopped: Some(i),
-            };
+            return StopOutcome { emit: std::mem::take(&mut self.held), stopped: Some(i) };
         }
 
         let keep_from = self.partial_match_start();
         let rest = self.held.split_off(keep_from);
-        StopOutcome {
-            emit: std::mem::replace(&mut self.held, rest),
-            stopped: None,
-        }
+        StopOutcome { emit: std::mem::replace(&mut self.held, rest), stopped: None }
     }
 
     /// Ends the stream: releases what was held back (nothing after a stop).
@@ -100,9 +87,7 @@ impl StopStrings {
             .filter(|&i| i >= lowest)
             .find(|&i| {
                 let tail = &held[i..];
-                self.stops
-                    .iter()
-                    .any(|s| s.len() > tail.len() && s.starts_with(tail))
+                self.stops.iter().any(|s| s.len() > tail.len() && s.starts_with(tail))
             })
             .unwrap_or(held.len())
     }
@@ -141,13 +126,7 @@ mod tests {
         let b = s.push("wer");
         assert_eq!(b.emit, "");
         let c = s.push("> trailing");
-        assert_eq!(
-            c,
-            StopOutcome {
-                emit: String::new(),
-                stopped: Some(0)
-            }
-        );
+        assert_eq!(c, StopOutcome { emit: String::new(), stopped: Some(0) });
         assert_eq!(s.finish(), "");
         assert_eq!(s.push("more").emit, "");
         assert_eq!(s.stopped(), Some(0));
@@ -157,13 +136,7 @@ mod tests {
     fn stop_in_one_push_truncates_there() {
         let mut s = stops(&["\n\n"]);
         let o = s.push("line one\n\nline two");
-        assert_eq!(
-            o,
-            StopOutcome {
-                emit: "line one".into(),
-                stopped: Some(0)
-            }
-        );
+        assert_eq!(o, StopOutcome { emit: "line one".into(), stopped: Some(0) });
     }
 
     #[test]
@@ -221,12 +194,6 @@ mod tests {
         assert_eq!(s.push("n").emit, "");
         assert_eq!(s.push("o 😀").emit, "üno ");
         let o = s.push("!x");
-        assert_eq!(
-            o,
-            StopOutcome {
-                emit: String::new(),
-                stopped: Some(1)
-            }
-        );
+        assert_eq!(o, StopOutcome { emit: String::new(), stopped: Some(1) });
     }
 }

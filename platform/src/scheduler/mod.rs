@@ -24,8 +24,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use crate::engine::SeqId;
-pub use fair::{Priority, TenantId};
 use fair::{FairQueues, Job};
+pub use fair::{Priority, TenantId};
 
 /// Tokens of a job not computed yet.
 fn pending<S: Schedulable>(job: &Job<S>) -> usize {

@@ -223,7 +223,9 @@ impl Store {
             let price = plans.get(&plan);
             let uncached = g.prompt_tokens - g.cached_prompt_tokens;
             let cost = price.map_or(0.0, |p| {
-                (uncached as f64 * p.prompt_price as f64 + g.cached_prompt_tokens as f64 * p.cached_prompt_price as f64 + g.completion_tokens as f64 * p.completion_price as f64)
+                (uncached as f64 * p.prompt_price as f64
+                    + g.cached_prompt_tokens as f64 * p.cached_prompt_price as f64
+                    + g.completion_tokens as f64 * p.completion_price as f64)
                     / 1e12
             });
             let totals = Totals {

@@ -209,7 +209,6 @@ impl Store {
         }
     }
 
-
     /// A tenant that has not been deleted.
     pub async fn tenant(&self, id: &str) -> Result<Option<Tenant>, StoreError> {
         let sql = concat!("SELECT ", tenant_columns!(), " FROM tenants WHERE id = $1 AND deleted_at IS NULL");
@@ -363,13 +362,12 @@ impl Store {
         for _ in 0..5 {
             let mut tx = self.pool.begin().await?;
             // A new version of a published adapter stays published.
-            let (latest, public): (Option<i64>, Option<i64>) = sqlx::query_as(
-                "SELECT MAX(version), MAX(CASE WHEN deleted_at IS NULL THEN public ELSE 0 END) FROM adapters WHERE owner = $1 AND name = $2",
-            )
-                .bind(&new.owner)
-                .bind(&new.name)
-                .fetch_one(&mut *tx)
-                .await?;
+            let (latest, public): (Option<i64>, Option<i64>) =
+                sqlx::query_as("SELECT MAX(version), MAX(CASE WHEN deleted_at IS NULL THEN public ELSE 0 END) FROM adapters WHERE owner = $1 AND name = $2")
+                    .bind(&new.owner)
+                    .bind(&new.name)
+                    .fetch_one(&mut *tx)
+                    .await?;
             let record = AdapterRecord {
                 id: random_id("ada"),
                 owner: new.owner.clone(),
@@ -411,7 +409,6 @@ impl Store {
         }
         Err(StoreError::Conflict { what: "adapter version", name: new.name.clone() })
     }
-
 
     /// The latest live version of `owner`'s adapter `name`.
     pub async fn adapter(&self, owner: &str, name: &str) -> Result<Option<AdapterRecord>, StoreError> {

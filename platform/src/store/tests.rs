@@ -24,11 +24,14 @@ async fn tenants_and_keys() {
         let kind = s.kind();
         let acme = s.create_tenant(&tenant("acme")).await.unwrap();
         assert!(matches!(s.create_tenant(&tenant("acme")).await, Err(StoreError::Conflict { .. })), "{kind:?}");
-        for bad in [NewTenant { name: "../x".into(), ..tenant("x") }, NewTenant { weight: 0.0, ..tenant("x") }, NewTenant { plan: "gold".into(), ..tenant("x") }] {
+        for bad in
+            [NewTenant { name: "../x".into(), ..tenant("x") }, NewTenant { weight: 0.0, ..tenant("x") }, NewTenant { plan: "gold".into(), ..tenant("x") }]
+        {
             assert!(matches!(s.create_tenant(&bad).await, Err(StoreError::Invalid { .. })), "{kind:?} {bad:?}");
         }
         let limits = TenantLimits { requests_per_min: Some(60), ..Default::default() };
-        let patched = s.update_tenant(&acme.id, &TenantPatch { weight: Some(2.0), plan: Some("enterprise".into()), limits: Some(limits.clone()) }).await.unwrap();
+        let patched =
+            s.update_tenant(&acme.id, &TenantPatch { weight: Some(2.0), plan: Some("enterprise".into()), limits: Some(limits.clone()) }).await.unwrap();
         assert_eq!((patched.weight, patched.plan.as_str(), patched.limits()), (2.0, "enterprise", limits));
         assert_eq!(s.tenant(&acme.id).await.unwrap(), Some(patched));
 

@@ -83,14 +83,7 @@ const ADAPTER_SALT: u64 = 0x4C6F_5241_2D41_4450;
 
 /// The model's projection shapes, as the adapter loader validates them.
 pub(crate) fn base_shape(d: &ModelDims) -> BaseShape {
-    BaseShape::llama(
-        d.hidden_size,
-        d.intermediate_size,
-        d.num_attention_heads,
-        d.num_key_value_heads,
-        d.head_dim,
-        d.num_hidden_layers,
-    )
+    BaseShape::llama(d.hidden_size, d.intermediate_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.num_hidden_layers)
 }
 
 /// Refuses options that cannot give valid adapters. Nothing is checked when `count` is 0, as
@@ -101,10 +94,7 @@ pub(crate) fn check_adapter_options(opts: &AdapterSynthOptions) -> Result<(), Sy
     }
     let bad = |msg: String| Err(SynthError::Options(msg));
     if opts.ranks.is_empty() {
-        return bad(format!(
-            "{} adapters requested but no ranks given",
-            opts.count
-        ));
+        return bad(format!("{} adapters requested but no ranks given", opts.count));
     }
     let shape = base_shape(&opts.dims);
     for &rank in &opts.ranks {
@@ -160,27 +150,9 @@ fn adapter_specs(shape: &BaseShape, rank: usize, targets: AdapterTargets) -> Vec
             let (inp, out) = shape.dims(m);
             let a_half = 1.0 / (inp as f64).sqrt();
             let b_half = b_half_width(inp, out, rank);
-            let prefix = format!(
-                "base_model.model.model.layers.{layer}.{}.{}",
-                m.hf_parent(),
-                m.hf_name()
-            );
-            specs.push(TensorSpec {
-                name: format!("{prefix}.lora_A.weight"),
-                shape: vec![rank, inp],
-                init: Init::Uniform {
-                    lo: -a_half,
-                    hi: a_half,
-                },
-            });
-            specs.push(TensorSpec {
-                name: format!("{prefix}.lora_B.weight"),
-                shape: vec![out, rank],
-                init: Init::Uniform {
-                    lo: -b_half,
-                    hi: b_half,
-                },
-            });
+            let prefix = format!("base_model.model.model.layers.{layer}.{}.{}", m.hf_parent(), m.hf_name());
+            specs.push(TensorSpec { name: format!("{prefix}.lora_A.weight"), shape: vec![rank, inp], init: Init::Uniform { lo: -a_half, hi: a_half } });
+            specs.push(TensorSpec { name: format!("{prefix}.lora_B.weight"), shape: vec![out, rank], init: Init::Uniform { lo: -b_half, hi: b_half } });
         }
     }
     specs.sort_by(|a, b| a.name.cmp(&b.name));
@@ -221,13 +193,7 @@ fn config_json(d: &ModelDims, rank: usize, targets: AdapterTargets) -> serde_jso
 }
 
 /// Writes one adapter into `dir`.
-fn write_adapter(
-    dir: &Path,
-    opts: &AdapterSynthOptions,
-    shape: &BaseShape,
-    index: usize,
-    rank: usize,
-) -> Result<(), SynthError> {
+fn write_adapter(dir: &Path, opts: &AdapterSynthOptions, shape: &BaseShape, index: usize, rank: usize) -> Result<(), SynthError> {
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     let config = dir.join("adapter_config.json");
     let text = to_json(&config_json(&opts.dims, rank, opts.targets));

@@ -23,8 +23,8 @@ use serde_json::json;
 
 pub(crate) use adapters::check_adapter_options;
 pub use adapters::{AdapterSynthOptions, AdapterTargets, synthesize_adapters};
-pub use weights::FileDType;
 pub use tokenizer::SPECIAL_TOKENS;
+pub use weights::FileDType;
 
 /// Model sizes to synthesize.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -78,10 +78,7 @@ impl Preset {
 impl ModelDims {
     /// Total number of weights, embeddings and `lm_head` included.
     pub fn parameter_count(&self) -> u64 {
-        weights::tensor_specs(self)
-            .iter()
-            .map(|t| t.numel() as u64)
-            .sum()
+        weights::tensor_specs(self).iter().map(|t| t.numel() as u64).sum()
     }
 }
 
@@ -123,10 +120,7 @@ pub enum SynthError {
 }
 
 pub(crate) fn io_err(path: &Path) -> impl FnOnce(io::Error) -> SynthError + '_ {
-    move |source| SynthError::Io {
-        path: path.to_path_buf(),
-        source,
-    }
+    move |source| SynthError::Io { path: path.to_path_buf(), source }
 }
 
 /// Writes a complete random model for `opts.preset` into `opts.out`.
@@ -148,28 +142,18 @@ pub fn synthesize_model(opts: &SynthOptions) -> Result<SynthSummary, SynthError>
     };
 
     put("config.json", &to_json(&config_json(&dims)))?;
-    put(
-        "generation_config.json",
-        &to_json(&generation_config_json()),
-    )?;
+    put("generation_config.json", &to_json(&generation_config_json()))?;
     let tok = tokenizer::tokenizer_json(dims.vocab_size)?;
     put("tokenizer.json", tok.as_bytes())?;
     let tok_config = tokenizer_config_json(dims.max_position_embeddings);
     put("tokenizer_config.json", &to_json(&tok_config))?;
-    put(
-        "special_tokens_map.json",
-        &to_json(&special_tokens_map_json()),
-    )?;
+    put("special_tokens_map.json", &to_json(&special_tokens_map_json()))?;
 
     let path = opts.out.join("model.safetensors");
     let (parameters, size) = weights::write_safetensors(&path, &dims, opts.seed)?;
     files.push(path);
     bytes += size;
-    Ok(SynthSummary {
-        parameters,
-        files,
-        bytes,
-    })
+    Ok(SynthSummary { parameters, files, bytes })
 }
 
 fn to_json(value: &serde_json::Value) -> Vec<u8> {

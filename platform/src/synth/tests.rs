@@ -9,19 +9,10 @@ use tokenizers::Tokenizer;
 use super::tokenizer::{BpeTables, tokenizer_json, vocab_and_merges};
 use super::*;
 
-const FILES: [&str; 6] = [
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "model.safetensors",
-];
+const FILES: [&str; 6] = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "model.safetensors"];
 
 fn reference(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/reference")
-        .join(path)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/reference").join(path)
 }
 
 fn read_json(path: &Path) -> Value {
@@ -33,11 +24,7 @@ fn tiny() -> &'static (tempfile::TempDir, SynthSummary) {
     static TINY: OnceLock<(tempfile::TempDir, SynthSummary)> = OnceLock::new();
     TINY.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
-        let opts = SynthOptions {
-            out: dir.path().join("model"),
-            preset: Preset::Tiny,
-            seed: 7,
-        };
+        let opts = SynthOptions { out: dir.path().join("model"), preset: Preset::Tiny, seed: 7 };
         let summary = synthesize_model(&opts).unwrap();
         (dir, summary)
     })
@@ -70,19 +57,12 @@ fn config_matches_the_reference_layout() {
 
     let ours = read_json(&tiny_dir().join("generation_config.json"));
     let mut theirs = read_json(&reference("llama/model-f32/generation_config.json"));
-    theirs
-        .as_object_mut()
-        .unwrap()
-        .remove("transformers_version");
+    theirs.as_object_mut().unwrap().remove("transformers_version");
     assert_eq!(ours, theirs);
 
     for name in ["tokenizer_config.json", "special_tokens_map.json"] {
         let ours = read_json(&tiny_dir().join(name));
-        assert_eq!(
-            ours,
-            read_json(&reference(&format!("tokenizer/{name}"))),
-            "{name}"
-        );
+        assert_eq!(ours, read_json(&reference(&format!("tokenizer/{name}"))), "{name}");
     }
     let chat = read_json(&tiny_dir().join("tokenizer_config.json"))["chat_template"].clone();
     assert!(chat.as_str().unwrap().starts_with("{{ bos_token }}"));
@@ -91,32 +71,12 @@ fn config_matches_the_reference_layout() {
 #[test]
 fn preset_dimensions() {
     let d = Preset::Small.dims();
-    assert_eq!(
-        (d.vocab_size, d.hidden_size, d.intermediate_size),
-        (4096, 512, 1408)
-    );
-    assert_eq!(
-        (
-            d.num_hidden_layers,
-            d.num_attention_heads,
-            d.num_key_value_heads
-        ),
-        (6, 8, 2)
-    );
+    assert_eq!((d.vocab_size, d.hidden_size, d.intermediate_size), (4096, 512, 1408));
+    assert_eq!((d.num_hidden_layers, d.num_attention_heads, d.num_key_value_heads), (6, 8, 2));
     assert_eq!((d.head_dim, d.max_position_embeddings), (64, 2048));
     let b = Preset::Bench.dims();
-    assert_eq!(
-        (b.vocab_size, b.hidden_size, b.intermediate_size),
-        (32000, 1024, 2816)
-    );
-    assert_eq!(
-        (
-            b.num_hidden_layers,
-            b.num_attention_heads,
-            b.num_key_value_heads
-        ),
-        (8, 16, 4)
-    );
+    assert_eq!((b.vocab_size, b.hidden_size, b.intermediate_size), (32000, 1024, 2816));
+    assert_eq!((b.num_hidden_layers, b.num_attention_heads, b.num_key_value_heads), (8, 16, 4));
     assert_eq!((b.head_dim, b.max_position_embeddings), (64, 4096));
     let params = b.parameter_count();
     assert!((150_000_000..160_000_000).contains(&params), "{params}");
@@ -151,10 +111,7 @@ fn expected_tensors(d: &ModelDims) -> BTreeMap<String, Vec<usize>> {
 }
 
 fn f32s(view: &safetensors::tensor::TensorView<'_>) -> Vec<f32> {
-    view.data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect()
+    view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
 }
 
 #[test]
@@ -175,17 +132,10 @@ fn safetensors_has_every_tensor_with_its_shape() {
     // The same names and shapes as the reference checkpoint, and the same metadata.
     let ref_bytes = std::fs::read(reference("llama/model-f32/model.safetensors")).unwrap();
     let ref_st = SafeTensors::deserialize(&ref_bytes).unwrap();
-    let ref_shapes: BTreeMap<String, Vec<usize>> = ref_st
-        .tensors()
-        .into_iter()
-        .map(|(name, view)| (name, view.shape().to_vec()))
-        .collect();
+    let ref_shapes: BTreeMap<String, Vec<usize>> = ref_st.tensors().into_iter().map(|(name, view)| (name, view.shape().to_vec())).collect();
     assert_eq!(got, ref_shapes);
     let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
-    let format = meta
-        .metadata()
-        .as_ref()
-        .and_then(|m| m.get("format").cloned());
+    let format = meta.metadata().as_ref().and_then(|m| m.get("format").cloned());
     assert_eq!(format.as_deref(), Some("pt"));
 }
 
@@ -198,30 +148,17 @@ fn weights_have_the_intended_statistics() {
         assert!(x.iter().all(|v| v.is_finite()), "{name}");
         if name.ends_with("norm.weight") {
             assert!(x.iter().all(|&v| (0.5..=1.5).contains(&v)), "{name}");
-            assert!(
-                x.iter().any(|&v| (v - 1.0).abs() > 0.1),
-                "{name} looks like all ones"
-            );
-            let distinct = x
-                .iter()
-                .map(|v| v.to_bits())
-                .collect::<std::collections::HashSet<_>>();
+            assert!(x.iter().any(|&v| (v - 1.0).abs() > 0.1), "{name} looks like all ones");
+            let distinct = x.iter().map(|v| v.to_bits()).collect::<std::collections::HashSet<_>>();
             assert!(distinct.len() > x.len() / 2, "{name}");
             continue;
         }
         let n = x.len() as f64;
         let mean = x.iter().map(|&v| v as f64).sum::<f64>() / n;
         let std = (x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n).sqrt();
-        let want = if name == "model.embed_tokens.weight" {
-            1.0
-        } else {
-            1.0 / (view.shape()[1] as f64).sqrt()
-        };
+        let want = if name == "model.embed_tokens.weight" { 1.0 } else { 1.0 / (view.shape()[1] as f64).sqrt() };
         assert!(mean.abs() < 0.05 * want.max(0.1), "{name}: mean {mean}");
-        assert!(
-            (std / want - 1.0).abs() < 0.05,
-            "{name}: std {std}, want {want}"
-        );
+        assert!((std / want - 1.0).abs() < 0.05, "{name}: std {std}, want {want}");
     }
 }
 
@@ -236,11 +173,7 @@ fn tokenizer_loads_and_round_trips() {
     let text = "Hello, world! ünïcödé 😀";
     let enc = tok.encode(text, true).unwrap();
     assert_eq!(enc.get_ids()[0], 1, "BOS first");
-    assert!(
-        enc.get_ids().len() < text.len(),
-        "merges apply: {:?}",
-        enc.get_tokens()
-    );
+    assert!(enc.get_ids().len() < text.len(), "merges apply: {:?}", enc.get_tokens());
     assert_eq!(tok.decode(enc.get_ids(), true).unwrap(), text);
     let chat = "<|im_start|>user\nthe river<|im_end|>\n";
     let ids = tok.encode(chat, false).unwrap().get_ids().to_vec();
@@ -263,17 +196,10 @@ fn vocabularies_of_every_preset_are_exact_and_well_formed() {
         let distinct: std::collections::HashSet<&String> = tokens.iter().collect();
         assert_eq!(distinct.len(), v);
         // Every token after the base is a merge of two tokens that exist before it.
-        let ids: std::collections::HashMap<&str, usize> = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.as_str(), i))
-            .collect();
+        let ids: std::collections::HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
         for (a, b) in &merges {
             let joined = ids[format!("{a}{b}").as_str()];
-            assert!(
-                ids[a.as_str()] < joined && ids[b.as_str()] < joined,
-                "{a} + {b}"
-            );
+            assert!(ids[a.as_str()] < joined && ids[b.as_str()] < joined, "{a} + {b}");
         }
         assert!(merges.len() >= v - 261);
     }
@@ -291,12 +217,7 @@ fn same_seed_gives_identical_files_and_another_seed_other_weights() {
     let dir = tempfile::tempdir().unwrap();
     let write = |sub: &str, seed| {
         let out = dir.path().join(sub);
-        synthesize_model(&SynthOptions {
-            out: out.clone(),
-            preset: Preset::Tiny,
-            seed,
-        })
-        .unwrap();
+        synthesize_model(&SynthOptions { out: out.clone(), preset: Preset::Tiny, seed }).unwrap();
         out
     };
     let again = write("again", 7);
@@ -314,12 +235,7 @@ fn same_seed_gives_identical_files_and_another_seed_other_weights() {
         }
     }
     // Rewriting into an existing directory replaces the files.
-    synthesize_model(&SynthOptions {
-        out: other.clone(),
-        preset: Preset::Tiny,
-        seed: 7,
-    })
-    .unwrap();
+    synthesize_model(&SynthOptions { out: other.clone(), preset: Preset::Tiny, seed: 7 }).unwrap();
     let a = std::fs::read(tiny_dir().join("model.safetensors")).unwrap();
     assert_eq!(a, std::fs::read(other.join("model.safetensors")).unwrap());
 }
@@ -342,11 +258,6 @@ fn unwritable_output_is_an_io_error() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("not-a-dir");
     std::fs::write(&file, b"x").unwrap();
-    let err = synthesize_model(&SynthOptions {
-        out: file.join("m"),
-        preset: Preset::Tiny,
-        seed: 0,
-    })
-    .unwrap_err();
+    let err = synthesize_model(&SynthOptions { out: file.join("m"), preset: Preset::Tiny, seed: 0 }).unwrap_err();
     assert!(matches!(err, SynthError::Io { .. }), "{err}");
 }

@@ -13,10 +13,7 @@ use tokenizers::models::bpe::{BPE, Vocab};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::processors::sequence::Sequence;
 use tokenizers::processors::template::TemplateProcessing;
-use tokenizers::{
-    AddedToken, OffsetReferential, OffsetType, PostProcessorWrapper, PreTokenizedString,
-    PreTokenizer, Tokenizer,
-};
+use tokenizers::{AddedToken, OffsetReferential, OffsetType, PostProcessorWrapper, PreTokenizedString, PreTokenizer, Tokenizer};
 
 use super::SynthError;
 use crate::sampling::Xoshiro256;
@@ -67,9 +64,7 @@ impl Builder {
 /// The pre-tokenized words of the corpus (as byte-level symbol ids) with their counts.
 fn corpus_words(b: &Builder) -> Result<Vec<(Vec<u32>, u64)>, SynthError> {
     let mut pre = PreTokenizedString::from(CORPUS);
-    ByteLevel::new(false, true, true)
-        .pre_tokenize(&mut pre)
-        .map_err(tok_err)?;
+    ByteLevel::new(false, true, true).pre_tokenize(&mut pre).map_err(tok_err)?;
     let mut counts: BTreeMap<&str, u64> = BTreeMap::new();
     for (word, _, _) in pre.get_splits(OffsetReferential::Original, OffsetType::Byte) {
         *counts.entry(word).or_insert(0) += 1;
@@ -98,9 +93,7 @@ fn learn_corpus_merges(b: &mut Builder, vocab_size: usize) -> Result<(), SynthEr
                 *pairs.entry((p[0], p[1])).or_insert(0) += n;
             }
         }
-        let best = pairs
-            .into_iter()
-            .max_by(|x, y| x.1.cmp(&y.1).then(y.0.cmp(&x.0)));
+        let best = pairs.into_iter().max_by(|x, y| x.1.cmp(&y.1).then(y.0.cmp(&x.0)));
         let Some(((l, r), _)) = best.filter(|&(_, c)| c >= 2) else {
             break;
         };
@@ -132,14 +125,8 @@ fn is_word_like(s: &str) -> bool {
 /// Fills the vocabulary with word-like tokens: a word-like head plus a short letters-only tail.
 fn add_filler_merges(b: &mut Builder, vocab_size: usize) -> Result<(), SynthError> {
     let is_tail = |s: &str| s.len() <= 3 && !s.starts_with('Ġ') && is_word_like(s);
-    let mut heads: Vec<u32> = (0..b.tokens.len() as u32)
-        .filter(|&i| is_word_like(&b.tokens[i as usize]))
-        .collect();
-    let mut tails: Vec<u32> = heads
-        .iter()
-        .copied()
-        .filter(|&i| is_tail(&b.tokens[i as usize]))
-        .collect();
+    let mut heads: Vec<u32> = (0..b.tokens.len() as u32).filter(|&i| is_word_like(&b.tokens[i as usize])).collect();
+    let mut tails: Vec<u32> = heads.iter().copied().filter(|&i| is_tail(&b.tokens[i as usize])).collect();
     let mut rng = Xoshiro256::seed_from_u64(FILLER_SEED);
     let mut attempts = 0usize;
     while b.tokens.len() < vocab_size {
@@ -150,9 +137,7 @@ fn add_filler_merges(b: &mut Builder, vocab_size: usize) -> Result<(), SynthErro
         let a = heads[(rng.next_u64() % heads.len() as u64) as usize];
         let c = tails[(rng.next_u64() % tails.len() as u64) as usize];
         let (sa, sc) = (&b.tokens[a as usize], &b.tokens[c as usize]);
-        if sa.chars().count() + sc.chars().count() > MAX_FILLER_LEN
-            || b.ids.contains_key(&format!("{sa}{sc}"))
-        {
+        if sa.chars().count() + sc.chars().count() > MAX_FILLER_LEN || b.ids.contains_key(&format!("{sa}{sc}")) {
             continue;
         }
         let new = b.merge(a, c);
@@ -176,15 +161,9 @@ pub(crate) fn vocab_and_merges(vocab_size: usize) -> Result<BpeTables, SynthErro
     alphabet.sort_unstable();
     let base = SPECIAL_TOKENS.len() + alphabet.len();
     if vocab_size < base {
-        return Err(tok_err(format!(
-            "a vocabulary needs at least {base} tokens"
-        )));
+        return Err(tok_err(format!("a vocabulary needs at least {base} tokens")));
     }
-    let mut b = Builder {
-        tokens: Vec::with_capacity(vocab_size),
-        ids: HashMap::with_capacity(vocab_size),
-        merges: Vec::with_capacity(vocab_size - base),
-    };
+    let mut b = Builder { tokens: Vec::with_capacity(vocab_size), ids: HashMap::with_capacity(vocab_size), merges: Vec::with_capacity(vocab_size - base) };
     for s in SPECIAL_TOKENS {
         b.add_token(s.to_string());
     }
@@ -193,24 +172,14 @@ pub(crate) fn vocab_and_merges(vocab_size: usize) -> Result<BpeTables, SynthErro
     }
     learn_corpus_merges(&mut b, vocab_size)?;
     add_filler_merges(&mut b, vocab_size)?;
-    Ok(BpeTables {
-        tokens: b.tokens,
-        merges: b.merges,
-    })
+    Ok(BpeTables { tokens: b.tokens, merges: b.merges })
 }
 
 /// A complete `tokenizer.json` for a vocabulary of `vocab_size` tokens.
 pub(crate) fn tokenizer_json(vocab_size: usize) -> Result<String, SynthError> {
     let BpeTables { tokens, merges } = vocab_and_merges(vocab_size)?;
-    let vocab: Vocab = tokens
-        .into_iter()
-        .enumerate()
-        .map(|(id, s)| (s, id as u32))
-        .collect();
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, merges)
-        .build()
-        .map_err(tok_err)?;
+    let vocab: Vocab = tokens.into_iter().enumerate().map(|(id, s)| (s, id as u32)).collect();
+    let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(tok_err)?;
 
     let template = TemplateProcessing::builder()
         .try_single("<s> $A")
@@ -220,20 +189,14 @@ pub(crate) fn tokenizer_json(vocab_size: usize) -> Result<String, SynthError> {
         .special_tokens(vec![("<s>", 1)])
         .build()
         .map_err(tok_err)?;
-    let post = Sequence::new(vec![
-        PostProcessorWrapper::ByteLevel(ByteLevel::new(true, false, true)),
-        PostProcessorWrapper::Template(template),
-    ]);
+    let post = Sequence::new(vec![PostProcessorWrapper::ByteLevel(ByteLevel::new(true, false, true)), PostProcessorWrapper::Template(template)]);
 
     let mut tokenizer = Tokenizer::new(bpe);
     tokenizer
         .with_pre_tokenizer(Some(ByteLevel::new(false, true, true)))
         .with_post_processor(Some(post))
         .with_decoder(Some(ByteLevelDecoder::new(true, true, true)));
-    let specials: Vec<AddedToken> = SPECIAL_TOKENS
-        .iter()
-        .map(|s| AddedToken::from(*s, true))
-        .collect();
+    let specials: Vec<AddedToken> = SPECIAL_TOKENS.iter().map(|s| AddedToken::from(*s, true)).collect();
     tokenizer.add_special_tokens(&specials);
     let mut json = tokenizer.to_string(true).map_err(tok_err)?;
     json.push('\n');

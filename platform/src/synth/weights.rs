@@ -44,27 +44,10 @@ pub(crate) fn tensor_specs(d: &ModelDims) -> Vec<TensorSpec> {
     let q = d.num_attention_heads * d.head_dim;
     let kv = d.num_key_value_heads * d.head_dim;
     let inter = d.intermediate_size;
-    let linear = |name: String, out: usize, inp: usize| TensorSpec {
-        name,
-        shape: vec![out, inp],
-        init: Init::Normal {
-            std: 1.0 / (inp as f64).sqrt(),
-        },
-    };
-    let norm = |name: String| TensorSpec {
-        name,
-        shape: vec![h],
-        init: Init::Uniform {
-            lo: NORM_RANGE.0,
-            hi: NORM_RANGE.1,
-        },
-    };
+    let linear = |name: String, out: usize, inp: usize| TensorSpec { name, shape: vec![out, inp], init: Init::Normal { std: 1.0 / (inp as f64).sqrt() } };
+    let norm = |name: String| TensorSpec { name, shape: vec![h], init: Init::Uniform { lo: NORM_RANGE.0, hi: NORM_RANGE.1 } };
     let mut specs = vec![
-        TensorSpec {
-            name: "model.embed_tokens.weight".into(),
-            shape: vec![d.vocab_size, h],
-            init: Init::Normal { std: 1.0 },
-        },
+        TensorSpec { name: "model.embed_tokens.weight".into(), shape: vec![d.vocab_size, h], init: Init::Normal { std: 1.0 } },
         norm("model.norm.weight".into()),
         linear("lm_head.weight".into(), d.vocab_size, h),
     ];
@@ -88,9 +71,7 @@ pub(crate) fn tensor_specs(d: &ModelDims) -> Vec<TensorSpec> {
 
 /// FNV-1a, to give each tensor its own random streams independent of its position in the file.
 fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xCBF2_9CE4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3)
-    })
+    s.bytes().fold(0xCBF2_9CE4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3))
 }
 
 /// The seed of block `block` of tensor `name`.
@@ -135,11 +116,7 @@ fn fill_block(out: &mut [f32], init: Init, seed: u64) {
 pub(crate) fn generate(spec: &TensorSpec, seed: u64, buf: &mut Vec<f32>) {
     buf.clear();
     buf.resize(spec.numel(), 0.0);
-    buf.par_chunks_mut(BLOCK)
-        .enumerate()
-        .for_each(|(i, block)| {
-            fill_block(block, spec.init, block_seed(seed, &spec.name, i as u64))
-        });
+    buf.par_chunks_mut(BLOCK).enumerate().for_each(|(i, block)| fill_block(block, spec.init, block_seed(seed, &spec.name, i as u64)));
 }
 
 /// The element type tensors are written in.
@@ -175,10 +152,7 @@ fn header(specs: &[TensorSpec], dtype: FileDType) -> Vec<u8> {
     let mut offset = 0usize;
     for spec in specs {
         let end = offset + spec.numel() * dtype.size();
-        map.insert(
-            spec.name.clone(),
-            serde_json::json!({ "dtype": dtype.name(), "shape": spec.shape, "data_offsets": [offset, end] }),
-        );
+        map.insert(spec.name.clone(), serde_json::json!({ "dtype": dtype.name(), "shape": spec.shape, "data_offsets": [offset, end] }));
         offset = end;
     }
     let mut json = serde_json::to_vec(&map).expect("a JSON map always serializes");
@@ -188,32 +162,21 @@ fn header(specs: &[TensorSpec], dtype: FileDType) -> Vec<u8> {
 
 /// Writes `model.safetensors` for `dims` to `path`; see [`write_tensors`].
 /// Returns (parameter count, file size).
-pub(crate) fn write_safetensors(
-    path: &Path,
-    dims: &ModelDims,
-    seed: u64,
-) -> Result<(u64, u64), SynthError> {
+pub(crate) fn write_safetensors(path: &Path, dims: &ModelDims, seed: u64) -> Result<(u64, u64), SynthError> {
     write_tensors(path, &tensor_specs(dims), seed, FileDType::F32)
 }
 
 /// Writes the tensors `specs` (sorted by name) in `dtype` to the safetensors file `path`, streaming:
 /// header first, then each tensor as soon as it is generated from `seed`. The file appears
 /// under its name only once complete. Returns (value count, file size).
-pub(crate) fn write_tensors(
-    path: &Path,
-    specs: &[TensorSpec],
-    seed: u64,
-    dtype: FileDType,
-) -> Result<(u64, u64), SynthError> {
+pub(crate) fn write_tensors(path: &Path, specs: &[TensorSpec], seed: u64, dtype: FileDType) -> Result<(u64, u64), SynthError> {
     debug_assert!(specs.is_sorted_by(|a, b| a.name < b.name));
     let partial = path.with_extension("safetensors.partial");
     let file = File::create(&partial).map_err(io_err(&partial))?;
     let mut w = BufWriter::with_capacity(4 << 20, file);
     let header = header(specs, dtype);
     let mut size = 8 + header.len() as u64;
-    w.write_all(&(header.len() as u64).to_le_bytes())
-        .and_then(|()| w.write_all(&header))
-        .map_err(io_err(&partial))?;
+    w.write_all(&(header.len() as u64).to_le_bytes()).and_then(|()| w.write_all(&header)).map_err(io_err(&partial))?;
 
     let mut buf = Vec::new();
     let mut params = 0u64;

@@ -14,15 +14,7 @@ use tokenizers::processors::template::TemplateProcessing;
 use super::TokenizerError;
 
 /// The named special tokens transformers knows, in its attribute order.
-pub(crate) const NAMED_SPECIAL_TOKENS: [&str; 7] = [
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-];
+pub(crate) const NAMED_SPECIAL_TOKENS: [&str; 7] = ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"];
 
 /// Keys holding lists of extra special tokens (`extra_special_tokens` is the transformers 5 name).
 const EXTRA_SPECIAL_TOKEN_LISTS: [&str; 2] = ["additional_special_tokens", "extra_special_tokens"];
@@ -62,10 +54,7 @@ impl SideConfig {
 }
 
 fn invalid(path: &Path, message: impl Into<String>) -> TokenizerError {
-    TokenizerError::InvalidConfig {
-        path: path.to_path_buf(),
-        message: message.into(),
-    }
+    TokenizerError::InvalidConfig { path: path.to_path_buf(), message: message.into() }
 }
 
 /// Reads a JSON file that may be absent. Absent: `Ok(None)`; unreadable or not JSON: an error.
@@ -74,51 +63,33 @@ fn read_optional_json(path: &Path) -> Result<Option<Value>, TokenizerError> {
         Ok(bytes) => bytes,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(source) => {
-            return Err(TokenizerError::Io {
-                path: path.to_path_buf(),
-                source,
-            });
+            return Err(TokenizerError::Io { path: path.to_path_buf(), source });
         }
     };
-    serde_json::from_slice(&bytes)
-        .map(Some)
-        .map_err(|e| invalid(path, format!("not valid JSON: {e}")))
+    serde_json::from_slice(&bytes).map(Some).map_err(|e| invalid(path, format!("not valid JSON: {e}")))
 }
 
 fn read_optional_text(path: &Path) -> Result<Option<String>, TokenizerError> {
     match std::fs::read_to_string(path) {
         Ok(text) => Ok(Some(text)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(TokenizerError::Io {
-            path: path.to_path_buf(),
-            source,
-        }),
+        Err(source) => Err(TokenizerError::Io { path: path.to_path_buf(), source }),
     }
 }
 
 fn as_object<'v>(value: &'v Value, path: &Path) -> Result<&'v Map<String, Value>, TokenizerError> {
-    value
-        .as_object()
-        .ok_or_else(|| invalid(path, "expected a JSON object at the top level"))
+    value.as_object().ok_or_else(|| invalid(path, "expected a JSON object at the top level"))
 }
 
 /// Parses a token given as a plain string or as an AddedToken-like object `{"content": ...}`.
 /// `force_special` marks named special tokens, which transformers always treats as special.
-fn parse_token(
-    value: &Value,
-    key: &str,
-    path: &Path,
-    force_special: bool,
-) -> Result<Option<AddedToken>, TokenizerError> {
+fn parse_token(value: &Value, key: &str, path: &Path, force_special: bool) -> Result<Option<AddedToken>, TokenizerError> {
     match value {
         Value::Null => Ok(None),
         Value::String(s) => Ok(Some(AddedToken::from(s.clone(), true))),
         Value::Object(obj) => {
             let Some(content) = obj.get("content").and_then(Value::as_str) else {
-                return Err(invalid(
-                    path,
-                    format!("`{key}` is an object without a string `content`"),
-                ));
+                return Err(invalid(path, format!("`{key}` is an object without a string `content`")));
             };
             let flag = |name: &str, default: bool| -> Result<bool, TokenizerError> {
                 match obj.get(name) {
@@ -137,18 +108,11 @@ fn parse_token(
                 special,
             }))
         }
-        _ => Err(invalid(
-            path,
-            format!("`{key}` must be a string, an object with `content`, or null"),
-        )),
+        _ => Err(invalid(path, format!("`{key}` must be a string, an object with `content`, or null"))),
     }
 }
 
-fn parse_bool(
-    obj: &Map<String, Value>,
-    key: &str,
-    path: &Path,
-) -> Result<Option<bool>, TokenizerError> {
+fn parse_bool(obj: &Map<String, Value>, key: &str, path: &Path) -> Result<Option<bool>, TokenizerError> {
     match obj.get(key) {
         None => Ok(None),
         Some(Value::Null) => Ok(Some(false)),
@@ -157,11 +121,7 @@ fn parse_bool(
     }
 }
 
-fn parse_token_list(
-    obj: &Map<String, Value>,
-    path: &Path,
-    out: &mut Vec<AddedToken>,
-) -> Result<(), TokenizerError> {
+fn parse_token_list(obj: &Map<String, Value>, path: &Path, out: &mut Vec<AddedToken>) -> Result<(), TokenizerError> {
     for key in EXTRA_SPECIAL_TOKEN_LISTS {
         let items = match obj.get(key) {
             None | Some(Value::Null) => continue,
@@ -183,12 +143,7 @@ fn parse_token_list(
 
 /// Reads the named special tokens of one file into `named`. With `overwrite` a value from this
 /// file replaces one already present; otherwise it only fills keys that are still missing.
-fn merge_named(
-    obj: &Map<String, Value>,
-    path: &Path,
-    named: &mut Vec<(&'static str, AddedToken)>,
-    overwrite: bool,
-) -> Result<(), TokenizerError> {
+fn merge_named(obj: &Map<String, Value>, path: &Path, named: &mut Vec<(&'static str, AddedToken)>, overwrite: bool) -> Result<(), TokenizerError> {
     for key in NAMED_SPECIAL_TOKENS {
         let Some(value) = obj.get(key) else { continue };
         let present = named.iter().position(|(k, _)| *k == key);
@@ -209,15 +164,8 @@ fn merge_named(
     Ok(())
 }
 
-fn parse_chat_templates(
-    obj: &Map<String, Value>,
-    path: &Path,
-) -> Result<Vec<TemplateSource>, TokenizerError> {
-    let source = |name: &str, text: &str| TemplateSource {
-        name: name.to_owned(),
-        source: text.to_owned(),
-        path: path.to_path_buf(),
-    };
+fn parse_chat_templates(obj: &Map<String, Value>, path: &Path) -> Result<Vec<TemplateSource>, TokenizerError> {
+    let source = |name: &str, text: &str| TemplateSource { name: name.to_owned(), source: text.to_owned(), path: path.to_path_buf() };
     match obj.get("chat_template") {
         None | Some(Value::Null) => Ok(Vec::new()),
         Some(Value::String(text)) => Ok(vec![source("default", text)]),
@@ -228,10 +176,7 @@ fn parse_chat_templates(
                 let text = item.get("template").and_then(Value::as_str);
                 match (name, text) {
                     (Some(name), Some(text)) => Ok(source(name, text)),
-                    _ => Err(invalid(
-                        path,
-                        "`chat_template` list entries must be objects with string `name` and `template`",
-                    )),
+                    _ => Err(invalid(path, "`chat_template` list entries must be objects with string `name` and `template`")),
                 }
             })
             .collect(),
@@ -246,11 +191,7 @@ fn file_templates(dir: &Path) -> Result<Option<Vec<TemplateSource>>, TokenizerEr
     let Some(text) = read_optional_text(&main)? else {
         return Ok(None);
     };
-    let mut templates = vec![TemplateSource {
-        name: "default".into(),
-        source: text,
-        path: main,
-    }];
+    let mut templates = vec![TemplateSource { name: "default".into(), source: text, path: main }];
     let extra_dir = dir.join("additional_chat_templates");
     if let Ok(entries) = std::fs::read_dir(&extra_dir) {
         let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
@@ -271,17 +212,8 @@ fn file_templates(dir: &Path) -> Result<Option<Vec<TemplateSource>>, TokenizerEr
 }
 
 fn parse_generation_eos(value: &Value, path: &Path) -> Result<Vec<u32>, TokenizerError> {
-    let bad = || {
-        invalid(
-            path,
-            "`eos_token_id` must be a token id or a list of token ids",
-        )
-    };
-    let one = |v: &Value| {
-        v.as_u64()
-            .and_then(|id| u32::try_from(id).ok())
-            .ok_or_else(bad)
-    };
+    let bad = || invalid(path, "`eos_token_id` must be a token id or a list of token ids");
+    let one = |v: &Value| v.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(bad);
     match value.get("eos_token_id") {
         None | Some(Value::Null) => Ok(Vec::new()),
         Some(Value::Array(items)) => items.iter().map(one).collect(),
@@ -302,27 +234,16 @@ pub(crate) fn load(dir: &Path) -> Result<SideConfig, TokenizerError> {
         parse_token_list(obj, &config_path, &mut cfg.extra)?;
         cfg.add_bos_token = parse_bool(obj, "add_bos_token", &config_path)?;
         cfg.add_eos_token = parse_bool(obj, "add_eos_token", &config_path)?;
-        cfg.clean_up_tokenization_spaces =
-            parse_bool(obj, "clean_up_tokenization_spaces", &config_path)?.unwrap_or(false);
+        cfg.clean_up_tokenization_spaces = parse_bool(obj, "clean_up_tokenization_spaces", &config_path)?.unwrap_or(false);
         cfg.templates = parse_chat_templates(obj, &config_path)?;
         if let Some(decoder) = obj.get("added_tokens_decoder") {
             legacy = false;
             let Some(decoder) = decoder.as_object() else {
-                return Err(invalid(
-                    &config_path,
-                    "`added_tokens_decoder` must be an object",
-                ));
+                return Err(invalid(&config_path, "`added_tokens_decoder` must be an object"));
             };
             for (id, token) in decoder {
-                let id: u32 = id.parse().map_err(|_| {
-                    invalid(
-                        &config_path,
-                        format!("`added_tokens_decoder` key `{id}` is not a token id"),
-                    )
-                })?;
-                if let Some(token) =
-                    parse_token(token, "added_tokens_decoder", &config_path, false)?
-                {
+                let id: u32 = id.parse().map_err(|_| invalid(&config_path, format!("`added_tokens_decoder` key `{id}` is not a token id")))?;
+                if let Some(token) = parse_token(token, "added_tokens_decoder", &config_path, false)? {
                     cfg.added_tokens_decoder.push((id, token));
                 }
             }
@@ -355,19 +276,9 @@ pub(crate) fn load(dir: &Path) -> Result<SideConfig, TokenizerError> {
 /// Adds the tokens transformers adds at load: `added_tokens_decoder` entries and named or extra
 /// special tokens that `tokenizer.json` does not have as added tokens.
 pub(crate) fn add_missing_tokens(inner: &mut tokenizers::Tokenizer, cfg: &SideConfig) {
-    let mut known: std::collections::HashSet<String> = inner
-        .get_added_vocabulary()
-        .get_vocab()
-        .keys()
-        .cloned()
-        .collect();
+    let mut known: std::collections::HashSet<String> = inner.get_added_vocabulary().get_vocab().keys().cloned().collect();
     let mut to_add: Vec<AddedToken> = Vec::new();
-    let candidates = cfg
-        .added_tokens_decoder
-        .iter()
-        .map(|(_, t)| t)
-        .chain(cfg.named.iter().map(|(_, t)| t))
-        .chain(cfg.extra.iter());
+    let candidates = cfg.added_tokens_decoder.iter().map(|(_, t)| t).chain(cfg.named.iter().map(|(_, t)| t)).chain(cfg.extra.iter());
     for token in candidates {
         if !token.content.is_empty() && known.insert(token.content.clone()) {
             to_add.push(token.clone());
@@ -380,22 +291,14 @@ pub(crate) fn add_missing_tokens(inner: &mut tokenizers::Tokenizer, cfg: &SideCo
 
 /// The post-processor transformers builds from `add_bos_token` / `add_eos_token`:
 /// single `[bos:0] $A:0 [eos:0]`, pair `... [bos:1] $B:1 [eos:1]`.
-pub(crate) fn bos_eos_processor(
-    bos: Option<&(String, u32)>,
-    eos: Option<&(String, u32)>,
-) -> Result<TemplateProcessing, String> {
+pub(crate) fn bos_eos_processor(bos: Option<&(String, u32)>, eos: Option<&(String, u32)>) -> Result<TemplateProcessing, String> {
     use serde_json::{Value, json};
-    let special =
-        |t: &(String, u32), type_id: u32| json!({"SpecialToken": {"id": t.0, "type_id": type_id}});
+    let special = |t: &(String, u32), type_id: u32| json!({"SpecialToken": {"id": t.0, "type_id": type_id}});
     let sequence = |id: &str, type_id: u32| json!({"Sequence": {"id": id, "type_id": type_id}});
     let mut single: Vec<Value> = Vec::new();
     let mut pair: Vec<Value> = Vec::new();
     for (seq, type_id) in [("A", 0), ("B", 1)] {
-        let part = [
-            bos.map(|t| special(t, type_id)),
-            Some(sequence(seq, type_id)),
-            eos.map(|t| special(t, type_id)),
-        ];
+        let part = [bos.map(|t| special(t, type_id)), Some(sequence(seq, type_id)), eos.map(|t| special(t, type_id))];
         if seq == "A" {
             single.extend(part.iter().flatten().cloned());
         }
@@ -403,14 +306,10 @@ pub(crate) fn bos_eos_processor(
     }
     let mut special_tokens = serde_json::Map::new();
     for (token, id) in bos.into_iter().chain(eos) {
-        special_tokens.insert(
-            token.clone(),
-            json!({"id": token, "ids": [id], "tokens": [token]}),
-        );
+        special_tokens.insert(token.clone(), json!({"id": token, "ids": [id], "tokens": [token]}));
     }
     let processor = json!({"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": special_tokens});
-    serde_json::from_value(processor)
-        .map_err(|e| format!("cannot build the BOS/EOS post-processor: {e}"))
+    serde_json::from_value(processor).map_err(|e| format!("cannot build the BOS/EOS post-processor: {e}"))
 }
 
 #[cfg(test)]
@@ -429,37 +328,19 @@ mod tests {
 
         // A single id in generation_config.json, different from eos_token: both, config first.
         let dir = edited_copy(|_, _| {});
-        std::fs::write(
-            dir.path().join("generation_config.json"),
-            r#"{"eos_token_id": 4}"#,
-        )
-        .expect("write");
+        std::fs::write(dir.path().join("generation_config.json"), r#"{"eos_token_id": 4}"#).expect("write");
         assert_eq!(load(&dir).eos_token_ids(), &[4, 2]);
-        std::fs::write(
-            dir.path().join("generation_config.json"),
-            r#"{"eos_token_id": [2, 4, 2]}"#,
-        )
-        .expect("write");
+        std::fs::write(dir.path().join("generation_config.json"), r#"{"eos_token_id": [2, 4, 2]}"#).expect("write");
         assert_eq!(load(&dir).eos_token_ids(), &[2, 4]);
-        std::fs::write(
-            dir.path().join("generation_config.json"),
-            r#"{"eos_token_id": "x"}"#,
-        )
-        .expect("write");
-        let err = Tokenizer::from_dir(dir.path())
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
+        std::fs::write(dir.path().join("generation_config.json"), r#"{"eos_token_id": "x"}"#).expect("write");
+        let err = Tokenizer::from_dir(dir.path()).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(err.contains("generation_config.json"), "{err}");
     }
 
     #[test]
     fn add_bos_token_true_does_not_double_the_processor_bos() {
         let tok = fixture_tokenizer(); // add_bos_token: true and TemplateProcessing adds <s>
-        assert_eq!(
-            encode(&tok, "Hello world!", true),
-            [&[1][..], &encode(&tok, "Hello world!", false)].concat()
-        );
+        assert_eq!(encode(&tok, "Hello world!", true), [&[1][..], &encode(&tok, "Hello world!", false)].concat());
 
         // Without the key, tokenizer.json's own post-processor decides (it adds BOS).
         let dir = edited_copy(|_, cfg| {
@@ -473,10 +354,7 @@ mod tests {
     fn add_bos_token_false_removes_processor_bos() {
         let dir = edited_copy(|_, cfg| cfg["add_bos_token"] = json!(false));
         let tok = load(&dir);
-        assert_eq!(
-            encode(&tok, "Hello world!", true),
-            encode(&tok, "Hello world!", false)
-        );
+        assert_eq!(encode(&tok, "Hello world!", true), encode(&tok, "Hello world!", false));
         assert_eq!(encode(&tok, "", true), Vec::<u32>::new());
         // Literal special tokens in the text are still matched.
         assert_eq!(encode(&tok, "<s>Hi", true)[0], 1);
@@ -491,10 +369,7 @@ mod tests {
         });
         let tok = load(&dir);
         let plain = encode(&tok, "Hello", false);
-        assert_eq!(
-            encode(&tok, "Hello", true),
-            [&[1][..], &plain, &[2]].concat()
-        );
+        assert_eq!(encode(&tok, "Hello", true), [&[1][..], &plain, &[2]].concat());
 
         // No post-processor and no flags: nothing is added.
         let dir = edited_copy(|tok, cfg| {
@@ -512,33 +387,22 @@ mod tests {
             cfg["bos_token"] = json!({"__type": "AddedToken", "content": "<s>", "lstrip": false, "normalized": false});
             cfg.as_object_mut().map(|o| o.remove("eos_token"));
         });
-        std::fs::write(
-            dir.path().join("special_tokens_map.json"),
-            r#"{"eos_token": {"content": "<|im_end|>"}}"#,
-        )
-        .expect("write");
+        std::fs::write(dir.path().join("special_tokens_map.json"), r#"{"eos_token": {"content": "<|im_end|>"}}"#).expect("write");
         let tok = load(&dir);
         assert_eq!(tok.bos_token_id(), Some(1));
         assert_eq!(tok.eos_token_ids(), &[4]); // filled in from special_tokens_map.json
 
         // A legacy config (no added_tokens_decoder): special_tokens_map.json wins over it.
         let dir = edited_copy(|_, cfg| {
-            cfg.as_object_mut()
-                .map(|o| o.remove("added_tokens_decoder"));
+            cfg.as_object_mut().map(|o| o.remove("added_tokens_decoder"));
         });
-        std::fs::write(
-            dir.path().join("special_tokens_map.json"),
-            r#"{"eos_token": "<|im_end|>"}"#,
-        )
-        .expect("write");
+        std::fs::write(dir.path().join("special_tokens_map.json"), r#"{"eos_token": "<|im_end|>"}"#).expect("write");
         assert_eq!(load(&dir).eos_token_ids(), &[4]);
     }
 
     #[test]
     fn missing_special_tokens_are_added_like_transformers() {
-        let dir = edited_copy(|_, cfg| {
-            cfg["additional_special_tokens"] = json!(["<|im_start|>", "<|im_end|>", "<|tool|>"])
-        });
+        let dir = edited_copy(|_, cfg| cfg["additional_special_tokens"] = json!(["<|im_start|>", "<|im_end|>", "<|tool|>"]));
         let tok = load(&dir);
         assert_eq!(tok.vocab_size(), 513);
         assert_eq!(tok.token_id("<|tool|>"), Some(512));
@@ -552,13 +416,7 @@ mod tests {
         let dir = edited_copy(|_, cfg| cfg["clean_up_tokenization_spaces"] = json!(true));
         let tok = load(&dir);
         let ids = encode(&tok, "Hello , world !", false);
-        assert_eq!(
-            tok.decode(&ids, false).ok().as_deref(),
-            Some("Hello , world !")
-        );
-        assert_eq!(
-            clean_up_tokenization("Hello , world ! I 'm"),
-            "Hello, world! I'm"
-        );
+        assert_eq!(tok.decode(&ids, false).ok().as_deref(), Some("Hello , world !"));
+        assert_eq!(clean_up_tokenization("Hello , world ! I 'm"), "Hello, world! I'm");
     }
 }

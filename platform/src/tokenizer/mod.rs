@@ -47,22 +47,13 @@ pub enum TokenizerError {
     #[error("invalid {path}: {message}")]
     InvalidConfig { path: PathBuf, message: String },
     #[error("chat template `{name}` from {path} does not compile: {message}")]
-    TemplateSyntax {
-        path: PathBuf,
-        name: String,
-        message: String,
-    },
-    #[error(
-        "this tokenizer has no chat template (none in tokenizer_config.json or chat_template.jinja)"
-    )]
+    TemplateSyntax { path: PathBuf, name: String, message: String },
+    #[error("this tokenizer has no chat template (none in tokenizer_config.json or chat_template.jinja)")]
     NoChatTemplate,
     #[error("this tokenizer has several chat templates {available:?} and none is named `default`")]
     NoDefaultChatTemplate { available: Vec<String> },
     #[error("no chat template named `{name}` (available: {available:?})")]
-    UnknownChatTemplate {
-        name: String,
-        available: Vec<String>,
-    },
+    UnknownChatTemplate { name: String, available: Vec<String> },
     /// The template called `raise_exception(message)`; the message is the template's own.
     #[error("chat template rejected the conversation: {0}")]
     TemplateException(String),
@@ -87,10 +78,7 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self {
-            role: role.into(),
-            content: content.into(),
-        }
+        Self { role: role.into(), content: content.into() }
     }
 }
 
@@ -118,14 +106,10 @@ fn deserialize_content<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Str
         match (part.kind.as_str(), part.text) {
             ("text", Some(text)) => out.push_str(&text),
             ("text", None) => {
-                return Err(serde::de::Error::custom(
-                    "a text content part has no `text`",
-                ));
+                return Err(serde::de::Error::custom("a text content part has no `text`"));
             }
             (other, _) => {
-                return Err(serde::de::Error::custom(format!(
-                    "content parts of type `{other}` are not supported (only `text`)"
-                )));
+                return Err(serde::de::Error::custom(format!("content parts of type `{other}` are not supported (only `text`)")));
             }
         }
     }
@@ -160,9 +144,7 @@ impl Tokenizer {
     /// Loads the tokenizer stored in `dir` (see the module documentation for the files read).
     pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
         if !dir.is_dir() {
-            return Err(TokenizerError::DirNotFound {
-                path: dir.to_path_buf(),
-            });
+            return Err(TokenizerError::DirNotFound { path: dir.to_path_buf() });
         }
         let path = dir.join("tokenizer.json");
         let bytes = match std::fs::read(&path) {
@@ -172,49 +154,24 @@ impl Tokenizer {
             }
             Err(source) => return Err(TokenizerError::Io { path, source }),
         };
-        let mut inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
-            TokenizerError::InvalidTokenizerJson {
-                path: path.clone(),
-                message: e.to_string(),
-            }
-        })?;
+        let mut inner =
+            tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TokenizerError::InvalidTokenizerJson { path: path.clone(), message: e.to_string() })?;
         let cfg = config::load(dir)?;
 
-        inner
-            .with_truncation(None)
-            .map_err(|e| TokenizerError::InvalidTokenizerJson {
-                path: path.clone(),
-                message: e.to_string(),
-            })?;
+        inner.with_truncation(None).map_err(|e| TokenizerError::InvalidTokenizerJson { path: path.clone(), message: e.to_string() })?;
         inner.with_padding(None);
         config::add_missing_tokens(&mut inner, &cfg);
 
-        let id_of = |name: &str| {
-            cfg.named(name).and_then(|t| {
-                inner
-                    .token_to_id(&t.content)
-                    .map(|id| (t.content.clone(), id))
-            })
-        };
+        let id_of = |name: &str| cfg.named(name).and_then(|t| inner.token_to_id(&t.content).map(|id| (t.content.clone(), id)));
         let bos = id_of("bos_token");
         let eos = id_of("eos_token");
-        let special_ids: BTreeMap<&'static str, u32> = config::NAMED_SPECIAL_TOKENS
-            .iter()
-            .filter_map(|name| id_of(name).map(|(_, id)| (*name, id)))
-            .collect();
+        let special_ids: BTreeMap<&'static str, u32> = config::NAMED_SPECIAL_TOKENS.iter().filter_map(|name| id_of(name).map(|(_, id)| (*name, id))).collect();
 
-        if cfg.add_bos_token.is_some()
-            || cfg.add_eos_token.is_some()
-            || inner.get_post_processor().is_none()
-        {
+        if cfg.add_bos_token.is_some() || cfg.add_eos_token.is_some() || inner.get_post_processor().is_none() {
             let add_bos = bos.as_ref().filter(|_| cfg.add_bos_token == Some(true));
             let add_eos = eos.as_ref().filter(|_| cfg.add_eos_token == Some(true));
-            let processor = config::bos_eos_processor(add_bos, add_eos).map_err(|message| {
-                TokenizerError::InvalidConfig {
-                    path: dir.join("tokenizer_config.json"),
-                    message,
-                }
-            })?;
+            let processor = config::bos_eos_processor(add_bos, add_eos)
+                .map_err(|message| TokenizerError::InvalidConfig { path: dir.join("tokenizer_config.json"), message })?;
             inner.with_post_processor(Some(processor));
         }
 
@@ -230,17 +187,11 @@ impl Tokenizer {
         } else {
             let mut ctx = BTreeMap::new();
             for (name, token) in &cfg.named {
-                ctx.insert(
-                    (*name).to_owned(),
-                    minijinja::Value::from(token.content.clone()),
-                );
+                ctx.insert((*name).to_owned(), minijinja::Value::from(token.content.clone()));
             }
             if !cfg.extra.is_empty() {
                 let extra: Vec<String> = cfg.extra.iter().map(|t| t.content.clone()).collect();
-                ctx.insert(
-                    "additional_special_tokens".to_owned(),
-                    minijinja::Value::from(extra),
-                );
+                ctx.insert("additional_special_tokens".to_owned(), minijinja::Value::from(extra));
             }
             Some(ChatTemplates::compile(cfg.templates.clone(), ctx)?)
         };
@@ -268,32 +219,19 @@ impl Tokenizer {
     /// configured. Special tokens written literally in `text` are always matched as such.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
         // `encode_fast` skips offset tracking, which nothing here needs; the ids are the same.
-        self.inner
-            .encode_fast(text, add_special_tokens)
-            .map(|encoding| encoding.get_ids().to_vec())
-            .map_err(|e| TokenizerError::Encode(e.to_string()))
+        self.inner.encode_fast(text, add_special_tokens).map(|encoding| encoding.get_ids().to_vec()).map_err(|e| TokenizerError::Encode(e.to_string()))
     }
 
     /// Text for `ids`; an id outside the vocabulary is an error.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TokenizerError> {
         self.check_ids(ids)?;
-        let text = self
-            .inner
-            .decode(ids, skip_special_tokens)
-            .map_err(|e| TokenizerError::Decode(e.to_string()))?;
-        Ok(if self.clean_up_tokenization_spaces {
-            clean_up_tokenization(&text)
-        } else {
-            text
-        })
+        let text = self.inner.decode(ids, skip_special_tokens).map_err(|e| TokenizerError::Decode(e.to_string()))?;
+        Ok(if self.clean_up_tokenization_spaces { clean_up_tokenization(&text) } else { text })
     }
 
     fn check_ids(&self, ids: &[u32]) -> Result<(), TokenizerError> {
         match ids.iter().find(|&&id| self.inner.id_to_token(id).is_none()) {
-            Some(&id) => Err(TokenizerError::UnknownTokenId {
-                id,
-                vocab_size: self.vocab_size(),
-            }),
+            Some(&id) => Err(TokenizerError::UnknownTokenId { id, vocab_size: self.vocab_size() }),
             None => Ok(()),
         }
     }
@@ -333,9 +271,7 @@ impl Tokenizer {
 
     /// Whether there is a chat template that [`Self::apply_chat_template`] can use.
     pub fn has_chat_template(&self) -> bool {
-        self.templates
-            .as_ref()
-            .is_some_and(ChatTemplates::has_default)
+        self.templates.as_ref().is_some_and(ChatTemplates::has_default)
     }
 
     /// Names of all chat templates (`"default"` is the one used unless another is asked for).
@@ -344,16 +280,8 @@ impl Tokenizer {
     }
 
     /// Renders the default chat template for `messages`.
-    pub fn apply_chat_template(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String, TokenizerError> {
-        self.apply_chat_template_with(
-            messages,
-            add_generation_prompt,
-            &ChatTemplateOptions::default(),
-        )
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizerError> {
+        self.apply_chat_template_with(messages, add_generation_prompt, &ChatTemplateOptions::default())
     }
 
     /// Renders a chat template with tools, documents, extra variables or a named template.
@@ -363,21 +291,14 @@ impl Tokenizer {
         add_generation_prompt: bool,
         options: &ChatTemplateOptions<'_>,
     ) -> Result<String, TokenizerError> {
-        let templates = self
-            .templates
-            .as_ref()
-            .ok_or(TokenizerError::NoChatTemplate)?;
+        let templates = self.templates.as_ref().ok_or(TokenizerError::NoChatTemplate)?;
         templates.render(messages, add_generation_prompt, options)
     }
 
     /// Renders the chat template and encodes the result without adding special tokens: the
     /// template writes BOS itself where the model wants it (transformers'
     /// `apply_chat_template(tokenize=True)`).
-    pub fn encode_chat(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<Vec<u32>, TokenizerError> {
+    pub fn encode_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<Vec<u32>, TokenizerError> {
         let text = self.apply_chat_template(messages, add_generation_prompt)?;
         self.encode(&text, false)
     }
@@ -390,21 +311,9 @@ impl Tokenizer {
 
 /// transformers' `clean_up_tokenization`: removes spaces before punctuation and contractions.
 fn clean_up_tokenization(text: &str) -> String {
-    const REPLACEMENTS: [(&str, &str); 10] = [
-        (" .", "."),
-        (" ?", "?"),
-        (" !", "!"),
-        (" ,", ","),
-        (" ' ", "'"),
-        (" n't", "n't"),
-        (" 'm", "'m"),
-        (" 's", "'s"),
-        (" 've", "'ve"),
-        (" 're", "'re"),
-    ];
-    REPLACEMENTS
-        .iter()
-        .fold(text.to_owned(), |acc, (from, to)| acc.replace(from, to))
+    const REPLACEMENTS: [(&str, &str); 10] =
+        [(" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")];
+    REPLACEMENTS.iter().fold(text.to_owned(), |acc, (from, to)| acc.replace(from, to))
 }
 
 #[cfg(test)]
@@ -412,18 +321,9 @@ pub(crate) mod tests {
     use super::*;
     use serde_json::{Value, json};
 
-    pub(crate) const FIXTURE_DIR: &str = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../tests/fixtures/reference/tokenizer"
-    );
-    const REFERENCE: &str = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../tests/fixtures/reference/tokenizer_reference.json"
-    );
-    pub(crate) const LLAMA_DIR: &str = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../tests/fixtures/reference/llama/model-f32"
-    );
+    pub(crate) const FIXTURE_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/reference/tokenizer");
+    const REFERENCE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/reference/tokenizer_reference.json");
+    pub(crate) const LLAMA_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/reference/llama/model-f32");
 
     #[derive(Debug, Deserialize)]
     pub(crate) struct RefEncoding {
@@ -464,17 +364,13 @@ pub(crate) mod tests {
     pub(crate) fn edited_copy(edit: impl FnOnce(&mut Value, &mut Value)) -> tempfile::TempDir {
         let dir = tempfile::tempdir().expect("temp dir");
         let read = |name: &str| -> Value {
-            serde_json::from_str(
-                &std::fs::read_to_string(Path::new(FIXTURE_DIR).join(name)).expect("read fixture"),
-            )
-            .expect("fixture json")
+            serde_json::from_str(&std::fs::read_to_string(Path::new(FIXTURE_DIR).join(name)).expect("read fixture")).expect("fixture json")
         };
         let mut tokenizer = read("tokenizer.json");
         let mut config = read("tokenizer_config.json");
         edit(&mut tokenizer, &mut config);
         std::fs::write(dir.path().join("tokenizer.json"), tokenizer.to_string()).expect("write");
-        std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string())
-            .expect("write");
+        std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).expect("write");
         dir
     }
 
@@ -483,8 +379,7 @@ pub(crate) mod tests {
     }
 
     pub(crate) fn encode(tok: &Tokenizer, text: &str, special: bool) -> Vec<u32> {
-        tok.encode(text, special)
-            .unwrap_or_else(|e| panic!("encode failed: {e}"))
+        tok.encode(text, special).unwrap_or_else(|e| panic!("encode failed: {e}"))
     }
 
     #[test]
@@ -500,31 +395,12 @@ pub(crate) mod tests {
         assert_eq!(reference.encodings.len(), 9);
         for enc in &reference.encodings {
             let text = &enc.text;
-            assert_eq!(
-                encode(&tok, text, true),
-                enc.ids_with_special,
-                "ids with special for {text:?}"
-            );
-            assert_eq!(
-                encode(&tok, text, false),
-                enc.ids_without_special,
-                "ids without special for {text:?}"
-            );
-            let tokens = tok
-                .inner
-                .encode(text.as_str(), false)
-                .expect("encode")
-                .get_tokens()
-                .to_vec();
+            assert_eq!(encode(&tok, text, true), enc.ids_with_special, "ids with special for {text:?}");
+            assert_eq!(encode(&tok, text, false), enc.ids_without_special, "ids without special for {text:?}");
+            let tokens = tok.inner.encode(text.as_str(), false).expect("encode").get_tokens().to_vec();
             assert_eq!(tokens, enc.tokens_without_special, "tokens for {text:?}");
-            assert_eq!(
-                tok.decode(&enc.ids_with_special, true).ok().as_deref(),
-                Some(enc.decode_skip_special.as_str())
-            );
-            assert_eq!(
-                tok.decode(&enc.ids_with_special, false).ok().as_deref(),
-                Some(enc.decode_keep_special.as_str())
-            );
+            assert_eq!(tok.decode(&enc.ids_with_special, true).ok().as_deref(), Some(enc.decode_skip_special.as_str()));
+            assert_eq!(tok.decode(&enc.ids_with_special, false).ok().as_deref(), Some(enc.decode_keep_special.as_str()));
         }
     }
 
@@ -551,16 +427,10 @@ pub(crate) mod tests {
         assert!(tok.has_chat_template());
         let rendered = tok.apply_chat_template(&chat.messages, chat.add_generation_prompt);
         assert_eq!(rendered.ok().as_deref(), Some(chat.rendered.as_str()));
-        assert_eq!(
-            tok.encode_chat(&chat.messages, chat.add_generation_prompt)
-                .ok(),
-            Some(chat.ids.clone())
-        );
+        assert_eq!(tok.encode_chat(&chat.messages, chat.add_generation_prompt).ok(), Some(chat.ids.clone()));
         // Encoding the rendering with special tokens would add a second BOS.
         assert_eq!(encode(&tok, &chat.rendered, true)[..2], [1, 1]);
-        let no_prompt = tok
-            .apply_chat_template(&chat.messages, false)
-            .unwrap_or_default();
+        let no_prompt = tok.apply_chat_template(&chat.messages, false).unwrap_or_default();
         assert!(!no_prompt.ends_with("assistant\n") && chat.rendered.starts_with(&no_prompt));
     }
 
@@ -575,71 +445,38 @@ pub(crate) mod tests {
     fn load_errors_name_the_file() {
         let missing = Path::new("/nonexistent/loraplex-tokenizer");
         let err = load_err(missing);
-        assert!(
-            matches!(err, TokenizerError::DirNotFound { .. })
-                && err.to_string().contains("/nonexistent/loraplex-tokenizer"),
-            "{err}"
-        );
+        assert!(matches!(err, TokenizerError::DirNotFound { .. }) && err.to_string().contains("/nonexistent/loraplex-tokenizer"), "{err}");
 
         let empty = tempfile::tempdir().expect("temp dir");
         let err = load_err(empty.path());
-        assert!(
-            matches!(err, TokenizerError::MissingTokenizerJson { .. }),
-            "{err}"
-        );
-        assert!(
-            err.to_string()
-                .contains(&empty.path().join("tokenizer.json").display().to_string()),
-            "{err}"
-        );
+        assert!(matches!(err, TokenizerError::MissingTokenizerJson { .. }), "{err}");
+        assert!(err.to_string().contains(&empty.path().join("tokenizer.json").display().to_string()), "{err}");
 
         let dir = edited_copy(|_, _| {});
         let json_path = dir.path().join("tokenizer.json");
         let full = std::fs::read(&json_path).expect("read");
         std::fs::write(&json_path, &full[..full.len() / 2]).expect("write");
         let err = load_err(dir.path());
-        assert!(
-            matches!(err, TokenizerError::InvalidTokenizerJson { .. }),
-            "{err}"
-        );
-        assert!(
-            err.to_string().contains(&json_path.display().to_string()),
-            "{err}"
-        );
+        assert!(matches!(err, TokenizerError::InvalidTokenizerJson { .. }), "{err}");
+        assert!(err.to_string().contains(&json_path.display().to_string()), "{err}");
 
         let dir = edited_copy(|_, _| {});
         let config_path = dir.path().join("tokenizer_config.json");
         std::fs::write(&config_path, "{\"bos_token\": ").expect("write");
         let err = load_err(dir.path());
         assert!(matches!(err, TokenizerError::InvalidConfig { .. }), "{err}");
-        assert!(
-            err.to_string().contains(&config_path.display().to_string()),
-            "{err}"
-        );
+        assert!(err.to_string().contains(&config_path.display().to_string()), "{err}");
 
         let dir = edited_copy(|_, cfg| cfg["add_bos_token"] = json!("yes"));
         let err = load_err(dir.path());
-        assert!(
-            err.to_string().contains("tokenizer_config.json")
-                && err.to_string().contains("add_bos_token"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("tokenizer_config.json") && err.to_string().contains("add_bos_token"), "{err}");
     }
 
     #[test]
     fn decoding_unknown_ids_is_an_error() {
         let tok = fixture_tokenizer();
         let err = tok.decode(&[1, 512, 3], false);
-        assert!(
-            matches!(
-                err,
-                Err(TokenizerError::UnknownTokenId {
-                    id: 512,
-                    vocab_size: 512
-                })
-            ),
-            "{err:?}"
-        );
+        assert!(matches!(err, Err(TokenizerError::UnknownTokenId { id: 512, vocab_size: 512 })), "{err:?}");
         assert!(tok.decode(&[u32::MAX], true).is_err());
         assert_eq!(tok.decode(&[], true).ok().as_deref(), Some(""));
     }
@@ -647,30 +484,13 @@ pub(crate) mod tests {
     #[test]
     fn chat_message_content_forms() {
         let parse = |s: &str| serde_json::from_str::<ChatMessage>(s);
-        assert_eq!(
-            parse(r#"{"role": "user", "content": "hi"}"#).ok(),
-            Some(ChatMessage::new("user", "hi"))
-        );
+        assert_eq!(parse(r#"{"role": "user", "content": "hi"}"#).ok(), Some(ChatMessage::new("user", "hi")));
         let parts = r#"{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}"#;
         assert_eq!(parse(parts).ok(), Some(ChatMessage::new("user", "ab")));
-        assert_eq!(
-            parse(r#"{"role": "assistant", "content": null}"#).ok(),
-            Some(ChatMessage::new("assistant", ""))
-        );
-        assert_eq!(
-            parse(r#"{"role": "assistant"}"#).ok(),
-            Some(ChatMessage::new("assistant", ""))
-        );
-        assert!(
-            parse(r#"{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}"#)
-                .is_err()
-        );
+        assert_eq!(parse(r#"{"role": "assistant", "content": null}"#).ok(), Some(ChatMessage::new("assistant", "")));
+        assert_eq!(parse(r#"{"role": "assistant"}"#).ok(), Some(ChatMessage::new("assistant", "")));
+        assert!(parse(r#"{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}"#).is_err());
         assert!(parse(r#"{"role": "user", "content": 5}"#).is_err());
-        assert_eq!(
-            serde_json::to_string(&ChatMessage::new("user", "x"))
-                .ok()
-                .as_deref(),
-            Some(r#"{"role":"user","content":"x"}"#)
-        );
+        assert_eq!(serde_json::to_string(&ChatMessage::new("user", "x")).ok().as_deref(), Some(r#"{"role":"user","content":"x"}"#));
     }
 }

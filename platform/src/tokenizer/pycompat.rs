@@ -9,17 +9,12 @@ use minijinja::{Error, ErrorKind, Output, State, Value};
 
 /// Prints values the way jinja2 does (through Python's `str`): `None`, `True`, `False`, and
 /// lists/dicts in `repr` form. Everything else uses minijinja's default (auto-escape is off).
-pub(crate) fn python_formatter(
-    out: &mut Output<'_>,
-    state: &State<'_, '_>,
-    value: &Value,
-) -> Result<(), Error> {
+pub(crate) fn python_formatter(out: &mut Output<'_>, state: &State<'_, '_>, value: &Value) -> Result<(), Error> {
     match value.kind() {
         ValueKind::None | ValueKind::Bool | ValueKind::Seq | ValueKind::Map => {
             let mut text = String::new();
             python_repr(value, &mut text)?;
-            out.write_str(&text)
-                .map_err(|e| Error::new(ErrorKind::WriteFailure, e.to_string()))
+            out.write_str(&text).map_err(|e| Error::new(ErrorKind::WriteFailure, e.to_string()))
         }
         _ => minijinja::escape_formatter(out, state, value),
     }
@@ -60,11 +55,7 @@ fn python_repr(value: &Value, out: &mut String) -> Result<(), Error> {
 
 /// Python's `repr(str)`: single quotes unless the text has a single quote and no double quote.
 fn push_py_str_repr(s: &str, out: &mut String) {
-    let quote = if s.contains('\'') && !s.contains('"') {
-        '"'
-    } else {
-        '\''
-    };
+    let quote = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
     out.push(quote);
     for c in s.chars() {
         match c {
@@ -135,20 +126,14 @@ pub(crate) fn tojson_filter(value: &Value, kwargs: Kwargs) -> Result<Value, Erro
         }
         Some(v) if v.kind() == ValueKind::String => Some(v.as_str().unwrap_or_default().to_owned()),
         Some(_) => {
-            return Err(Error::new(
-                ErrorKind::InvalidOperation,
-                "tojson: indent must be an int or a string",
-            ));
+            return Err(Error::new(ErrorKind::InvalidOperation, "tojson: indent must be an int or a string"));
         }
     };
     let (item_sep, key_sep) = match kwargs.get::<Option<Vec<String>>>("separators")? {
         Some(seps) => match <[String; 2]>::try_from(seps) {
             Ok([item, key]) => (item, key),
             Err(_) => {
-                return Err(Error::new(
-                    ErrorKind::InvalidOperation,
-                    "tojson: separators must be a pair",
-                ));
+                return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators must be a pair"));
             }
         },
         None if indent.is_some() => (",".to_owned(), ": ".to_owned()),
@@ -176,19 +161,12 @@ fn newline_indent(style: &JsonStyle, level: usize, out: &mut String) {
     }
 }
 
-fn write_json(
-    value: &Value,
-    style: &JsonStyle,
-    level: usize,
-    out: &mut String,
-) -> Result<(), Error> {
+fn write_json(value: &Value, style: &JsonStyle, level: usize, out: &mut String) -> Result<(), Error> {
     match value.kind() {
         ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
         ValueKind::Number => push_number(value, out, true)?,
-        ValueKind::String => {
-            push_json_str(value.as_str().unwrap_or_default(), style.ensure_ascii, out)
-        }
+        ValueKind::String => push_json_str(value.as_str().unwrap_or_default(), style.ensure_ascii, out),
         ValueKind::Seq | ValueKind::Iterable => {
             let items: Vec<Value> = value.try_iter()?.collect();
             if items.is_empty() {
@@ -233,10 +211,7 @@ fn write_json(
             out.push('}');
         }
         kind => {
-            return Err(Error::new(
-                ErrorKind::InvalidOperation,
-                format!("tojson: a value of type {kind} is not JSON serializable"),
-            ));
+            return Err(Error::new(ErrorKind::InvalidOperation, format!("tojson: a value of type {kind} is not JSON serializable")));
         }
     }
     Ok(())
@@ -253,10 +228,7 @@ fn json_key(key: &Value) -> Result<String, Error> {
             push_number(key, &mut s, true)?;
             Ok(s)
         }
-        kind => Err(Error::new(
-            ErrorKind::InvalidOperation,
-            format!("tojson: keys must be str, not {kind}"),
-        )),
+        kind => Err(Error::new(ErrorKind::InvalidOperation, format!("tojson: keys must be str, not {kind}"))),
     }
 }
 
@@ -286,29 +258,8 @@ fn push_json_str(s: &str, ensure_ascii: bool, out: &mut String) {
 // ---------------------------------------------------------------------------------------------
 // strftime_now
 
-const MONTHS: [&str; 12] = [
-    "January",
-    "February",
-    "March",
-    "April",
-    "May",
-    "June",
-    "July",
-    "August",
-    "September",
-    "October",
-    "November",
-    "December",
-];
-const WEEKDAYS: [&str; 7] = [
-    "Sunday",
-    "Monday",
-    "Tuesday",
-    "Wednesday",
-    "Thursday",
-    "Friday",
-    "Saturday",
-];
+const MONTHS: [&str; 12] = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+const WEEKDAYS: [&str; 7] = ["Sunday", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday"];
 
 /// A UTC calendar time broken into fields.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -380,11 +331,7 @@ fn format_strftime(fmt: &str, t: &CivilTime) -> String {
         };
         let month = MONTHS[(t.month - 1) as usize];
         let weekday = WEEKDAYS[t.weekday];
-        let hour12 = if t.hour.is_multiple_of(12) {
-            12
-        } else {
-            t.hour % 12
-        };
+        let hour12 = if t.hour.is_multiple_of(12) { 12 } else { t.hour % 12 };
         match d {
             'Y' => {
                 let _ = write!(out, "{}", t.year);
@@ -393,11 +340,7 @@ fn format_strftime(fmt: &str, t: &CivilTime) -> String {
             'm' => num(&mut out, t.month, 2),
             'd' => num(&mut out, t.day, 2),
             'e' => {
-                let _ = if no_pad {
-                    write!(out, "{}", t.day)
-                } else {
-                    write!(out, "{:>2}", t.day)
-                };
+                let _ = if no_pad { write!(out, "{}", t.day) } else { write!(out, "{:>2}", t.day) };
             }
             'H' => num(&mut out, t.hour, 2),
             'I' => num(&mut out, hour12, 2),
@@ -432,9 +375,7 @@ fn format_strftime(fmt: &str, t: &CivilTime) -> String {
 
 /// `strftime_now(fmt)`: the current time (UTC) formatted like Python's `strftime`.
 pub(crate) fn strftime_now(fmt: &str) -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(0));
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(0));
     format_strftime(fmt, &CivilTime::from_unix(secs))
 }
 
@@ -446,28 +387,10 @@ mod tests {
     fn strftime_formats_known_dates() {
         // 2024-07-26 13:05:09 UTC, a Friday.
         let t = CivilTime::from_unix(1_721_999_109);
-        assert_eq!(
-            t,
-            CivilTime {
-                year: 2024,
-                month: 7,
-                day: 26,
-                hour: 13,
-                minute: 5,
-                second: 9,
-                weekday: 5,
-                yday: 208
-            }
-        );
+        assert_eq!(t, CivilTime { year: 2024, month: 7, day: 26, hour: 13, minute: 5, second: 9, weekday: 5, yday: 208 });
         assert_eq!(format_strftime("%d %b %Y", &t), "26 Jul 2024");
-        assert_eq!(
-            format_strftime("%A, %B %-d, %Y %I:%M:%S %p %j %% %q", &t),
-            "Friday, July 26, 2024 01:05:09 PM 208 % %q"
-        );
-        assert_eq!(
-            format_strftime("%F %T %y %e", &CivilTime::from_unix(0)),
-            "1970-01-01 00:00:00 70  1"
-        );
+        assert_eq!(format_strftime("%A, %B %-d, %Y %I:%M:%S %p %j %% %q", &t), "Friday, July 26, 2024 01:05:09 PM 208 % %q");
+        assert_eq!(format_strftime("%F %T %y %e", &CivilTime::from_unix(0)), "1970-01-01 00:00:00 70  1");
         assert_eq!(CivilTime::from_unix(951_782_400).yday, 60); // 2000-02-29
     }
 }

@@ -31,12 +31,7 @@ impl DecodeStream {
     /// A stream for one sequence. It holds no reference to the tokenizer, so a sequence can own
     /// it; every call takes the tokenizer the ids belong to.
     pub fn new(skip_special_tokens: bool) -> Self {
-        Self {
-            skip_special_tokens,
-            ids: Vec::new(),
-            prefix_offset: 0,
-            read_offset: 0,
-        }
+        Self { skip_special_tokens, ids: Vec::new(), prefix_offset: 0, read_offset: 0 }
     }
 
     /// Adds one token and returns the text it completes, if any. Never returns half a UTF-8
@@ -78,10 +73,8 @@ impl DecodeStream {
     /// Decodes the already-emitted part of the window and the whole window.
     fn window(&self, tokenizer: &Tokenizer) -> Result<(usize, String), TokenizerError> {
         let skip = self.skip_special_tokens;
-        let prefix = tokenizer
-            .decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
-        let full = tokenizer
-            .decode(&self.ids[self.prefix_offset..], skip)?;
+        let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
+        let full = tokenizer.decode(&self.ids[self.prefix_offset..], skip)?;
         Ok((prefix.len(), full))
     }
 }
@@ -102,9 +95,7 @@ mod tests {
 
     /// Pushes every id, checking the chunks, and returns the concatenation (finish included).
     fn stream_all(tok: &Tokenizer, ids: &[u32], skip: bool) -> String {
-        let full = tok
-            .decode(ids, skip)
-            .unwrap_or_else(|e| panic!("decode failed: {e}"));
+        let full = tok.decode(ids, skip).unwrap_or_else(|e| panic!("decode failed: {e}"));
         let mut stream = tok.decode_stream(skip);
         let mut out = String::new();
         for &id in ids {
@@ -112,10 +103,7 @@ mod tests {
                 Ok(Some(chunk)) => {
                     assert!(!chunk.is_empty());
                     if !full.contains(REPLACEMENT) {
-                        assert!(
-                            !chunk.contains(REPLACEMENT),
-                            "chunk {chunk:?} of {full:?} has U+FFFD"
-                        );
+                        assert!(!chunk.contains(REPLACEMENT), "chunk {chunk:?} of {full:?} has U+FFFD");
                     }
                     out.push_str(&chunk);
                 }
@@ -123,10 +111,7 @@ mod tests {
                 Err(e) => panic!("push({id}) failed: {e}"),
             }
         }
-        if let Some(rest) = stream
-            .finish(tok)
-            .unwrap_or_else(|e| panic!("finish failed: {e}"))
-        {
+        if let Some(rest) = stream.finish(tok).unwrap_or_else(|e| panic!("finish failed: {e}")) {
             out.push_str(&rest);
         }
         assert_eq!(out, full, "streamed text differs from decode for {ids:?}");
@@ -142,14 +127,8 @@ mod tests {
                 stream_all(&tok, &enc.ids_with_special, skip);
                 stream_all(&tok, &enc.ids_without_special, skip);
             }
-            assert_eq!(
-                stream_all(&tok, &enc.ids_with_special, true),
-                enc.decode_skip_special
-            );
-            assert_eq!(
-                stream_all(&tok, &enc.ids_with_special, false),
-                enc.decode_keep_special
-            );
+            assert_eq!(stream_all(&tok, &enc.ids_with_special, true), enc.decode_skip_special);
+            assert_eq!(stream_all(&tok, &enc.ids_with_special, false), enc.decode_keep_special);
         }
         stream_all(&tok, &reference.chat.ids, false);
     }
@@ -167,10 +146,7 @@ mod tests {
         let emoji = tok.encode("🙂", false).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(emoji.len(), 4, "{emoji:?}");
         let mut stream = tok.decode_stream(true);
-        let pushed: Vec<Option<String>> = emoji
-            .iter()
-            .map(|&id| stream.push(&tok, id).unwrap_or_else(|e| panic!("{e}")))
-            .collect();
+        let pushed: Vec<Option<String>> = emoji.iter().map(|&id| stream.push(&tok, id).unwrap_or_else(|e| panic!("{e}"))).collect();
         assert_eq!(pushed, vec![None, None, None, Some("🙂".to_owned())]);
         assert_eq!(stream.finish(&tok).ok(), Some(None));
     }
@@ -178,18 +154,10 @@ mod tests {
     #[test]
     fn chunks_follow_token_boundaries() {
         let tok = fixture_tokenizer();
-        let ids = tok
-            .encode("Hello world!", false)
-            .unwrap_or_else(|e| panic!("{e}"));
+        let ids = tok.encode("Hello world!", false).unwrap_or_else(|e| panic!("{e}"));
         let mut stream = tok.decode_stream(true);
-        let chunks: Vec<String> = ids
-            .iter()
-            .filter_map(|&id| stream.push(&tok, id).ok().flatten())
-            .collect();
-        let expected: Vec<String> = ids
-            .iter()
-            .map(|&id| tok.decode(&[id], true).unwrap_or_default())
-            .collect();
+        let chunks: Vec<String> = ids.iter().filter_map(|&id| stream.push(&tok, id).ok().flatten()).collect();
+        let expected: Vec<String> = ids.iter().map(|&id| tok.decode(&[id], true).unwrap_or_default()).collect();
         assert_eq!(chunks, expected);
     }
 
@@ -211,10 +179,7 @@ mod tests {
         assert_eq!(rest.as_deref(), Some("\u{FFFD}"));
         assert_eq!(out + "\u{FFFD}", tok.decode(cut, true).unwrap_or_default());
         // The stream is reusable after finish.
-        assert_eq!(
-            stream.push(&tok, ids[0]).ok().flatten(),
-            tok.decode(&ids[..1], true).ok()
-        );
+        assert_eq!(stream.push(&tok, ids[0]).ok().flatten(), tok.decode(&ids[..1], true).ok());
     }
 
     #[test]
@@ -232,10 +197,7 @@ mod tests {
         let mut stream = tok.decode_stream(true);
         assert!(stream.push(&tok, 40).is_ok());
         let err = stream.push(&tok, 100_000);
-        assert!(
-            matches!(err, Err(TokenizerError::UnknownTokenId { id: 100_000, .. })),
-            "{err:?}"
-        );
+        assert!(matches!(err, Err(TokenizerError::UnknownTokenId { id: 100_000, .. })), "{err:?}");
         assert_eq!(stream.ids(), &[40]);
     }
 
@@ -270,10 +232,7 @@ mod tests {
         let ids = [1, 2, 3, 4, 5, 6, 7, 3, 4, 5];
         // Decoding token by token would lose the spaces ("Helloworld") that the Strip decoder
         // removes from the first token of every decode call.
-        assert_eq!(
-            tok.decode(&ids[..8], true).ok().as_deref(),
-            Some("Hello world你! world")
-        );
+        assert_eq!(tok.decode(&ids[..8], true).ok().as_deref(), Some("Hello world你! world"));
         assert_eq!(tok.decode(&[3], true).ok().as_deref(), Some("world"));
         for skip in [true, false] {
             for end in 0..=ids.len() {
@@ -281,20 +240,8 @@ mod tests {
             }
         }
         let mut stream = tok.decode_stream(true);
-        let chunks: Vec<Option<String>> = ids[..8]
-            .iter()
-            .map(|&id| stream.push(&tok, id).ok().flatten())
-            .collect();
-        let expected = [
-            None,
-            Some("Hello"),
-            Some(" world"),
-            None,
-            None,
-            Some("你"),
-            Some("!"),
-            Some(" world"),
-        ];
+        let chunks: Vec<Option<String>> = ids[..8].iter().map(|&id| stream.push(&tok, id).ok().flatten()).collect();
+        let expected = [None, Some("Hello"), Some(" world"), None, None, Some("你"), Some("!"), Some(" world")];
         assert_eq!(chunks, expected.map(|c| c.map(str::to_owned)));
     }
 }

@@ -50,18 +50,13 @@ pub(crate) struct ChatTemplates {
 
 impl std::fmt::Debug for ChatTemplates {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatTemplates")
-            .field("names", &self.names)
-            .finish_non_exhaustive()
+        f.debug_struct("ChatTemplates").field("names", &self.names).finish_non_exhaustive()
     }
 }
 
 impl ChatTemplates {
     /// Compiles every template; a syntax error names the file the template came from.
-    pub(crate) fn compile(
-        sources: Vec<TemplateSource>,
-        token_context: BTreeMap<String, Value>,
-    ) -> Result<Self, TokenizerError> {
+    pub(crate) fn compile(sources: Vec<TemplateSource>, token_context: BTreeMap<String, Value>) -> Result<Self, TokenizerError> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -76,22 +71,16 @@ impl ChatTemplates {
         let mut names = Vec::with_capacity(sources.len());
         for TemplateSource { name, source, path } in sources {
             let source = rewrite_generation_tags(&source);
-            env.add_template_owned(name.clone(), source).map_err(|e| {
-                TokenizerError::TemplateSyntax {
-                    path: path.clone(),
-                    name: name.clone(),
-                    message: e.to_string(),
-                }
+            env.add_template_owned(name.clone(), source).map_err(|e| TokenizerError::TemplateSyntax {
+                path: path.clone(),
+                name: name.clone(),
+                message: e.to_string(),
             })?;
             if !names.contains(&name) {
                 names.push(name);
             }
         }
-        Ok(Self {
-            env,
-            names,
-            token_context,
-        })
+        Ok(Self { env, names, token_context })
     }
 
     pub(crate) fn names(&self) -> &[String] {
@@ -102,28 +91,15 @@ impl ChatTemplates {
         self.names.iter().any(|n| n == DEFAULT_TEMPLATE)
     }
 
-    pub(crate) fn render(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-        options: &ChatTemplateOptions<'_>,
-    ) -> Result<String, TokenizerError> {
+    pub(crate) fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool, options: &ChatTemplateOptions<'_>) -> Result<String, TokenizerError> {
         let name = match options.template_name {
             Some(name) => name,
             None if self.has_default() => DEFAULT_TEMPLATE,
             None => {
-                return Err(TokenizerError::NoDefaultChatTemplate {
-                    available: self.names.clone(),
-                });
+                return Err(TokenizerError::NoDefaultChatTemplate { available: self.names.clone() });
             }
         };
-        let template =
-            self.env
-                .get_template(name)
-                .map_err(|_| TokenizerError::UnknownChatTemplate {
-                    name: name.to_owned(),
-                    available: self.names.clone(),
-                })?;
+        let template = self.env.get_template(name).map_err(|_| TokenizerError::UnknownChatTemplate { name: name.to_owned(), available: self.names.clone() })?;
 
         let mut ctx = self.token_context.clone();
         if let Some(extra) = options.extra_context {
@@ -131,15 +107,11 @@ impl ChatTemplates {
                 ctx.insert(key.clone(), Value::from_serialize(value));
             }
         }
-        let optional =
-            |v: Option<&serde_json::Value>| v.map_or(Value::from(()), Value::from_serialize);
+        let optional = |v: Option<&serde_json::Value>| v.map_or(Value::from(()), Value::from_serialize);
         ctx.insert("tools".into(), optional(options.tools));
         ctx.insert("documents".into(), optional(options.documents));
         ctx.insert("messages".into(), Value::from_serialize(messages));
-        ctx.insert(
-            "add_generation_prompt".into(),
-            Value::from(add_generation_prompt),
-        );
+        ctx.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
 
         template.render(ctx).map_err(render_error)
     }
@@ -158,8 +130,7 @@ fn render_error(err: Error) -> TokenizerError {
 }
 
 fn raise_exception(message: String) -> Result<Value, Error> {
-    Err(Error::new(ErrorKind::InvalidOperation, message.clone())
-        .with_source(RaisedException(message)))
+    Err(Error::new(ErrorKind::InvalidOperation, message.clone()).with_source(RaisedException(message)))
 }
 
 /// transformers' `{% generation %}...{% endgeneration %}` marks assistant text for masks; when
@@ -175,9 +146,7 @@ fn rewrite_generation_tags(source: &str) -> String {
         let marker_len = usize::from(inner.starts_with(['-', '+']));
         let after_marker = &inner[marker_len..];
         let body = after_marker.trim_start();
-        let word_len = body
-            .find(|c: char| !c.is_ascii_alphanumeric() && c != '_')
-            .unwrap_or(body.len());
+        let word_len = body.find(|c: char| !c.is_ascii_alphanumeric() && c != '_').unwrap_or(body.len());
         let replacement = match &body[..word_len] {
             "generation" => Some("if true"),
             "endgeneration" => Some("endif"),
@@ -203,17 +172,9 @@ fn rewrite_generation_tags(source: &str) -> String {
 
 /// Renders a template source directly (no files); used by tests.
 #[cfg(test)]
-fn render_source(
-    source: &str,
-    messages: &[ChatMessage],
-    extra: BTreeMap<String, Value>,
-) -> Result<String, TokenizerError> {
+fn render_source(source: &str, messages: &[ChatMessage], extra: BTreeMap<String, Value>) -> Result<String, TokenizerError> {
     let templates = ChatTemplates::compile(
-        vec![TemplateSource {
-            name: DEFAULT_TEMPLATE.into(),
-            source: source.into(),
-            path: std::path::PathBuf::from("test.jinja"),
-        }],
+        vec![TemplateSource { name: DEFAULT_TEMPLATE.into(), source: source.into(), path: std::path::PathBuf::from("test.jinja") }],
         extra,
     )?;
     templates.render(messages, false, &ChatTemplateOptions::default())
@@ -228,10 +189,7 @@ mod tests {
     use super::*;
 
     fn msg(role: &str, content: &str) -> ChatMessage {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage { role: role.into(), content: content.into() }
     }
 
     fn render(source: &str) -> String {
@@ -251,26 +209,13 @@ mod tests {
             }
             other => panic!("expected TemplateException, got {other:?}"),
         }
-        assert_eq!(
-            render_source(src, &[msg("system", "x")], BTreeMap::new())
-                .ok()
-                .as_deref(),
-            Some("ok")
-        );
+        assert_eq!(render_source(src, &[msg("system", "x")], BTreeMap::new()).ok().as_deref(), Some("ok"));
     }
 
     #[test]
     fn other_render_errors_are_not_template_exceptions() {
-        let err = render_source(
-            "{{ messages[0].content.nope() }}",
-            &[msg("user", "x")],
-            BTreeMap::new(),
-        )
-        .err();
-        assert!(
-            matches!(err, Some(TokenizerError::TemplateRender(_))),
-            "{err:?}"
-        );
+        let err = render_source("{{ messages[0].content.nope() }}", &[msg("user", "x")], BTreeMap::new()).err();
+        assert!(matches!(err, Some(TokenizerError::TemplateRender(_))), "{err:?}");
     }
 
     #[test]
@@ -294,88 +239,46 @@ mod tests {
 
     #[test]
     fn loop_controls_and_pycompat_methods() {
-        assert_eq!(
-            render(
-                "{% for i in range(5) %}{% if i == 1 %}{% continue %}{% endif %}{% if i == 3 %}{% break %}{% endif %}{{ i }}{% endfor %}"
-            ),
-            "02"
-        );
-        assert_eq!(
-            render(
-                "{{ '  x y  '.strip() }}|{{ 'abc'.startswith('ab') }}|{{ 'a,b'.split(',') }}|{{ 'Hi'.upper() }}"
-            ),
-            "x y|True|['a', 'b']|HI"
-        );
-        assert_eq!(
-            render("{% for k, v in {'b': 1, 'a': 2}.items() %}{{ k }}{{ v }}{% endfor %}"),
-            "b1a2"
-        );
+        assert_eq!(render("{% for i in range(5) %}{% if i == 1 %}{% continue %}{% endif %}{% if i == 3 %}{% break %}{% endif %}{{ i }}{% endfor %}"), "02");
+        assert_eq!(render("{{ '  x y  '.strip() }}|{{ 'abc'.startswith('ab') }}|{{ 'a,b'.split(',') }}|{{ 'Hi'.upper() }}"), "x y|True|['a', 'b']|HI");
+        assert_eq!(render("{% for k, v in {'b': 1, 'a': 2}.items() %}{{ k }}{{ v }}{% endfor %}"), "b1a2");
     }
 
     #[test]
     fn python_style_printing() {
         assert_eq!(
-            render(
-                "{{ none }}|{{ true }}|{{ false }}|{{ [1, 'x', none, 2.5] }}|{{ {'k': \"it's\"} }}"
-            ),
+            render("{{ none }}|{{ true }}|{{ false }}|{{ [1, 'x', none, 2.5] }}|{{ {'k': \"it's\"} }}"),
             "None|True|False|[1, 'x', None, 2.5]|{'k': \"it's\"}"
         );
-        assert_eq!(
-            render("{{ tools }}|{{ tools is none }}|{{ documents is none }}"),
-            "None|True|True"
-        );
+        assert_eq!(render("{{ tools }}|{{ tools is none }}|{{ documents is none }}"), "None|True|True");
     }
 
     #[test]
     fn tojson_matches_python_json_dumps() {
         // Python: json.dumps({"name": "f", "args": [1, 2.0, None, True], "s": "é<&>\"\n"}, ensure_ascii=False)
         assert_eq!(
-            render(
-                r#"{{ {"name": "f", "args": [1, 2.0, none, true], "s": "é<&>\"\n"} | tojson }}"#
-            ),
+            render(r#"{{ {"name": "f", "args": [1, 2.0, none, true], "s": "é<&>\"\n"} | tojson }}"#),
             r#"{"name": "f", "args": [1, 2.0, null, true], "s": "é<&>\"\n"}"#
         );
-        assert_eq!(
-            render("{{ {'a': [1, {}], 'b': []} | tojson(indent=2) }}"),
-            "{\n  \"a\": [\n    1,\n    {}\n  ],\n  \"b\": []\n}"
-        );
-        assert_eq!(
-            render("{{ {'b': 1, 'a': 2} | tojson(sort_keys=true, separators=[',', ':']) }}"),
-            r#"{"a":2,"b":1}"#
-        );
-        assert_eq!(
-            render("{{ 'é🙂' | tojson(ensure_ascii=true) }}"),
-            r#""\u00e9\ud83d\ude42""#
-        );
-        assert_eq!(
-            render("{{ [1e16, 1e-05, 0.0001, 123.5] | tojson }}"),
-            "[1e+16, 1e-05, 0.0001, 123.5]"
-        );
+        assert_eq!(render("{{ {'a': [1, {}], 'b': []} | tojson(indent=2) }}"), "{\n  \"a\": [\n    1,\n    {}\n  ],\n  \"b\": []\n}");
+        assert_eq!(render("{{ {'b': 1, 'a': 2} | tojson(sort_keys=true, separators=[',', ':']) }}"), r#"{"a":2,"b":1}"#);
+        assert_eq!(render("{{ 'é🙂' | tojson(ensure_ascii=true) }}"), r#""\u00e9\ud83d\ude42""#);
+        assert_eq!(render("{{ [1e16, 1e-05, 0.0001, 123.5] | tojson }}"), "[1e+16, 1e-05, 0.0001, 123.5]");
         assert!(render_source("{{ nothing | tojson }}", &[], BTreeMap::new()).is_err());
     }
 
     #[test]
     fn tojson_keeps_message_field_order() {
-        assert_eq!(
-            render("{{ messages[0] | tojson }}"),
-            r#"{"role": "user", "content": "hi"}"#
-        );
+        assert_eq!(render("{{ messages[0] | tojson }}"), r#"{"role": "user", "content": "hi"}"#);
     }
 
     #[test]
     fn generation_tags_render_their_body() {
         assert_eq!(
-            rewrite_generation_tags(
-                "a{%- generation -%}b{% endgeneration %}c{% if x %}{% endif %}"
-            ),
+            rewrite_generation_tags("a{%- generation -%}b{% endgeneration %}c{% if x %}{% endif %}"),
             "a{%- if true -%}b{% endif %}c{% if x %}{% endif %}"
         );
-        assert_eq!(
-            render(
-                "{% for m in messages %}{% generation %}<{{ m.content }}>{% endgeneration %}{% endfor %}"
-            ),
-            "<hi>"
-        );
+        assert_eq!(render("{% for m in messages %}{% generation %}<{{ m.content }}>{% endgeneration %}{% endfor %}"), "<hi>");
     }
 
     #[test]
@@ -388,11 +291,7 @@ mod tests {
     fn special_tokens_are_template_variables() {
         let mut ctx = BTreeMap::new();
         ctx.insert("bos_token".to_owned(), Value::from("<s>"));
-        let out = render_source(
-            "{{ bos_token }}{{ eos_token }}{{ messages[0].content }}",
-            &[msg("user", "x")],
-            ctx,
-        );
+        let out = render_source("{{ bos_token }}{{ eos_token }}{{ messages[0].content }}", &[msg("user", "x")], ctx);
         assert_eq!(out.ok().as_deref(), Some("<s>x"));
     }
 
@@ -407,54 +306,21 @@ mod tests {
         let tok = load(&dir);
         let messages = [ChatMessage::new("user", "hi")];
         assert_eq!(tok.chat_template_names(), ["default", "tool_use"]);
-        assert_eq!(
-            tok.apply_chat_template(&messages, false).ok().as_deref(),
-            Some("D1")
-        );
+        assert_eq!(tok.apply_chat_template(&messages, false).ok().as_deref(), Some("D1"));
         let tools = json!([{"type": "function"}, {"type": "function"}]);
-        let options = ChatTemplateOptions {
-            template_name: Some("tool_use"),
-            tools: Some(&tools),
-            ..Default::default()
-        };
-        assert_eq!(
-            tok.apply_chat_template_with(&messages, false, &options)
-                .ok()
-                .as_deref(),
-            Some("T2")
-        );
-        let options = ChatTemplateOptions {
-            template_name: Some("nope"),
-            ..Default::default()
-        };
-        assert!(matches!(
-            tok.apply_chat_template_with(&messages, false, &options),
-            Err(TokenizerError::UnknownChatTemplate { .. })
-        ));
+        let options = ChatTemplateOptions { template_name: Some("tool_use"), tools: Some(&tools), ..Default::default() };
+        assert_eq!(tok.apply_chat_template_with(&messages, false, &options).ok().as_deref(), Some("T2"));
+        let options = ChatTemplateOptions { template_name: Some("nope"), ..Default::default() };
+        assert!(matches!(tok.apply_chat_template_with(&messages, false, &options), Err(TokenizerError::UnknownChatTemplate { .. })));
 
         // chat_template.jinja takes precedence over the config key.
-        std::fs::write(
-            dir.path().join("chat_template.jinja"),
-            "{{ bos_token }}J{{ extra }}\n",
-        )
-        .expect("write");
+        std::fs::write(dir.path().join("chat_template.jinja"), "{{ bos_token }}J{{ extra }}\n").expect("write");
         let tok = load(&dir);
-        assert_eq!(
-            tok.apply_chat_template(&messages, false).ok().as_deref(),
-            Some("<s>J")
-        );
+        assert_eq!(tok.apply_chat_template(&messages, false).ok().as_deref(), Some("<s>J"));
         let mut extra = serde_json::Map::new();
         extra.insert("extra".into(), json!("!"));
-        let options = ChatTemplateOptions {
-            extra_context: Some(&extra),
-            ..Default::default()
-        };
-        assert_eq!(
-            tok.apply_chat_template_with(&messages, false, &options)
-                .ok()
-                .as_deref(),
-            Some("<s>J!")
-        );
+        let options = ChatTemplateOptions { extra_context: Some(&extra), ..Default::default() };
+        assert_eq!(tok.apply_chat_template_with(&messages, false, &options).ok().as_deref(), Some("<s>J!"));
 
         // Without any template.
         let dir = edited_copy(|_, cfg| {
@@ -462,10 +328,7 @@ mod tests {
         });
         let tok = load(&dir);
         assert!(!tok.has_chat_template());
-        assert!(matches!(
-            tok.apply_chat_template(&messages, true),
-            Err(TokenizerError::NoChatTemplate)
-        ));
+        assert!(matches!(tok.apply_chat_template(&messages, true), Err(TokenizerError::NoChatTemplate)));
     }
 
     #[test]
@@ -485,31 +348,15 @@ mod tests {
             }
             other => panic!("expected TemplateException, got {other:?}"),
         }
-        assert!(
-            tok.encode_chat(&[ChatMessage::new("tool", "x")], true)
-                .is_err()
-        );
+        assert!(tok.encode_chat(&[ChatMessage::new("tool", "x")], true).is_err());
     }
 
     #[test]
     fn bad_template_fails_at_load_naming_the_file() {
-        let dir = edited_copy(|_, cfg| {
-            cfg["chat_template"] = json!("{% for message in messages %}{{ message['content'] }")
-        });
+        let dir = edited_copy(|_, cfg| cfg["chat_template"] = json!("{% for message in messages %}{{ message['content'] }"));
         let err = load_err(dir.path());
-        assert!(
-            matches!(err, TokenizerError::TemplateSyntax { .. }),
-            "{err}"
-        );
-        assert!(
-            err.to_string().contains(
-                &dir.path()
-                    .join("tokenizer_config.json")
-                    .display()
-                    .to_string()
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, TokenizerError::TemplateSyntax { .. }), "{err}");
+        assert!(err.to_string().contains(&dir.path().join("tokenizer_config.json").display().to_string()), "{err}");
 
         let dir = edited_copy(|_, _| {});
         std::fs::write(dir.path().join("chat_template.jinja"), "{% if %}").expect("write");

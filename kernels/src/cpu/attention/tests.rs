@@ -116,7 +116,8 @@ fn paged_attention_matches_dense_for_mixed_prefill_and_decode() {
             block_tables: cpu.upload_u32(&tables).unwrap(),
         };
         cpu.write_kv(&cpu.upload_f32(&ks).unwrap(), &cpu.upload_f32(&vs).unwrap(), &mut cache, &meta, &layout, 1).unwrap();
-        let params = AttentionParams { layer: 1, num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), sliding_window: window };
+        let params =
+            AttentionParams { layer: 1, num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), sliding_window: window };
         let mut out = cpu.upload_f32(&vec![f32::NAN; tokens * heads * hd]).unwrap();
         cpu.attention(&cpu.upload_f32(&all_q).unwrap(), &cache, &mut out, &meta, &layout, &params).unwrap();
         let got = cpu.download_f32(&out).unwrap();

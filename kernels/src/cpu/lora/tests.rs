@@ -35,9 +35,7 @@ impl Rng {
 /// The (layer, module, rank) targets of each adapter slot: ranks 4 (6 on down, a rank pattern),
 /// 8, 16, 64 and 2, with different target sets.
 fn adapter_targets(slot: usize) -> Vec<(usize, usize, usize)> {
-    let both = |mods: &[usize], rank: usize| -> Vec<(usize, usize, usize)> {
-        (0..LAYERS).flat_map(|l| mods.iter().map(move |&m| (l, m, rank))).collect()
-    };
+    let both = |mods: &[usize], rank: usize| -> Vec<(usize, usize, usize)> { (0..LAYERS).flat_map(|l| mods.iter().map(move |&m| (l, m, rank))).collect() };
     match slot {
         0 => (0..LAYERS).flat_map(|l| (0..NUM_MODULES).map(move |m| (l, m, if m == DOWN { 6 } else { 4 }))).collect(),
         1 => both(&[Q, V], 8),
@@ -153,11 +151,7 @@ fn segments(parts: &[(u32, usize)]) -> LoraSegments<CpuBuffer> {
     for &(_, n) in parts {
         starts.push(starts.last().unwrap() + n as u32);
     }
-    LoraSegments {
-        num_segments: parts.len(),
-        seg_starts: CpuBuffer::U32(starts),
-        seg_slots: CpuBuffer::U32(parts.iter().map(|p| p.0).collect()),
-    }
+    LoraSegments { num_segments: parts.len(), seg_starts: CpuBuffer::U32(starts), seg_slots: CpuBuffer::U32(parts.iter().map(|p| p.0).collect()) }
 }
 
 /// Each token's slot under `parts`.
@@ -288,8 +282,7 @@ fn results_do_not_depend_on_segmentation() {
     let slots = token_slots(&MIXED);
     let per_token: Vec<(u32, usize)> = slots.iter().map(|&s| (s, 1)).collect();
     // The same tokens cut at other places: pieces of 3 within each segment.
-    let pieces: Vec<(u32, usize)> =
-        MIXED.iter().flat_map(|&(s, n)| (0..n).step_by(3).map(move |i| (s, 3.min(n - i)))).collect();
+    let pieces: Vec<(u32, usize)> = MIXED.iter().flat_map(|&(s, n)| (0..n).step_by(3).map(move |i| (s, 3.min(n - i)))).collect();
     assert_eq!(token_slots(&pieces), slots);
     let mut rng = Rng(1234);
     for t in all_targets(&fx) {
@@ -410,7 +403,11 @@ fn rows_beyond_the_pool_are_rejected() {
     let just_past_b = ((pool_len - outf) / LORA_ROW_ALIGN + 1) as u32;
     for (is_a, off) in [(true, just_past_a), (true, u32::MAX), (false, just_past_b), (false, u32::MAX)] {
         let (mut a, mut b) = (fx.a_rows.clone(), fx.b_rows.clone());
-        if is_a { a[last] = off } else { b[last] = off }
+        if is_a {
+            a[last] = off
+        } else {
+            b[last] = off
+        }
         let mut call = Call::new(&fx);
         call.rows = rows_of(&fx.directory, &a, &b);
         call.fails(&ALL, |e| matches!(e, KernelError::Index { index, .. } if *index == off as usize));

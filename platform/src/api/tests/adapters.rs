@@ -8,7 +8,10 @@ const BOUNDARY: &str = "loraplex-test-boundary";
 fn form(fields: &[(&str, &[u8])]) -> Vec<u8> {
     let mut out = Vec::new();
     for (name, bytes) in fields {
-        out.extend_from_slice(format!("--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"{name}\"; filename=\"{name}\"\r\nContent-Type: application/octet-stream\r\n\r\n").as_bytes());
+        out.extend_from_slice(
+            format!("--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"{name}\"; filename=\"{name}\"\r\nContent-Type: application/octet-stream\r\n\r\n")
+                .as_bytes(),
+        );
         out.extend_from_slice(bytes);
         out.extend_from_slice(b"\r\n");
     }
@@ -83,7 +86,10 @@ async fn upload_version_use_and_privacy() {
     assert_eq!((s, s2), (StatusCode::NOT_FOUND, StatusCode::NOT_FOUND));
     assert_eq!(unknown["error"]["message"].as_str().unwrap().replace("nope", "X"), foreign["error"]["message"].as_str().unwrap().replace("support", "X"));
     assert_eq!(call(&app, "POST", "/v1/completions", Some(&other), Some(ask("support@1"))).await.0, StatusCode::NOT_FOUND);
-    assert_eq!(call(&app, "POST", "/generate", Some(&other), Some(json!({"inputs": "x", "parameters": {"adapter_id": "support"}}))).await.0, StatusCode::NOT_FOUND);
+    assert_eq!(
+        call(&app, "POST", "/generate", Some(&other), Some(json!({"inputs": "x", "parameters": {"adapter_id": "support"}}))).await.0,
+        StatusCode::NOT_FOUND
+    );
     assert_eq!(call(&app, "GET", "/v1/adapters/support", Some(&other), None).await.0, StatusCode::NOT_FOUND);
     assert_eq!(call(&app, "DELETE", "/v1/adapters/support", Some(&other), None).await.0, StatusCode::NOT_FOUND);
     assert_eq!(call(&app, "POST", "/v1/adapters/support/load", Some(&other), None).await.0, StatusCode::NOT_FOUND);

@@ -109,7 +109,13 @@ async fn the_bill_adds_up_to_what_clients_were_told_on_every_database() {
         assert_eq!(res.headers().get("content-type").unwrap(), "text/csv; charset=utf-8");
         let csv = String::from_utf8(read_body(res).await.to_vec()).unwrap();
         let last: Vec<&str> = csv.lines().last().unwrap().split(',').collect();
-        assert_eq!(last[5..9], [all.requests.to_string(), all.prompt.to_string(), all.cached.to_string(), all.completion.to_string()].iter().map(String::as_str).collect::<Vec<_>>()[..]);
+        assert_eq!(
+            last[5..9],
+            [all.requests.to_string(), all.prompt.to_string(), all.cached.to_string(), all.completion.to_string()]
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>()[..]
+        );
 
         // Each tenant's own view agrees, by day and by adapter; it never shows another tenant.
         for (key, t) in [(&a, 0), (&b, 1)] {

@@ -43,7 +43,14 @@ async fn completions_in_every_prompt_form_agree() {
     assert_eq!(a["usage"]["completion_tokens"], 15);
 
     // Logprobs: one entry per token, with the asked number of alternatives.
-    let (_, lp) = call(&app, "POST", "/v1/completions", Some(&key), Some(json!({"model": MODEL, "prompt": "hello", "max_tokens": 3, "temperature": 0, "logprobs": 2, "ignore_eos": true}))).await;
+    let (_, lp) = call(
+        &app,
+        "POST",
+        "/v1/completions",
+        Some(&key),
+        Some(json!({"model": MODEL, "prompt": "hello", "max_tokens": 3, "temperature": 0, "logprobs": 2, "ignore_eos": true})),
+    )
+    .await;
     let l = &lp["choices"][0]["logprobs"];
     assert_eq!(l["tokens"].as_array().unwrap().len(), 3);
     assert!(l["token_logprobs"][0].as_f64().unwrap() <= 0.0);
@@ -53,7 +60,14 @@ async fn completions_in_every_prompt_form_agree() {
     // A stop string cuts the text before it.
     let cut: String = text.chars().skip(2).take(2).collect();
     if !cut.is_empty() && !cut.contains('\u{fffd}') {
-        let (_, stopped) = call(&app, "POST", "/v1/completions", Some(&key), Some(json!({"model": MODEL, "prompt": "hello world", "max_tokens": 6, "temperature": 0, "stop": [cut.clone()], "ignore_eos": true}))).await;
+        let (_, stopped) = call(
+            &app,
+            "POST",
+            "/v1/completions",
+            Some(&key),
+            Some(json!({"model": MODEL, "prompt": "hello world", "max_tokens": 6, "temperature": 0, "stop": [cut.clone()], "ignore_eos": true})),
+        )
+        .await;
         let got = stopped["choices"][0]["text"].as_str().unwrap();
         assert!(!got.contains(&cut) && text.starts_with(got), "{got:?} vs {text:?} stop {cut:?}");
         assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
@@ -184,13 +198,31 @@ async fn bad_inference_requests_get_a_clear_4xx_and_the_server_keeps_serving() {
         assert!(message.contains(needle), "{body}: {message:?} lacks {needle:?}");
         assert!(e["error"]["code"].is_string() && e["error"]["type"].is_string());
     }
-    let res = call_service(&app, TestRequest::post().uri("/v1/completions").insert_header(bearer(&key)).insert_header(("content-type", "application/json")).set_payload("{\"model\": ").to_request()).await;
+    let res = call_service(
+        &app,
+        TestRequest::post()
+            .uri("/v1/completions")
+            .insert_header(bearer(&key))
+            .insert_header(("content-type", "application/json"))
+            .set_payload("{\"model\": ")
+            .to_request(),
+    )
+    .await;
     assert_eq!(res.status(), StatusCode::BAD_REQUEST);
-    for body in [json!({"model": MODEL, "messages": []}), json!({"model": MODEL, "messages": [{"role": "user"}], "top_logprobs": 2}), json!({"model": MODEL, "messages": "hi"})] {
+    for body in [
+        json!({"model": MODEL, "messages": []}),
+        json!({"model": MODEL, "messages": [{"role": "user"}], "top_logprobs": 2}),
+        json!({"model": MODEL, "messages": "hi"}),
+    ] {
         let (got, e) = call(&app, "POST", "/v1/chat/completions", Some(&key), Some(body.clone())).await;
         assert_eq!(got, StatusCode::BAD_REQUEST, "{body}: {e}");
     }
-    for body in [json!({"inputs": "", "parameters": {}}), json!({"inputs": "x", "parameters": {"watermark": true}}), json!({"inputs": "x", "parameters": {"adapter_id": "nope"}}), json!({"inputs": 5})] {
+    for body in [
+        json!({"inputs": "", "parameters": {}}),
+        json!({"inputs": "x", "parameters": {"watermark": true}}),
+        json!({"inputs": "x", "parameters": {"adapter_id": "nope"}}),
+        json!({"inputs": 5}),
+    ] {
         let (got, e) = call(&app, "POST", "/generate", Some(&key), Some(body.clone())).await;
         assert!(got.is_client_error(), "{body}: {got} {e}");
     }
@@ -304,7 +336,8 @@ async fn a_failure_mid_stream_arrives_as_an_error_event_and_is_recorded() {
     assert!(error["error"]["message"].as_str().unwrap().contains("drill"), "{error}");
     assert_eq!(events.last().unwrap(), "[DONE]");
     assert!(h.state.jobs.drain(std::time::Duration::from_secs(10)).await);
-    let (outcome, completion): (String, i64) = sqlx::query_as("SELECT outcome, completion_tokens FROM usage WHERE tenant_id = $1").bind(&tenant_id).fetch_one(h.state.store.pool()).await.unwrap();
+    let (outcome, completion): (String, i64) =
+        sqlx::query_as("SELECT outcome, completion_tokens FROM usage WHERE tenant_id = $1").bind(&tenant_id).fetch_one(h.state.store.pool()).await.unwrap();
     assert_eq!(outcome, "error");
     assert!(completion < 400);
     // The worker was rebuilt and serves again.

@@ -140,7 +140,15 @@ async fn the_operator_manages_tenants_and_keys() {
     let h = Harness::new().await;
     let (state, admin) = (&h.state, &h.admin);
     let app = app!(state);
-    let res = call_service(&app, TestRequest::post().uri("/admin/tenants").insert_header(bearer(admin)).set_json(json!({"name": "acme", "weight": 2.0, "plan": "standard"})).to_request()).await;
+    let res = call_service(
+        &app,
+        TestRequest::post()
+            .uri("/admin/tenants")
+            .insert_header(bearer(admin))
+            .set_json(json!({"name": "acme", "weight": 2.0, "plan": "standard"}))
+            .to_request(),
+    )
+    .await;
     assert_eq!(res.status(), StatusCode::CREATED);
     let tenant: Value = read_body_json(res).await;
     let id = tenant["id"].as_str().unwrap().to_string();
@@ -149,7 +157,15 @@ async fn the_operator_manages_tenants_and_keys() {
     let res = call_service(&app, TestRequest::post().uri("/admin/tenants").insert_header(bearer(admin)).set_json(json!({"name": "acme"})).to_request()).await;
     assert_eq!(res.status(), StatusCode::CONFLICT);
 
-    let res = call_service(&app, TestRequest::patch().uri(&format!("/admin/tenants/{id}")).insert_header(bearer(admin)).set_json(json!({"limits": {"requests_per_min": 60}})).to_request()).await;
+    let res = call_service(
+        &app,
+        TestRequest::patch()
+            .uri(&format!("/admin/tenants/{id}"))
+            .insert_header(bearer(admin))
+            .set_json(json!({"limits": {"requests_per_min": 60}}))
+            .to_request(),
+    )
+    .await;
     assert_eq!(res.status(), StatusCode::OK);
     let patched: Value = read_body_json(res).await;
     assert_eq!(patched["requests_per_min"], 60);
@@ -165,7 +181,8 @@ async fn the_operator_manages_tenants_and_keys() {
     let body: Value = read_body_json(res).await;
     assert_eq!(body["error"]["code"], "insufficient_scope");
 
-    let res = call_service(&app, TestRequest::delete().uri(&format!("/admin/keys/{}", key["id"].as_str().unwrap())).insert_header(bearer(admin)).to_request()).await;
+    let res =
+        call_service(&app, TestRequest::delete().uri(&format!("/admin/keys/{}", key["id"].as_str().unwrap())).insert_header(bearer(admin)).to_request()).await;
     assert_eq!(res.status(), StatusCode::NO_CONTENT);
     let res = call_service(&app, TestRequest::get().uri("/admin/tenants").insert_header(bearer(&secret)).to_request()).await;
     assert_eq!(res.status(), StatusCode::UNAUTHORIZED, "a revoked key");
@@ -181,7 +198,14 @@ async fn bad_requests_get_a_clear_4xx() {
     let h = Harness::new().await;
     let (state, admin) = (&h.state, &h.admin);
     let app = app!(state);
-    let post = |body: &'static str| TestRequest::post().uri("/admin/tenants").insert_header(bearer(admin)).insert_header(("content-type", "application/json")).set_payload(body).to_request();
+    let post = |body: &'static str| {
+        TestRequest::post()
+            .uri("/admin/tenants")
+            .insert_header(bearer(admin))
+            .insert_header(("content-type", "application/json"))
+            .set_payload(body)
+            .to_request()
+    };
     for (body, needle) in [
         ("{not json", "invalid JSON"),
         (r#"{"name": 5}"#, "invalid JSON"),

@@ -10,12 +10,7 @@ use serde_json::Value;
 use super::*;
 use crate::synth::{Preset, SynthOptions, synthesize_model};
 
-fn options(
-    out: &Path,
-    count: usize,
-    ranks: &[usize],
-    targets: AdapterTargets,
-) -> AdapterSynthOptions {
+fn options(out: &Path, count: usize, ranks: &[usize], targets: AdapterTargets) -> AdapterSynthOptions {
     AdapterSynthOptions {
         out: out.to_path_buf(),
         dims: Preset::Tiny.dims(),
@@ -28,8 +23,7 @@ fn options(
 }
 
 fn load(dir: &Path, dims: &ModelDims) -> LoraAdapter {
-    LoraAdapter::load(dir, &base_shape(dims), &AdapterLimits::default())
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+    LoraAdapter::load(dir, &base_shape(dims), &AdapterLimits::default()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
 }
 
 fn read_json(path: &Path) -> Value {
@@ -37,9 +31,7 @@ fn read_json(path: &Path) -> Value {
 }
 
 fn names(dirs: &[PathBuf]) -> Vec<String> {
-    dirs.iter()
-        .map(|d| d.file_name().unwrap().to_string_lossy().into_owned())
-        .collect()
+    dirs.iter().map(|d| d.file_name().unwrap().to_string_lossy().into_owned()).collect()
 }
 
 #[test]
@@ -49,18 +41,12 @@ fn every_adapter_loads_with_its_rank_targets_and_scaling() {
     for (targets, sub) in [(AdapterTargets::All, "all"), (AdapterTargets::Qv, "qv")] {
         let out = tmp.path().join(sub);
         let dirs = synthesize_adapters(&options(&out, 4, &[4, 8, 32], targets)).unwrap();
-        assert_eq!(
-            names(&dirs),
-            [0, 1, 2, 3].map(|i| format!("lora-00{i}-r{}-{sub}", [4, 8, 32, 4][i]))
-        );
+        assert_eq!(names(&dirs), [0, 1, 2, 3].map(|i| format!("lora-00{i}-r{}-{sub}", [4, 8, 32, 4][i])));
         for (dir, rank) in dirs.iter().zip([4, 8, 32, 4]) {
             assert_eq!(dir.parent(), Some(out.as_path()));
             let adapter = load(dir, &dims);
             assert_eq!(adapter.target_modules(), targets.modules());
-            assert_eq!(
-                adapter.len(),
-                dims.num_hidden_layers * targets.modules().len()
-            );
+            assert_eq!(adapter.len(), dims.num_hidden_layers * targets.modules().len());
             assert!(!adapter.use_rslora());
             let shape = base_shape(&dims);
             for m in adapter.modules() {
@@ -104,14 +90,10 @@ fn tensors_have_peft_names_and_shapes() {
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let dims = Preset::Tiny.dims();
     assert_eq!(st.len(), dims.num_hidden_layers * 7 * 2);
-    let view = st
-        .tensor("base_model.model.model.layers.3.mlp.down_proj.lora_A.weight")
-        .unwrap();
+    let view = st.tensor("base_model.model.model.layers.3.mlp.down_proj.lora_A.weight").unwrap();
     assert_eq!(view.dtype(), safetensors::Dtype::F32);
     assert_eq!(view.shape(), [8, dims.intermediate_size]);
-    let view = st
-        .tensor("base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight")
-        .unwrap();
+    let view = st.tensor("base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight").unwrap();
     assert_eq!(view.shape(), [dims.num_key_value_heads * dims.head_dim, 8]);
 }
 
@@ -129,10 +111,7 @@ fn same_seed_gives_identical_bytes_and_each_adapter_its_own_weights() {
     let weights = |dir: &Path| std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
     for ((a, b), c) in first.iter().zip(&again).zip(&other_seed) {
         for f in ["adapter_config.json", "adapter_model.safetensors"] {
-            assert_eq!(
-                std::fs::read(a.join(f)).unwrap(),
-                std::fs::read(b.join(f)).unwrap()
-            );
+            assert_eq!(std::fs::read(a.join(f)).unwrap(), std::fs::read(b.join(f)).unwrap());
         }
         assert_ne!(weights(a), weights(c));
         assert_eq!(weights(a).len(), weights(c).len());
@@ -142,16 +121,9 @@ fn same_seed_gives_identical_bytes_and_each_adapter_its_own_weights() {
     let adapters: Vec<LoraAdapter> = first.iter().map(|d| load(d, &dims)).collect();
     for i in 0..adapters.len() {
         for j in i + 1..adapters.len() {
-            assert_ne!(
-                adapters[i].content_hash(),
-                adapters[j].content_hash(),
-                "{i} vs {j}"
-            );
+            assert_ne!(adapters[i].content_hash(), adapters[j].content_hash(), "{i} vs {j}");
         }
-        assert_eq!(
-            std::fs::read(first[i].join("adapter_config.json")).unwrap(),
-            std::fs::read(first[0].join("adapter_config.json")).unwrap()
-        );
+        assert_eq!(std::fs::read(first[i].join("adapter_config.json")).unwrap(), std::fs::read(first[0].join("adapter_config.json")).unwrap());
     }
 }
 
@@ -164,10 +136,7 @@ fn bytes_do_not_depend_on_the_thread_count() {
     let write = |sub: &str, threads: usize| {
         let mut opts = options(&tmp.path().join(sub), 1, &[64], AdapterTargets::All);
         opts.dims = dims;
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .unwrap();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
         let dirs = pool.install(|| synthesize_adapters(&opts)).unwrap();
         std::fs::read(dirs[0].join("adapter_model.safetensors")).unwrap()
     };
@@ -183,10 +152,7 @@ fn weights_are_pinned_across_builds() {
     let adapter = load(&dirs[1], &Preset::Tiny.dims());
     let m = adapter.get(0, TargetModule::Q).unwrap();
     let bits = |v: &[f32]| v[..3].iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-    assert_eq!(
-        (bits(&m.a), bits(&m.b)),
-        (PINNED_A.to_vec(), PINNED_B.to_vec())
-    );
+    assert_eq!((bits(&m.a), bits(&m.b)), (PINNED_A.to_vec(), PINNED_B.to_vec()));
 }
 
 // A: 0.0276, -0.0212, 0.0186; B: -0.0665, 0.0428, 0.0417.
@@ -217,14 +183,8 @@ fn bad_options_are_refused_before_writing() {
 
 /// Largest singular value of the `rows×cols` matrix given by `apply` (`x -> M x`) and
 /// `apply_t` (`y -> Mᵀ y`), by power iteration on `MᵀM`.
-fn spectral_norm(
-    cols: usize,
-    apply: impl Fn(&[f32]) -> Vec<f32>,
-    apply_t: impl Fn(&[f32]) -> Vec<f32>,
-) -> f64 {
-    let mut x: Vec<f32> = (0..cols)
-        .map(|i| ((i * 7919 % 101) as f32) - 50.0)
-        .collect();
+fn spectral_norm(cols: usize, apply: impl Fn(&[f32]) -> Vec<f32>, apply_t: impl Fn(&[f32]) -> Vec<f32>) -> f64 {
+    let mut x: Vec<f32> = (0..cols).map(|i| ((i * 7919 % 101) as f32) - 50.0).collect();
     let mut sigma = 0.0;
     for _ in 0..200 {
         let norm = x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
@@ -238,9 +198,7 @@ fn spectral_norm(
 
 /// `M x` for a row-major `rows×cols` matrix.
 fn matvec(m: &[f32], cols: usize, x: &[f32]) -> Vec<f32> {
-    m.chunks(cols)
-        .map(|row| row.iter().zip(x).map(|(a, b)| a * b).sum())
-        .collect()
+    m.chunks(cols).map(|row| row.iter().zip(x).map(|(a, b)| a * b).sum()).collect()
 }
 
 /// `Mᵀ y` for a row-major `rows×cols` matrix.
@@ -257,47 +215,24 @@ fn delta_spectral_norm(m: &LoraModule) -> f64 {
     let s = m.scaling;
     spectral_norm(
         inp,
-        |x| {
-            matvec(&m.b, r, &matvec(&m.a, inp, x))
-                .into_iter()
-                .map(|v| v * s)
-                .collect()
-        },
-        |y| {
-            matvec_t(&m.a, inp, &matvec_t(&m.b, r, y))
-                .into_iter()
-                .map(|v| v * s)
-                .collect()
-        },
+        |x| matvec(&m.b, r, &matvec(&m.a, inp, x)).into_iter().map(|v| v * s).collect(),
+        |y| matvec_t(&m.a, inp, &matvec_t(&m.b, r, y)).into_iter().map(|v| v * s).collect(),
     )
 }
 
 /// A synthesized tiny model (seed 7) in `dir/model`.
 fn tiny_model(dir: &Path) -> PathBuf {
     let out = dir.join("model");
-    synthesize_model(&SynthOptions {
-        out: out.clone(),
-        preset: Preset::Tiny,
-        seed: 7,
-    })
-    .unwrap();
+    synthesize_model(&SynthOptions { out: out.clone(), preset: Preset::Tiny, seed: 7 }).unwrap();
     out
 }
 
 fn f32s(view: &TensorView<'_>) -> Vec<f32> {
-    view.data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect()
+    view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
 }
 
 fn base_weight(st: &SafeTensors<'_>, m: &LoraModule) -> Vec<f32> {
-    let name = format!(
-        "model.layers.{}.{}.{}.weight",
-        m.layer,
-        m.module.hf_parent(),
-        m.module.hf_name()
-    );
+    let name = format!("model.layers.{}.{}.{}.weight", m.layer, m.module.hf_parent(), m.module.hf_name());
     f32s(&st.tensor(&name).unwrap())
 }
 
@@ -308,30 +243,15 @@ fn delta_is_a_few_tenths_of_the_base_weight() {
     let bytes = std::fs::read(model.join("model.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let dims = Preset::Tiny.dims();
-    let dirs = synthesize_adapters(&options(
-        &tmp.path().join("a"),
-        3,
-        &[4, 16, 32],
-        AdapterTargets::All,
-    ))
-    .unwrap();
+    let dirs = synthesize_adapters(&options(&tmp.path().join("a"), 3, &[4, 16, 32], AdapterTargets::All)).unwrap();
     for dir in &dirs {
         let adapter = load(dir, &dims);
         for m in adapter.modules().filter(|m| m.layer == 1) {
             let w = base_weight(&st, m);
-            let base = spectral_norm(
-                m.in_features,
-                |x| matvec(&w, m.in_features, x),
-                |y| matvec_t(&w, m.in_features, y),
-            );
+            let base = spectral_norm(m.in_features, |x| matvec(&w, m.in_features, x), |y| matvec_t(&w, m.in_features, y));
             let ratio = delta_spectral_norm(m) / base;
             eprintln!("{:?} r{} ratio {ratio:.3}", m.module, m.rank);
-            assert!(
-                (0.25..0.6).contains(&ratio),
-                "{:?} rank {}: {ratio}",
-                m.module,
-                m.rank
-            );
+            assert!((0.25..0.6).contains(&ratio), "{:?} rank {}: {ratio}", m.module, m.rank);
         }
     }
 }
@@ -347,63 +267,32 @@ fn merged(model: &Path, adapter: &LoraAdapter, out: &Path) {
     }
     let bytes = std::fs::read(model.join("model.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, v.shape().to_vec(), f32s(&v)))
-        .collect();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = st.tensors().into_iter().map(|(n, v)| (n, v.shape().to_vec(), f32s(&v))).collect();
     for m in adapter.modules() {
-        let name = format!(
-            "model.layers.{}.{}.{}.weight",
-            m.layer,
-            m.module.hf_parent(),
-            m.module.hf_name()
-        );
+        let name = format!("model.layers.{}.{}.{}.weight", m.layer, m.module.hf_parent(), m.module.hf_name());
         let (_, _, w) = tensors.iter_mut().find(|t| t.0 == name).unwrap();
         for o in 0..m.out_features {
             for i in 0..m.in_features {
-                let d: f32 = (0..m.rank)
-                    .map(|k| m.b[o * m.rank + k] * m.a[k * m.in_features + i])
-                    .sum();
+                let d: f32 = (0..m.rank).map(|k| m.b[o * m.rank + k] * m.a[k * m.in_features + i]).sum();
                 w[o * m.in_features + i] += m.scaling * d;
             }
         }
     }
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
-        .into_iter()
-        .map(|(n, s, w)| (n, s, bytemuck::cast_slice(&w).to_vec()))
-        .collect();
-    let views: Vec<_> = bytes
-        .iter()
-        .map(|(n, s, b)| {
-            (
-                n.clone(),
-                TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap(),
-            )
-        })
-        .collect();
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors.into_iter().map(|(n, s, w)| (n, s, bytemuck::cast_slice(&w).to_vec())).collect();
+    let views: Vec<_> = bytes.iter().map(|(n, s, b)| (n.clone(), TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())).collect();
     safetensors::serialize_to_file(views, None, &out.join("model.safetensors")).unwrap();
 }
 
 fn greedy(model: &Path, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
     let model = crate::model::load(Arc::new(CpuBackend::new()), model).unwrap();
     let rows = crate::engine::scoring::greedy_logits(&model, prompt, steps, 16, None).unwrap();
-    let tokens = rows
-        .iter()
-        .map(|r| (0..r.len()).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap() as u32)
-        .collect();
+    let tokens = rows.iter().map(|r| (0..r.len()).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap() as u32).collect();
     (tokens, rows)
 }
 
 fn rms(rows: &[Vec<f32>]) -> f64 {
     let n: usize = rows.iter().map(Vec::len).sum();
-    (rows
-        .iter()
-        .flatten()
-        .map(|v| (*v as f64).powi(2))
-        .sum::<f64>()
-        / n as f64)
-        .sqrt()
+    (rows.iter().flatten().map(|v| (*v as f64).powi(2)).sum::<f64>() / n as f64).sqrt()
 }
 
 #[test]
@@ -411,20 +300,10 @@ fn adapters_change_greedy_output_without_blowing_up() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_model(tmp.path());
     let dims = Preset::Tiny.dims();
-    let prompts: [&[u32]; 3] = [
-        &[1, 307, 430, 450, 497, 309, 82],
-        &[1, 40, 41, 42, 43],
-        &[1, 200, 100, 300],
-    ];
+    let prompts: [&[u32]; 3] = [&[1, 307, 430, 450, 497, 309, 82], &[1, 40, 41, 42, 43], &[1, 200, 100, 300]];
     let base: Vec<_> = prompts.iter().map(|p| greedy(&model, p, 16)).collect();
     for targets in [AdapterTargets::Qv, AdapterTargets::All] {
-        let dirs = synthesize_adapters(&options(
-            &tmp.path().join(targets.name()),
-            2,
-            &[4, 16],
-            targets,
-        ))
-        .unwrap();
+        let dirs = synthesize_adapters(&options(&tmp.path().join(targets.name()), 2, &[4, 16], targets)).unwrap();
         for (i, dir) in dirs.iter().enumerate() {
             let adapter = load(dir, &dims);
             let out = tmp.path().join(format!("merged-{}-{i}", targets.name()));
@@ -434,22 +313,12 @@ fn adapters_change_greedy_output_without_blowing_up() {
                 let (tokens, rows) = greedy(&out, prompt, 16);
                 assert!(rows.iter().flatten().all(|v| v.is_finite()));
                 let ratio = rms(&rows) / rms(base_rows);
-                let same = tokens
-                    .iter()
-                    .zip(base_tokens)
-                    .filter(|(a, b)| a == b)
-                    .count();
+                let same = tokens.iter().zip(base_tokens).filter(|(a, b)| a == b).count();
                 eprintln!("{dir:?}: logit rms ratio {ratio:.3}, {same}/16 tokens unchanged");
-                assert!(
-                    (0.5..2.0).contains(&ratio),
-                    "{dir:?}: logit rms ratio {ratio}"
-                );
+                assert!((0.5..2.0).contains(&ratio), "{dir:?}: logit rms ratio {ratio}");
                 changed += usize::from(tokens != *base_tokens);
             }
-            assert!(
-                changed >= 2,
-                "{dir:?} changed the greedy output of {changed} of 3 prompts"
-            );
+            assert!(changed >= 2, "{dir:?} changed the greedy output of {changed} of 3 prompts");
         }
     }
 }
