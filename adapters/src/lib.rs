@@ -5,6 +5,9 @@
 //! - [`LoraAdapter::load`]: reads a HuggingFace PEFT adapter directory (`adapter_config.json` +
 //!   `adapter_model.safetensors`), resolves ranks, alphas and scalings with PEFT's rules and
 //!   checks every tensor against the base shape (see [`peft`]).
+//! - [`LoraAdapter::load_with_manifest`], [`Manifest::write`], [`LoraAdapter::load_validated`]:
+//!   validate once at upload, record what was validated, and load it again later from that
+//!   record without re-reading the config (see [`validated`]).
 //! - [`LoraAdapter::content_hash`]: SHA-256 over the canonical weights (see [`hash`]).
 //! - [`PackedAdapter::pack`]: the adapter as rank rows in page images, for the device pool.
 #![forbid(unsafe_code)]
@@ -14,12 +17,19 @@ mod error;
 pub mod hash;
 mod pack;
 pub mod peft;
+#[cfg(test)]
+mod proptests;
 mod shape;
+mod tensors;
+#[cfg(test)]
+mod testutil;
+pub mod validated;
 
 pub use adapter::{AdapterLimits, LoraAdapter, LoraModule};
 pub use error::AdapterError;
 pub use pack::{PackError, PackedAdapter, PackedEntry, RowStorage};
 pub use shape::BaseShape;
+pub use validated::{MANIFEST_FILE, Manifest, ManifestEntry};
 
 /// A linear projection of a Llama-family decoder layer: the places a LoRA delta can be added.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -4,6 +4,7 @@
 //! the config cannot go through a sorted map. A small value type of our own keeps that order
 //! without switching the whole workspace's `serde_json` to `preserve_order`.
 
+use std::collections::HashSet;
 use std::fmt;
 
 use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
@@ -117,8 +118,10 @@ impl<'de> Visitor<'de> for JsonVisitor {
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Json, A::Error> {
         let mut out: Vec<(String, Json)> = Vec::new();
+        // A set, not a scan of `out`: an object with many keys must not cost quadratic time.
+        let mut seen = HashSet::new();
         while let Some((k, v)) = map.next_entry::<String, Json>()? {
-            if out.iter().any(|(seen, _)| *seen == k) {
+            if !seen.insert(k.clone()) {
                 return Err(serde::de::Error::custom(format!("duplicate key `{k}`")));
             }
             out.push((k, v));

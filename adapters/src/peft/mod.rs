@@ -15,7 +15,12 @@
 //!
 //! Ranks are read from the lora_A shape. A matching `rank_pattern` entry must agree with it; the
 //! default `r` is not checked against the tensors (some tools do not keep it up to date).
-//! Scaling is `alpha / r`, or `alpha / sqrt(r)` with `use_rslora`.
+//! Scaling is `alpha / r`, or `alpha / sqrt(r)` with `use_rslora`, computed in f64; alpha and
+//! scaling must be finite as f32, and so must `scaling * b` (computed in f32, as the device
+//! stores it) for every value of every lora_B.
+//!
+//! What an untrusted config can cost is capped: see [`MAX_CONFIG_BYTES`] and the constants
+//! after it.
 //!
 //! Consistency between config and tensors is strict in both directions: a tensor for a module
 //! the config does not select is refused, and so is a selected module of the base model with no
@@ -32,89 +37,35 @@ mod tests;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use safetensors::{Dtype, SafeTensors};
-
-use crate::{AdapterError, AdapterLimits, BaseShape, LoraAdapter, LoraModule, TargetModule};
+use crate::tensors::{self, Weights};
+use crate::validated::ManifestEntry;
+use crate::{AdapterError, AdapterLimits, BaseShape, LoraAdapter, Manifest, TargetModule};
 use config::PeftConfig;
+pub use config::{MAX_CONFIG_BYTES, MAX_LIST_ENTRIES, MAX_PATTERN_ENTRIES, MAX_PATTERN_LEN, MAX_REGEX_BYTES, MAX_REGEX_DFA_BYTES, MAX_TOTAL_REGEX_BYTES};
 
 pub const CONFIG_FILE: &str = "adapter_config.json";
 pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";
 pub const PICKLE_FILE: &str = "adapter_model.bin";
-
-const PREFIX: &str = "base_model.model.model.layers.";
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Half {
-    A,
-    B,
-}
-
-/// Splits a tensor name into (layer, module, A or B); `Err` says why the name is refused.
-fn parse_tensor_name(name: &str) -> Result<(usize, TargetModule, Half), String> {
-    let refuse = || {
-        format!(
-            "not a LoRA weight of a decoder projection: expected \
-             `{PREFIX}<L>.<self_attn|mlp>.<q|k|v|o|gate|up|down>_proj.lora_<A|B>[.default].weight` \
-             (embeddings, lm_head, norms and biases are not supported)"
-        )
-    };
-    let rest = name.strip_prefix(PREFIX).ok_or_else(refuse)?;
-    let parts: Vec<&str> = rest.split('.').collect();
-    let (layer, parent, module, half) = match parts.as_slice() {
-        [layer, parent, module, half, "weight"] | [layer, parent, module, half, "default", "weight"] => (*layer, *parent, *module, *half),
-        [_, _, _, "lora_A" | "lora_B", adapter, "weight"] => {
-            return Err(format!("adapter name `{adapter}`: only a single adapter, saved as `default` or unnamed, is supported"));
-        }
-        _ => return Err(refuse()),
-    };
-    let layer: usize = layer.parse().ok().filter(|_| layer.bytes().all(|b| b.is_ascii_digit())).ok_or_else(refuse)?;
-    let module = TargetModule::from_hf_name(module).ok_or_else(refuse)?;
-    if module.hf_parent() != parent {
-        return Err(refuse());
-    }
-    let half = match half {
-        "lora_A" => Half::A,
-        "lora_B" => Half::B,
-        _ => return Err(refuse()),
-    };
-    Ok((layer, module, half))
-}
-
-/// The tensor's data as f32, checking dtype, shape and finiteness.
-fn read_f32(path: &Path, name: &str, st: &SafeTensors<'_>, rows: usize, cols: usize) -> Result<Vec<f32>, AdapterError> {
-    let err = |reason: String| AdapterError::tensor(path, name, reason);
-    let view = st.tensor(name).map_err(|e| err(e.to_string()))?;
-    if view.shape() != [rows, cols] {
-        return Err(err(format!("shape {:?}, expected [{rows}, {cols}]", view.shape())));
-    }
-    let n = rows * cols;
-    let data = view.data();
-    let width = match view.dtype() {
-        Dtype::F32 => 4,
-        Dtype::F16 | Dtype::BF16 => 2,
-        other => {
-            return Err(err(format!("dtype {other:?} is not supported (f32, f16 and bf16 are)")));
-        }
-    };
-    if data.len() != n * width {
-        return Err(err(format!("{} data bytes for {n} values of {width} bytes", data.len())));
-    }
-    let out: Vec<f32> = match view.dtype() {
-        Dtype::F32 => data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-        Dtype::F16 => data.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        _ => data.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-    };
-    if let Some(i) = out.iter().position(|v| !v.is_finite()) {
-        return Err(err(format!("value {} at flat index {i} is not finite", out[i])));
-    }
-    Ok(out)
-}
 
 impl LoraAdapter {
     /// Reads and validates the PEFT adapter in `dir` against `base`. See the [module
     /// documentation](self) for what is accepted; anything else is an [`AdapterError`] naming
     /// the file and the key or tensor at fault.
     pub fn load(dir: &Path, base: &BaseShape, limits: &AdapterLimits) -> Result<LoraAdapter, AdapterError> {
+        Self::load_peft(dir, base, limits).map(|(adapter, _)| adapter)
+    }
+
+    /// [`Self::load`], also returning the [`Manifest`] of what was validated: the tensor names
+    /// the file uses and each module's rank, alpha and scaling. Written next to the files with
+    /// [`Manifest::write`], it lets [`Self::load_validated`] load the adapter again without
+    /// reading the config.
+    pub fn load_with_manifest(dir: &Path, base: &BaseShape, limits: &AdapterLimits) -> Result<(LoraAdapter, Manifest), AdapterError> {
+        let (adapter, entries) = Self::load_peft(dir, base, limits)?;
+        let manifest = Manifest::new(&adapter, entries);
+        Ok((adapter, manifest))
+    }
+
+    fn load_peft(dir: &Path, base: &BaseShape, limits: &AdapterLimits) -> Result<(LoraAdapter, Vec<ManifestEntry>), AdapterError> {
         let cfg_path = dir.join(CONFIG_FILE);
         let st_path = dir.join(WEIGHTS_FILE);
         if !st_path.is_file() {
@@ -127,17 +78,19 @@ impl LoraAdapter {
         if !cfg_path.is_file() {
             return Err(AdapterError::MissingFile { path: cfg_path, what: "adapter config" });
         }
-        let text = std::fs::read_to_string(&cfg_path).map_err(|source| AdapterError::Io { path: cfg_path.clone(), source })?;
-        let config = PeftConfig::parse(&cfg_path, &text)?;
+        let bytes = tensors::read_capped(&cfg_path, MAX_CONFIG_BYTES, |size| AdapterError::ConfigJson {
+            path: cfg_path.clone(),
+            reason: format!("{size} bytes, more than the limit of {MAX_CONFIG_BYTES}"),
+        })?;
+        let text = std::str::from_utf8(&bytes).map_err(|e| AdapterError::ConfigJson { path: cfg_path.clone(), reason: format!("not UTF-8: {e}") })?;
+        let config = PeftConfig::parse(&cfg_path, text)?;
 
-        let size = std::fs::metadata(&st_path).map_err(|source| AdapterError::Io { path: st_path.clone(), source })?.len();
-        if size > limits.max_file_bytes {
-            return Err(AdapterError::Safetensors { path: st_path, reason: format!("{size} bytes exceeds the limit of {} bytes", limits.max_file_bytes) });
-        }
-        let bytes = std::fs::read(&st_path).map_err(|source| AdapterError::Io { path: st_path.clone(), source })?;
+        let bytes = tensors::read_weights(&st_path, limits)?;
         Self::from_parts(&cfg_path, &config, &st_path, &bytes, base, limits)
     }
 
+    /// The adapter in the weights `bytes` read from `path`, with the manifest entry of each
+    /// module.
     fn from_parts(
         cfg_path: &Path,
         config: &PeftConfig,
@@ -145,15 +98,15 @@ impl LoraAdapter {
         bytes: &[u8],
         base: &BaseShape,
         limits: &AdapterLimits,
-    ) -> Result<LoraAdapter, AdapterError> {
-        let st = SafeTensors::deserialize(bytes).map_err(|e| AdapterError::Safetensors { path: path.to_path_buf(), reason: e.to_string() })?;
+    ) -> Result<(LoraAdapter, Vec<ManifestEntry>), AdapterError> {
+        let weights = Weights::parse(path, bytes, base, limits)?;
 
         // (layer, module) -> tensor names of A and B.
         let mut found: BTreeMap<(usize, TargetModule), [Option<String>; 2]> = BTreeMap::new();
-        let mut names: Vec<&str> = st.names();
+        let mut names: Vec<&str> = weights.st.names();
         names.sort();
         for name in names {
-            let (layer, module, half) = parse_tensor_name(name).map_err(|reason| AdapterError::tensor(path, name, reason))?;
+            let (layer, module, half) = tensors::parse_tensor_name(name).map_err(|reason| AdapterError::tensor(path, name, reason))?;
             if layer >= base.num_layers {
                 return Err(AdapterError::tensor(path, name, format!("layer {layer} does not exist: the base model has {} layers", base.num_layers)));
             }
@@ -187,6 +140,7 @@ impl LoraAdapter {
         }
 
         let mut modules = Vec::with_capacity(found.len());
+        let mut entries = Vec::with_capacity(found.len());
         for ((layer, module), [a_name, b_name]) in found {
             let (a_name, b_name) = match (a_name, b_name) {
                 (Some(a), Some(b)) => (a, b),
@@ -198,51 +152,40 @@ impl LoraAdapter {
                 }
                 (None, None) => continue,
             };
-            let (in_f, out_f) = base.dims(module);
             let full = patterns::full_name(layer, module);
-            let a_view = st.tensor(&a_name).map_err(|e| AdapterError::tensor(path, &a_name, e.to_string()))?;
-            let rank = match a_view.shape() {
-                &[r, i] if i == in_f => r,
-                &[_, i] => {
-                    return Err(AdapterError::tensor(
-                        path,
-                        &a_name,
-                        format!("in_features {i} does not match the base `{}` input size {in_f}", module.hf_name()),
-                    ));
-                }
-                s => {
-                    return Err(AdapterError::tensor(path, &a_name, format!("shape {s:?} is not [r, in]")));
-                }
-            };
-            if rank == 0 {
-                return Err(AdapterError::tensor(path, &a_name, "rank 0"));
-            }
-            if rank > limits.max_rank {
-                return Err(AdapterError::tensor(path, &a_name, format!("rank {rank} exceeds the limit of {}", limits.max_rank)));
-            }
-            let b_shape = st.tensor(&b_name).map_err(|e| AdapterError::tensor(path, &b_name, e.to_string()))?.shape().to_vec();
-            if b_shape != [out_f, rank] {
-                return Err(AdapterError::tensor(
-                    path,
-                    &b_name,
-                    format!("shape {b_shape:?}, expected [{out_f}, {rank}] (base `{}` output size, lora_A rank)", module.hf_name()),
-                ));
-            }
-            if let Some(p) = patterns::first_match(&config.rank_pattern, &full)
-                && p.value != rank as f64
-            {
-                return Err(AdapterError::config(
-                    cfg_path,
-                    &format!("rank_pattern.{}", p.key),
-                    format!("gives rank {} for `{full}`, but tensor `{a_name}` in {} has rank {rank}", p.value, path.display()),
-                ));
-            }
-            let alpha = patterns::first_match(&config.alpha_pattern, &full).map_or(config.lora_alpha, |p| p.value);
-            let scaling = if config.use_rslora { alpha / (rank as f64).sqrt() } else { alpha / rank as f64 };
-            let a = read_f32(path, &a_name, &st, rank, in_f)?;
-            let b = read_f32(path, &b_name, &st, out_f, rank)?;
-            modules.push(LoraModule { layer, module, rank, alpha: alpha as f32, scaling: scaling as f32, in_features: in_f, out_features: out_f, a, b });
+            let m = weights.module(layer, module, &a_name, &b_name, |rank| config.scaling(cfg_path, &full, rank, &a_name, path))?;
+            entries.push(ManifestEntry::new(&m, a_name, b_name));
+            modules.push(m);
         }
-        Ok(LoraAdapter::from_modules(modules, config.use_rslora))
+        Ok((LoraAdapter::from_modules(modules, config.use_rslora), entries))
+    }
+}
+
+impl PeftConfig {
+    /// `(alpha, scaling)` as f32 for the module called `full`, whose lora_A (`a_name` in the
+    /// weights file `st_path`) has rank `rank`: checks that rank against `rank_pattern` and
+    /// applies `alpha_pattern`, `lora_alpha` and `use_rslora`.
+    fn scaling(&self, cfg_path: &Path, full: &str, rank: usize, a_name: &str, st_path: &Path) -> Result<(f32, f32), AdapterError> {
+        if let Some(p) = patterns::first_match(&self.rank_pattern, full)
+            && p.value != rank as f64
+        {
+            return Err(AdapterError::config(
+                cfg_path,
+                &format!("rank_pattern.{}", p.key),
+                format!("gives rank {} for `{full}`, but tensor `{a_name}` in {} has rank {rank}", p.value, st_path.display()),
+            ));
+        }
+        let pattern = patterns::first_match(&self.alpha_pattern, full);
+        let alpha = pattern.map_or(self.lora_alpha, |p| p.value);
+        let scaling = if self.use_rslora { alpha / (rank as f64).sqrt() } else { alpha / rank as f64 };
+        if !(alpha as f32).is_finite() || !(scaling as f32).is_finite() {
+            let key = pattern.map_or_else(|| "lora_alpha".to_string(), |p| format!("alpha_pattern.{}", p.key));
+            return Err(AdapterError::config(
+                cfg_path,
+                &key,
+                format!("alpha {alpha:?} for `{full}` (rank {rank}, scaling {scaling:?}) is out of the range of f32"),
+            ));
+        }
+        Ok((alpha as f32, scaling as f32))
     }
 }

@@ -1,8 +1,6 @@
 //! Which modules a config selects, and which `rank_pattern`/`alpha_pattern` entry applies to a
 //! module: PEFT's matching rules on full module names such as `model.layers.3.self_attn.q_proj`.
 
-use regex::Regex;
-
 use super::config::{Exclude, Pattern, PeftConfig, Targets};
 use crate::TargetModule;
 
@@ -57,16 +55,10 @@ impl PeftConfig {
         }
     }
 
-    /// The layer index PEFT reads from a module name for `layers_to_transform`.
+    /// The layer index PEFT reads from a module name for `layers_to_transform`: through the
+    /// first `layers_pattern` regex that matches (all compiled at parse time).
     fn layer_index(&self, name: &str) -> Option<u64> {
-        let captures = |pattern: &str| -> Option<u64> {
-            let re = Regex::new(pattern).ok()?;
-            re.captures(name)?.get(1)?.as_str().parse().ok()
-        };
-        if self.layers_pattern.is_empty() {
-            return captures(r"^.*\.[^.]*\.(\d+)\.");
-        }
-        self.layers_pattern.iter().find_map(|p| captures(&format!(r"^.*\.(?:{p})\.(\d+)\.")))
+        self.layer_index.iter().find_map(|re| re.captures(name)?.get(1)?.as_str().parse().ok())
     }
 }
 

@@ -176,3 +176,27 @@ fn a_tensor_of_rank_zero_is_refused() {
     t.extend(lora_pair(1, TargetModule::V, 0));
     refused(&config(&[]), &t, &["adapter_model.safetensors", &tensor_name(1, TargetModule::V, "A"), "rank 0"]);
 }
+
+#[test]
+fn alpha_out_of_the_range_of_f32_is_refused() {
+    // The largest finite f32 is about 3.4e38: an alpha above it has no f32 value to store.
+    refused(&config(&[("lora_alpha", "1e39")]), &qv_tensors(), &["adapter_config.json", "key `lora_alpha`", "out of the range of f32"]);
+    let text = config(&[("alpha_pattern", r#"{"q_proj": 16, "v_proj": -1e39}"#)]);
+    refused(&text, &qv_tensors(), &["adapter_config.json", "key `alpha_pattern.v_proj`", "model.layers.0.self_attn.v_proj", "out of the range of f32"]);
+}
+
+#[test]
+fn scaled_lora_b_that_overflows_f32_is_refused() {
+    // alpha 3e38 at rank 4: scaling 7.5e37, finite; with every |b| below 1 every product is.
+    let text = config(&[("lora_alpha", "3e38")]);
+    let a = load(write_dir(&text, &qv_tensors()).path(), &tiny_base()).unwrap();
+    assert_eq!(a.get(1, TargetModule::V).unwrap().scaling, 7.5e37);
+    // One b of 8 makes scaling * b 6e38: infinite in f32, which is what the device would store.
+    let mut t = qv_tensors();
+    let b_name = tensor_name(1, TargetModule::V, "B");
+    t.iter_mut().find(|x| x.name == b_name).unwrap().values[5] = 8.0;
+    let msg = refused(&text, &t, &["adapter_model.safetensors", &b_name, "value 8.0 at flat index 5", "not finite in f32"]);
+    assert!(msg.contains("7.5e37"), "{msg}");
+    // The same weights with an ordinary alpha load.
+    assert!(load(write_dir(&config(&[]), &t).path(), &tiny_base()).is_ok());
+}
