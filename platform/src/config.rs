@@ -79,6 +79,7 @@ impl EngineArgs {
                 limits: AdapterLimits { max_rank: self.max_lora_rank, ..AdapterLimits::default() },
             },
             prefix_cache: !self.no_prefix_cache,
+            pinned_percent: 0,
         }
     }
 }
@@ -158,7 +159,7 @@ pub struct GenerateArgs {
     #[arg(long, conflicts_with = "batch")]
     pub adapter: Option<PathBuf>,
     #[arg(long, default_value_t = 64)]
-    pub max_new_tokens: usize,
+    pub max_new_tokens: u32,
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     pub ignore_eos: bool,
@@ -241,6 +242,33 @@ pub struct ServeArgs {
     /// On SIGINT or SIGTERM, how long requests in flight may take to finish, in seconds.
     #[arg(long, env = "LORAPLEX_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
+    /// Admission: sequences (prompts times samples) queued or running on the whole server;
+    /// past it, 503 (or 429 for a tenant holding more than its share).
+    #[arg(long, env = "LORAPLEX_MAX_PENDING", default_value_t = 4096)]
+    pub max_pending: u32,
+    /// Admission: sequences queued or running for one tenant; past it, 429.
+    #[arg(long, env = "LORAPLEX_MAX_PENDING_PER_TENANT", default_value_t = 1024)]
+    pub max_pending_per_tenant: u32,
+    /// Threads for tokenizing, chat templates, adapter validation and file I/O (default: one
+    /// per core), and the most jobs that may wait for one before requests get 503.
+    #[arg(long, env = "LORAPLEX_BLOCKING_THREADS")]
+    pub blocking_threads: Option<usize>,
+    #[arg(long, env = "LORAPLEX_BLOCKING_QUEUE", default_value_t = 1024)]
+    pub blocking_queue: usize,
+    /// A request body that sends nothing for this many seconds is cut with 408.
+    #[arg(long, env = "LORAPLEX_BODY_TIMEOUT", default_value_t = 30)]
+    pub body_timeout: u64,
+    /// Percent of each pool that adapter loads (pins) may take together; the rest stays for
+    /// requests, and a request that could need more than the rest is refused when it arrives.
+    #[arg(long, env = "LORAPLEX_MAX_PINNED_PERCENT", default_value_t = 25, value_parser = clap::value_parser!(u32).range(0..=90))]
+    pub max_pinned_percent: u32,
+    /// Uploads one key may run at once.
+    #[arg(long, env = "LORAPLEX_MAX_UPLOADS_PER_KEY", default_value_t = 2)]
+    pub max_uploads_per_key: u32,
+    /// Percent of each pool a tenant may pin with adapter loads, unless its own
+    /// `max_pinned_pages` limit says otherwise.
+    #[arg(long, env = "LORAPLEX_TENANT_PINNED_PERCENT", default_value_t = 10, value_parser = clap::value_parser!(u32).range(0..=100))]
+    pub tenant_pinned_percent: u32,
     #[command(flatten)]
     pub engine: EngineArgs,
 }

@@ -17,7 +17,7 @@ use loraplex_adapters::{AdapterLimits, BaseShape};
 use loraplex_kernels::Backend;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
-pub use crate::actors::{AdapterCounters, Event, RequestId, RuntimeError, TokenOut, Usage, WorkerStats};
+pub use crate::actors::{AdapterCounters, Event, HoldError, Holder, RequestId, RuntimeError, TokenOut, Usage, WorkerStats};
 use crate::actors::{Cancel, GetStats, InjectFault, LoadAdapter, Submit, Supervisor, UnloadAdapter};
 use crate::engine::EngineConfig;
 use crate::memory::{AdapterRef, Residency};
@@ -36,6 +36,24 @@ pub struct Runtime<B: Backend> {
     shape: BaseShape,
     adapter_limits: AdapterLimits,
     device: String,
+    pool: PoolShape,
+}
+
+/// The shape of each worker's page pool, for checks made before a request is queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolShape {
+    /// Tokens per KV page.
+    pub block_size: usize,
+    pub total_pages: usize,
+    /// Pages that adapter pins may take together; the rest is always there for requests.
+    pub max_pinned_pages: usize,
+}
+
+impl PoolShape {
+    /// Pages requests can always have.
+    pub fn usable_pages(&self) -> usize {
+        self.total_pages - self.max_pinned_pages
+    }
 }
 
 /// Why a request was refused before it was queued.
@@ -60,6 +78,9 @@ impl<B: Backend> Runtime<B> {
         let shape = first.base_shape();
         let device = first.backend().device_name();
         let adapter_limits = config.adapters.limits;
+        let layout = first.kv_layout(config.block_size);
+        let total_pages = (config.pool_bytes / layout.page_bytes()).max(1);
+        let pool = PoolShape { block_size: config.block_size, total_pages, max_pinned_pages: config.max_pinned_pages(total_pages) };
         let (tx, rx) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new().name("loraplex-runtime".into()).spawn(move || {
             let system = System::new();
@@ -70,7 +91,7 @@ impl<B: Backend> Runtime<B> {
             let _ = system.run();
         })?;
         let (supervisor, system) = rx.recv().map_err(|_| std::io::Error::other("the runtime thread did not start"))?;
-        Ok(Self { supervisor, system, thread: Some(thread), next_id: AtomicU64::new(0), model, shape, adapter_limits, device })
+        Ok(Self { supervisor, system, thread: Some(thread), next_id: AtomicU64::new(0), model, shape, adapter_limits, device, pool })
     }
 
     /// The base model's configuration (what requests are validated against).
@@ -93,12 +114,25 @@ impl<B: Backend> Runtime<B> {
         &self.device
     }
 
-    /// Checks a request (prompt, limits, sampling, adapter) without queueing it.
+    /// The shape of every worker's page pool.
+    pub fn pool_shape(&self) -> PoolShape {
+        self.pool
+    }
+
+    /// Checks a request (prompt, limits, sampling, adapter, the pages it may need) without
+    /// queueing it: what passes can run once there is room.
     pub fn validate(&self, request: GenerationRequest) -> Result<ValidRequest, SubmitError> {
-        if let Some(a) = &request.adapter {
+        if let Some(a) = request.adapter.as_ref().filter(|a| !a.validated) {
             check_adapter_dir(&a.key, &a.dir)?;
         }
-        Ok(request.validate(&self.model)?)
+        let valid = request.validate(&self.model)?;
+        let request = valid.get();
+        let (needed, usable) = (request.max_pages(self.pool.block_size), self.pool.usable_pages());
+        if needed > usable {
+            let (samples, max_new_tokens) = (request.n, request.stop.max_new_tokens);
+            return Err(RequestError::TooLargeForPool { needed, usable, samples, max_new_tokens }.into());
+        }
+        Ok(valid)
     }
 
     /// Validates and queues a request; its events come through the returned handle.
@@ -128,10 +162,11 @@ impl<B: Backend> Runtime<B> {
         RequestHandle { id, n, events: rx, finished: false }
     }
 
-    /// Asks every worker to bring `adapter` into its pool (and, with `hold`, to keep it there
-    /// until [`Runtime::unload_adapter`]); returns each worker's residency now.
-    pub async fn load_adapter(&self, adapter: AdapterRef, hold: bool) -> Vec<Residency> {
-        self.supervisor.send(LoadAdapter { adapter, hold }).await.unwrap_or_default()
+    /// Asks every worker to bring `adapter` into its pool (and, with a `holder`, to keep it
+    /// there until that holder's [`Runtime::unload_adapter`]); returns each worker's residency
+    /// now, or why it refused the pin.
+    pub async fn load_adapter(&self, adapter: AdapterRef, holder: Option<Holder>) -> Vec<Result<Residency, HoldError>> {
+        self.supervisor.send(LoadAdapter { adapter, holder }).await.unwrap_or_default()
     }
 
     /// [`Runtime::load_adapter`], repeated until every worker has the adapter resident (and
@@ -139,13 +174,19 @@ impl<B: Backend> Runtime<B> {
     /// held adapters and pinned pages).
     pub fn load_adapter_blocking(&self, adapter: &AdapterRef, hold: bool, timeout: std::time::Duration) -> Result<(), RuntimeError> {
         let deadline = Instant::now() + timeout;
+        let holder = hold.then(|| Holder { id: "".into(), max_pages: usize::MAX });
         loop {
             if Instant::now() > deadline {
-                return Err(RuntimeError::Failed(format!("adapter {} did not become resident within {timeout:?}; the pool may be full", adapter.key).into()));
+                return Err(RuntimeError::Unavailable(
+                    format!("adapter {} did not become resident within {timeout:?}; the pool may be full", adapter.key).into(),
+                ));
             }
-            let states = futures::executor::block_on(self.load_adapter(adapter.clone(), hold));
+            let states: Vec<Residency> = futures::executor::block_on(self.load_adapter(adapter.clone(), holder.clone()))
+                .into_iter()
+                .map(|s| s.unwrap_or_else(|e| Residency::Failed(e.to_string().into())))
+                .collect();
             if let Some(Residency::Failed(e)) = states.iter().find(|s| matches!(s, Residency::Failed(_))) {
-                return Err(RuntimeError::Failed(e.clone()));
+                return Err(RuntimeError::Sequence(crate::request::SeqError::AdapterFailed(e.clone())));
             }
             if !states.is_empty() && states.iter().all(|s| *s == Residency::Resident) {
                 return Ok(());
@@ -154,10 +195,10 @@ impl<B: Backend> Runtime<B> {
         }
     }
 
-    /// Lets a held adapter go (it stays cached until evicted); with `forget`, drops it from
-    /// every tier so the next request reloads it from disk.
-    pub async fn unload_adapter(&self, key: Arc<str>, forget: bool) -> bool {
-        self.supervisor.send(UnloadAdapter { key, forget }).await.unwrap_or(false)
+    /// Lets `holder`'s pin of an adapter go (it stays cached until evicted); with `forget`,
+    /// drops every pin and the adapter from every tier so the next request reloads it from disk.
+    pub async fn unload_adapter(&self, key: Arc<str>, holder: Arc<str>, forget: bool) -> bool {
+        self.supervisor.send(UnloadAdapter { key, holder, forget }).await.unwrap_or(false)
     }
 
     /// [`Runtime::submit_valid`] for callers outside an async context.
@@ -186,9 +227,10 @@ impl<B: Backend> Runtime<B> {
     }
 
     /// Makes the next step of `worker` fail as a real device failure would: its requests get
-    /// an error event and it is rebuilt. For tests and failure drills.
-    pub fn inject_fault(&self, worker: usize, reason: &str) -> bool {
-        futures::executor::block_on(self.supervisor.send(InjectFault { worker, reason: reason.to_string() })).unwrap_or(false)
+    /// an error event and it is rebuilt, after `failed_rebuilds` failed attempts (during which it
+    /// is unhealthy and gets no requests). For tests and failure drills.
+    pub async fn inject_fault(&self, worker: usize, reason: &str, failed_rebuilds: u32) -> bool {
+        self.supervisor.send(InjectFault { worker, reason: reason.to_string(), failed_rebuilds }).await.unwrap_or(false)
     }
 
     /// Stops the actors; requests still in flight get no more events.
@@ -223,7 +265,7 @@ fn check_adapter_dir(key: &Arc<str>, dir: &Path) -> Result<(), SubmitError> {
 /// Dropping it early cancels the request.
 pub struct RequestHandle {
     pub id: RequestId,
-    n: usize,
+    n: u32,
     events: UnboundedReceiver<Event>,
     finished: bool,
 }
@@ -270,7 +312,7 @@ impl RequestHandle {
 
     /// Reads every event; the request's samples and usage, or its error.
     pub async fn collect(mut self) -> Result<Output, RuntimeError> {
-        let mut samples = vec![SampleOutput::default(); self.n];
+        let mut samples = vec![SampleOutput::default(); self.n as usize];
         loop {
             match self.next().await {
                 Some(Event::Token(t)) => {

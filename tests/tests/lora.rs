@@ -181,5 +181,5 @@ fn a_bad_adapter_fails_its_requests_only() {
     assert_eq!(tokens, expected(&reference, "base", 0));
     assert_eq!(failures.len(), 1);
     assert_eq!(failures[0].seq, doomed);
-    assert!(failures[0].error.contains("adapter_model.safetensors"), "{}", failures[0].error);
+    assert!(failures[0].error.to_string().contains("adapter_model.safetensors"), "{}", failures[0].error);
 }

@@ -33,7 +33,7 @@ fn load(v: &Variant) -> (Arc<Model<CpuBackend>>, Arc<Tokenizer>) {
 }
 
 fn greedy_request(model: &Model<CpuBackend>, prompt: Vec<u32>, n: usize) -> loraplex::request::ValidRequest {
-    let stop = StopConditions { max_new_tokens: n, ignore_eos: true, ..Default::default() };
+    let stop = StopConditions { max_new_tokens: n as u32, ignore_eos: true, ..Default::default() };
     GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop, adapter: None, n: 1 }.validate(model.config()).unwrap()
 }
 
@@ -135,7 +135,7 @@ fn preempted_sequences_resume_with_identical_output() {
                 } else {
                     SamplingParams::greedy()
                 };
-                let stop = StopConditions { max_new_tokens: new_tokens, ignore_eos: true, ..Default::default() };
+                let stop = StopConditions { max_new_tokens: new_tokens as u32, ignore_eos: true, ..Default::default() };
                 GenerationRequest { prompt: p.clone(), sampling, stop, adapter: None, n: 1 }.validate(model.config()).unwrap()
             })
             .collect()

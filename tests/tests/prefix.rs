@@ -36,7 +36,7 @@ fn adapter(key: &str, name: &str) -> AdapterRef {
     AdapterRef::new(key, common::fixtures().join("llama").join("adapters").join(name))
 }
 
-fn request(model: &Model<CpuBackend>, prompt: Vec<u32>, adapter: Option<AdapterRef>, sampling: SamplingParams, n: usize) -> ValidRequest {
+fn request(model: &Model<CpuBackend>, prompt: Vec<u32>, adapter: Option<AdapterRef>, sampling: SamplingParams, n: u32) -> ValidRequest {
     let stop = StopConditions { max_new_tokens: 16, ignore_eos: true, ..Default::default() };
     GenerationRequest { prompt, sampling, stop, adapter, n }.validate(model.config()).unwrap()
 }

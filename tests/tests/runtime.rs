@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use loraplex::engine::EngineConfig;
 use loraplex::memory::AdapterRef;
 use loraplex::model::{self, Model};
-use loraplex::request::{GenerationRequest, StopConditions};
+use loraplex::request::{GenerationRequest, SeqError, StopConditions};
 use loraplex::runtime::{Event, RequestHandle, Runtime, RuntimeError};
 use loraplex::sampling::SamplingParams;
 use loraplex::scheduler::Placement;
@@ -39,7 +39,7 @@ fn adapter(name: &str) -> AdapterRef {
     AdapterRef::new(format!("llama/{name}"), common::fixtures().join("llama").join("adapters").join(name))
 }
 
-fn request(prompt: Vec<u32>, adapter: Option<AdapterRef>, max_new_tokens: usize, n: usize) -> GenerationRequest {
+fn request(prompt: Vec<u32>, adapter: Option<AdapterRef>, max_new_tokens: u32, n: u32) -> GenerationRequest {
     let stop = StopConditions { max_new_tokens, ignore_eos: true, ..Default::default() };
     GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop, adapter, n }
 }
@@ -114,7 +114,7 @@ fn bad_requests_are_refused_before_they_are_queued() {
     std::fs::write(bad.path().join("adapter_config.json"), "{\"r\": 8}").unwrap();
     let broken = submit(&rt, request(prompt(0), Some(AdapterRef::new("acme/broken@1", bad.path())), 16, 1));
     let fine = submit(&rt, request(prompt(0), None, 16, 1));
-    assert!(matches!(broken.collect_blocking(), Err(RuntimeError::Failed(_))));
+    assert!(matches!(broken.collect_blocking(), Err(RuntimeError::Sequence(SeqError::AdapterFailed(_)))));
     assert_eq!(fine.collect_blocking().unwrap().samples[0].tokens, expected("base", 0));
 }
 
@@ -124,7 +124,7 @@ fn a_failed_step_errors_every_request_in_flight_and_the_worker_is_rebuilt() {
     let mut a = submit(&rt, request(prompt(5), None, 200, 1));
     let mut b = submit(&rt, request(prompt(3), Some(adapter("a1_r8_qv")), 200, 1));
     assert!(matches!(a.next_blocking(), Some(Event::Token(_))), "a is running");
-    assert!(rt.inject_fault(0, "device lost"));
+    assert!(futures::executor::block_on(rt.inject_fault(0, "device lost", 0)));
     for h in [&mut a, &mut b] {
         let last = std::iter::from_fn(|| h.next_blocking()).last();
         match last {
@@ -141,13 +141,44 @@ fn a_failed_step_errors_every_request_in_flight_and_the_worker_is_rebuilt() {
 }
 
 #[test]
+fn a_worker_whose_rebuild_fails_is_unhealthy_and_gets_no_requests_until_it_recovers() {
+    let rt = start(2);
+    let mut running = submit(&rt, request(prompt(5), None, 200, 1));
+    assert!(matches!(running.next_blocking(), Some(Event::Token(_))));
+    // The first request went to worker 0 (both idle: the lower index). Its step fails and
+    // its next three rebuilds fail too.
+    assert!(futures::executor::block_on(rt.inject_fault(0, "device lost", 3)));
+    assert!(matches!(std::iter::from_fn(|| running.next_blocking()).last(), Some(Event::Error(RuntimeError::WorkerFailed(_)))));
+    wait_for(&rt, "worker 0 to be unhealthy", |s| s[0].unhealthy.is_some());
+    // Meanwhile worker 1 serves everything; nothing is routed to the worker without an engine.
+    for i in 0..4 {
+        let out = submit(&rt, request(prompt(i), None, 8, 1)).collect_blocking().unwrap();
+        assert_eq!(out.samples[0].tokens, expected("base", i)[..8]);
+    }
+    let stats = rt.stats_blocking();
+    assert!(stats[1].generated_tokens >= 32, "worker 1 served them: {stats:?}");
+    // The rebuild is retried with backoff until it succeeds (50 + 100 + 200 ms here).
+    wait_for(&rt, "worker 0 to recover", |s| s[0].unhealthy.is_none());
+    assert_eq!(rt.stats_blocking()[0].restarts, 1);
+    let before = rt.stats_blocking()[0].steps;
+    let mut load = Vec::new();
+    for i in 0..6 {
+        load.push(submit(&rt, request(prompt(i % 6), None, 64, 1)));
+    }
+    for h in load {
+        h.collect_blocking().unwrap();
+    }
+    assert!(rt.stats_blocking()[0].steps > before, "worker 0 takes requests again");
+}
+
+#[test]
 fn cancelled_and_abandoned_requests_free_their_pages() {
     let rt = start(1);
     let mut kept = submit(&rt, request(prompt(0), None, 16, 1));
     let mut cancelled = submit(&rt, request(prompt(5), None, 200, 1));
     assert!(matches!(cancelled.next_blocking(), Some(Event::Token(_))));
     assert!(futures::executor::block_on(rt.cancel(cancelled.id)));
-    assert!(matches!(std::iter::from_fn(|| cancelled.next_blocking()).last(), Some(Event::Error(_))));
+    assert!(matches!(std::iter::from_fn(|| cancelled.next_blocking()).last(), Some(Event::Error(RuntimeError::Cancelled))));
     assert!(!futures::executor::block_on(rt.cancel(cancelled.id)), "already gone");
 
     let mut abandoned = submit(&rt, request(prompt(5), None, 200, 1));

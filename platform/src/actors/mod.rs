@@ -28,9 +28,10 @@ use actix::Message;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::memory::{AdapterRef, PoolStats, PrefixStats, Residency};
-use crate::request::{FinishReason, ValidRequest};
+use crate::request::{FinishReason, RequestError, SeqError, ValidRequest};
 use crate::scheduler::Placement;
 
+pub use crate::memory::{HoldError, Holder};
 pub use loader::{Loader, RunLoad};
 pub use supervisor::Supervisor;
 pub use worker::Worker;
@@ -87,18 +88,21 @@ fn millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
 }
 
 /// Why the runtime refused or failed a request. Messages are for the caller.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RuntimeError {
-    /// The request can never be served as asked (too large for the pool, adapter invalid).
-    #[error("{0}")]
-    Rejected(Arc<str>),
-    /// The adapter could not be loaded, or the request could never fit once queued.
-    #[error("{0}")]
-    Failed(Arc<str>),
+    /// The request can never be served as asked.
+    #[error(transparent)]
+    Rejected(#[from] RequestError),
+    /// One of its sequences could not run, or failed; other requests are not affected.
+    #[error(transparent)]
+    Sequence(#[from] SeqError),
+    /// It was cancelled (its client went away, or asked).
+    #[error("the request was cancelled")]
+    Cancelled,
     /// The worker running the request failed; the request was dropped and the worker rebuilt.
     #[error("the device worker failed: {0}; the request was dropped and the worker restarted")]
     WorkerFailed(Arc<str>),
-    /// The runtime is shutting down or a worker cannot be reached.
+    /// The runtime is shutting down, or no worker can take requests now.
     #[error("the runtime is unavailable: {0}")]
     Unavailable(Arc<str>),
 }
@@ -124,32 +128,36 @@ pub struct Cancel(pub RequestId);
 #[rtype(result = "Vec<WorkerStats>")]
 pub struct GetStats;
 
-/// Brings an adapter into every worker's pool ahead of its requests (or `hold`s it there,
-/// pinned, until [`UnloadAdapter`]). Answers each worker's residency now; ask again to follow
-/// a load.
+/// Brings an adapter into every worker's pool ahead of its requests (or, with a `holder`, keeps
+/// it there, pinned, until that holder's [`UnloadAdapter`]). Answers each worker's residency
+/// now; ask again to follow a load.
 #[derive(Message, Clone)]
-#[rtype(result = "Vec<Residency>")]
+#[rtype(result = "Vec<Result<Residency, HoldError>>")]
 pub struct LoadAdapter {
     pub adapter: AdapterRef,
-    pub hold: bool,
+    pub holder: Option<Holder>,
 }
 
-/// Lets a held adapter be evicted again once no request uses it; `forget` also drops it from
-/// host memory (a deleted adapter). Answers whether any worker held it.
+/// Lets `holder`'s pin of an adapter go (the adapter stays pinned while another holder keeps
+/// it); `forget` drops every pin and the adapter from host memory (a deleted adapter). Answers
+/// whether any worker released a pin of `holder`.
 #[derive(Message, Clone)]
 #[rtype(result = "bool")]
 pub struct UnloadAdapter {
     pub key: Arc<str>,
+    pub holder: Arc<str>,
     pub forget: bool,
 }
 
-/// Makes the next step of a worker fail with this reason, as a real failure would: for tests
-/// and failure drills of the supervision path.
+/// Makes the next step of a worker fail with this reason, as a real failure would, and the
+/// next `failed_rebuilds` attempts to rebuild its engine fail too: for tests and failure drills
+/// of the supervision path.
 #[derive(Message, Clone)]
 #[rtype(result = "bool")]
 pub struct InjectFault {
     pub worker: usize,
     pub reason: String,
+    pub failed_rebuilds: u32,
 }
 
 /// Runs one engine iteration (a worker sends it to itself).
@@ -162,6 +170,8 @@ pub(crate) struct Step;
 #[rtype(result = "()")]
 pub(crate) struct WorkerReport {
     pub worker: usize,
+    /// Whether it has an engine and takes requests.
+    pub healthy: bool,
     pub in_flight: usize,
     /// The adapters resident in its pool, when they changed.
     pub resident: Option<Vec<Arc<str>>>,
@@ -172,6 +182,8 @@ pub(crate) struct WorkerReport {
 pub struct WorkerStats {
     pub worker: usize,
     pub device: String,
+    /// Why the worker has no engine (a failed rebuild it keeps retrying); `None` when healthy.
+    pub unhealthy: Option<String>,
     /// Requests accepted and not yet finished.
     pub in_flight: usize,
     pub running: usize,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use actix::{Actor, Addr, Arbiter, AsyncContext, Context, Handler, ResponseFuture, SyncArbiter};
 use loraplex_kernels::Backend;
 
-use super::{Cancel, GetStats, InjectFault, LoadAdapter, Loader, RunLoad, RuntimeError, Submit, UnloadAdapter, Worker, WorkerReport, WorkerStats};
+use super::{Cancel, GetStats, HoldError, InjectFault, LoadAdapter, Loader, RunLoad, RuntimeError, Submit, UnloadAdapter, Worker, WorkerReport, WorkerStats};
 use crate::engine::EngineConfig;
 use crate::memory::{LoaderPool, Residency};
 use crate::model::Model;
@@ -20,6 +20,8 @@ struct Slot<B: Backend> {
     in_flight: usize,
     /// Adapters resident in its pool, as of its last report.
     resident: HashSet<Arc<str>>,
+    /// It has an engine (as of its last report); an unhealthy worker gets no requests.
+    healthy: bool,
 }
 
 /// The actor that owns the workers (see the [module docs](super)).
@@ -36,12 +38,13 @@ impl<B: Backend> Supervisor<B> {
         Self { devices, tokenizer, config, workers: Vec::new() }
     }
 
-    /// A worker where the request's adapter is resident, the least loaded of those; else the
-    /// least loaded of all.
+    /// A healthy worker where the request's adapter is resident, the least loaded of those;
+    /// else the least loaded healthy worker.
     fn route(&self, submit: &Submit) -> Option<usize> {
         let key = submit.request.get().adapter.as_ref().map(|a| a.key.clone());
-        let least =
-            |pick: &dyn Fn(&Slot<B>) -> bool| self.workers.iter().enumerate().filter(|(_, w)| pick(w)).min_by_key(|(i, w)| (w.in_flight, *i)).map(|(i, _)| i);
+        let least = |pick: &dyn Fn(&Slot<B>) -> bool| {
+            self.workers.iter().enumerate().filter(|(_, w)| w.healthy && pick(w)).min_by_key(|(i, w)| (w.in_flight, *i)).map(|(i, _)| i)
+        };
         key.and_then(|k| least(&|w| w.resident.contains(&k))).or_else(|| least(&|_| true))
     }
 }
@@ -70,7 +73,7 @@ impl<B: Backend> Actor for Supervisor<B> {
             let arbiter = Arbiter::new();
             let (model, tokenizer, config, host, me) = (model.clone(), self.tokenizer.clone(), self.config.clone(), host.clone(), me.clone());
             let addr = actix::Supervisor::start_in_arbiter(&arbiter.handle(), move |_| Worker::new(index, model, tokenizer, config, host, Some(me)));
-            self.workers.push(Slot { addr, _arbiter: arbiter, in_flight: 0, resident: HashSet::new() });
+            self.workers.push(Slot { addr, _arbiter: arbiter, in_flight: 0, resident: HashSet::new(), healthy: true });
         }
     }
 
@@ -86,7 +89,7 @@ impl<B: Backend> Handler<Submit> for Supervisor<B> {
 
     fn handle(&mut self, msg: Submit, _ctx: &mut Self::Context) -> Self::Result {
         let Some(i) = self.route(&msg) else {
-            return Box::pin(async { Err(RuntimeError::Unavailable("no device workers".into())) });
+            return Box::pin(async { Err(RuntimeError::Unavailable("no device worker is healthy; they are being rebuilt".into())) });
         };
         self.workers[i].in_flight += 1;
         let addr = self.workers[i].addr.clone();
@@ -113,7 +116,7 @@ impl<B: Backend> Handler<GetStats> for Supervisor<B> {
 }
 
 impl<B: Backend> Handler<LoadAdapter> for Supervisor<B> {
-    type Result = ResponseFuture<Vec<Residency>>;
+    type Result = ResponseFuture<Vec<Result<Residency, HoldError>>>;
 
     fn handle(&mut self, msg: LoadAdapter, _ctx: &mut Self::Context) -> Self::Result {
         let sends: Vec<_> = self.workers.iter().map(|w| w.addr.send(msg.clone())).collect();
@@ -121,7 +124,7 @@ impl<B: Backend> Handler<LoadAdapter> for Supervisor<B> {
             futures::future::join_all(sends)
                 .await
                 .into_iter()
-                .map(|r| r.ok().and_then(|v| v.into_iter().next()).unwrap_or_else(|| Residency::Failed("a worker is unreachable".into())))
+                .map(|r| r.ok().and_then(|v| v.into_iter().next()).unwrap_or_else(|| Ok(Residency::Failed("a worker is unreachable".into()))))
                 .collect()
         })
     }
@@ -152,6 +155,7 @@ impl<B: Backend> Handler<WorkerReport> for Supervisor<B> {
     fn handle(&mut self, msg: WorkerReport, _ctx: &mut Self::Context) {
         let Some(w) = self.workers.get_mut(msg.worker) else { return };
         w.in_flight = msg.in_flight;
+        w.healthy = msg.healthy;
         if let Some(resident) = msg.resident {
             w.resident = resident.into_iter().collect();
         }

@@ -10,10 +10,10 @@ use loraplex_kernels::Backend;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::{
-    AdapterCounters, Cancel, Event, GetStats, InjectFault, LoadAdapter, RequestId, RuntimeError, Step, Submit, TokenOut, UnloadAdapter, Usage, WorkerReport,
-    WorkerStats,
+    AdapterCounters, Cancel, Event, GetStats, HoldError, InjectFault, LoadAdapter, RequestId, RuntimeError, Step, Submit, TokenOut, UnloadAdapter, Usage,
+    WorkerReport, WorkerStats,
 };
-use crate::engine::{Engine, EngineConfig, SeqId, TokenEvent};
+use crate::engine::{Engine, EngineConfig, EngineError, SeqId, TokenEvent};
 use crate::memory::{LoaderPool, Residency};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
@@ -48,6 +48,10 @@ pub struct Worker<B: Backend> {
     /// A `Step` is queued.
     stepping: bool,
     fault: Option<String>,
+    /// Rebuilds still to fail, for failure drills.
+    failing_rebuilds: u32,
+    /// Failed rebuilds in a row, for the backoff.
+    rebuild_attempts: u32,
     supervisor: Option<Recipient<WorkerReport>>,
     steps: u64,
     generated: u64,
@@ -78,6 +82,8 @@ impl<B: Backend> Worker<B> {
             seqs: HashMap::new(),
             stepping: false,
             fault: None,
+            failing_rebuilds: 0,
+            rebuild_attempts: 0,
             supervisor,
             steps: 0,
             generated: 0,
@@ -137,7 +143,7 @@ impl<B: Backend> Worker<B> {
             let gone = flight.events.send(Event::Token(out)).is_err();
             if gone {
                 // The client went away: free its pages now.
-                self.end(id, Event::Error(RuntimeError::Failed("cancelled".into())));
+                self.end(id, Event::Error(RuntimeError::Cancelled));
                 continue;
             }
             if flight.open == 0 {
@@ -155,7 +161,7 @@ impl<B: Backend> Worker<B> {
     fn drop_abandoned(&mut self) {
         let gone: Vec<RequestId> = self.flights.iter().filter(|(_, f)| f.events.is_closed()).map(|(id, _)| *id).collect();
         for id in gone {
-            self.end(id, Event::Error(RuntimeError::Failed("cancelled".into())));
+            self.end(id, Event::Error(RuntimeError::Cancelled));
         }
     }
 
@@ -165,7 +171,7 @@ impl<B: Backend> Worker<B> {
             (Ok(engine), true) => Some(engine.resident_adapters()),
             _ => None,
         };
-        sup.do_send(WorkerReport { worker: self.index, in_flight: self.flights.len(), resident });
+        sup.do_send(WorkerReport { worker: self.index, healthy: self.engine.is_ok(), in_flight: self.flights.len(), resident });
     }
 
     /// One engine iteration; `Err` means the engine can no longer be trusted.
@@ -204,7 +210,7 @@ impl<B: Backend> Worker<B> {
         self.deliver(events);
         for f in failures {
             if let Some(&(id, _)) = self.seqs.get(&f.seq) {
-                self.end(id, Event::Error(RuntimeError::Failed(f.error)));
+                self.end(id, Event::Error(RuntimeError::Sequence(f.error)));
             }
         }
         self.drop_abandoned();
@@ -218,24 +224,58 @@ impl<B: Backend> Actor for Worker<B> {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         self.stepping = false;
+        if self.engine.is_err() {
+            self.rebuild(ctx);
+        }
         if matches!(&self.engine, Ok(e) if e.has_work()) {
             self.kick(ctx);
         }
     }
 }
 
+/// The first wait before retrying a failed rebuild; it doubles up to [`REBUILD_BACKOFF_MAX`].
+const REBUILD_BACKOFF: std::time::Duration = std::time::Duration::from_millis(50);
+const REBUILD_BACKOFF_MAX: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl<B: Backend> Worker<B> {
+    /// Builds a new engine; while that fails, the worker stays without one (unhealthy: the
+    /// supervisor routes nothing to it) and tries again with a growing delay.
+    fn rebuild(&mut self, ctx: &mut Context<Self>) {
+        let built = if self.failing_rebuilds > 0 {
+            self.failing_rebuilds -= 1;
+            Err("injected rebuild failure".into())
+        } else {
+            Self::build(&self.model, &self.tokenizer, &self.config, &self.host)
+        };
+        self.engine = built;
+        match &self.engine {
+            Ok(_) => self.rebuild_attempts = 0,
+            Err(why) => {
+                let delay = REBUILD_BACKOFF.saturating_mul(1 << self.rebuild_attempts.min(16)).min(REBUILD_BACKOFF_MAX);
+                self.rebuild_attempts += 1;
+                eprintln!("worker {}: {why}; retrying in {delay:?}", self.index);
+                ctx.run_later(delay, |worker, ctx| worker.rebuild(ctx));
+            }
+        }
+        self.report(true);
+    }
+}
+
 impl<B: Backend> Supervised for Worker<B> {
-    /// Rebuilds the engine (a fresh pool, scheduler and adapter tiers) over the same model.
+    /// Drops the failed engine, then builds a fresh one (pool, scheduler and adapter tiers)
+    /// over the same model. The old one goes first: a device pool sized near the device's
+    /// capacity must never need to exist twice.
     fn restarting(&mut self, _ctx: &mut Self::Context) {
         self.restarts += 1;
         if let Ok(old) = &self.engine {
             self.past_preemptions += old.preemptions();
         }
-        self.engine = Self::build(&self.model, &self.tokenizer, &self.config, &self.host);
+        self.engine = Err("rebuilding after a failed step".into());
         self.flights.clear();
         self.seqs.clear();
         self.stepping = false;
         self.fault = None;
+        // `started` runs again next, and builds the new engine.
     }
 }
 
@@ -274,7 +314,7 @@ impl<B: Backend> Handler<Submit> for Worker<B> {
             Ok(engine) => engine,
             Err(e) => return Err(refuse(RuntimeError::Unavailable(e.clone()))),
         };
-        let n = msg.request.get().n.max(1);
+        let n = msg.request.get().n.max(1) as usize;
         if let Some(a) = &msg.request.get().adapter {
             match engine.adapters().status(&a.key) {
                 Residency::Resident => self.adapters.device_hits += 1,
@@ -284,7 +324,9 @@ impl<B: Backend> Handler<Submit> for Worker<B> {
         }
         let first = match engine.add_placed(msg.request, msg.placement) {
             Ok(id) => id,
-            Err(e) => return Err(refuse(RuntimeError::Rejected(e.to_string().into()))),
+            Err(EngineError::Request(e)) => return Err(refuse(RuntimeError::Rejected(e))),
+            Err(EngineError::Adapter(e)) => return Err(refuse(RuntimeError::Sequence(crate::request::SeqError::AdapterFailed(e)))),
+            Err(e) => return Err(refuse(RuntimeError::Unavailable(e.to_string().into()))),
         };
         let seqs: Vec<SeqId> = (0..n as u64).map(|i| SeqId(first.0 + i)).collect();
         for (index, seq) in seqs.iter().enumerate() {
@@ -304,7 +346,7 @@ impl<B: Backend> Handler<Cancel> for Worker<B> {
         if !self.flights.contains_key(&id) {
             return false;
         }
-        self.end(id, Event::Error(RuntimeError::Failed("cancelled".into())));
+        self.end(id, Event::Error(RuntimeError::Cancelled));
         true
     }
 }
@@ -324,6 +366,7 @@ impl<B: Backend> Handler<GetStats> for Worker<B> {
         vec![WorkerStats {
             worker: self.index,
             device: self.model.backend().device_name(),
+            unhealthy: self.engine.as_ref().err().map(|e| e.to_string()),
             in_flight: self.flights.len(),
             running,
             waiting,
@@ -344,26 +387,30 @@ impl<B: Backend> Handler<InjectFault> for Worker<B> {
 
     fn handle(&mut self, msg: InjectFault, ctx: &mut Self::Context) -> bool {
         self.fault = Some(msg.reason);
+        self.failing_rebuilds = msg.failed_rebuilds;
         self.kick(ctx);
         true
     }
 }
 
 impl<B: Backend> Handler<LoadAdapter> for Worker<B> {
-    type Result = Vec<Residency>;
+    type Result = Vec<Result<Residency, HoldError>>;
 
     fn handle(&mut self, msg: LoadAdapter, ctx: &mut Self::Context) -> Self::Result {
-        let Ok(engine) = &mut self.engine else { return vec![Residency::Failed("the worker has no engine".into())] };
+        let Ok(engine) = &mut self.engine else { return vec![Ok(Residency::Failed("the worker has no engine".into()))] };
         let mut now = engine.prefetch(&msg.adapter);
-        if msg.hold && now == Residency::Resident {
-            engine.adapters().hold(&msg.adapter.key);
+        if let Some(holder) = &msg.holder
+            && now == Residency::Resident
+            && let Err(e) = engine.adapters().hold(&msg.adapter.key, holder)
+        {
+            return vec![Err(e)];
         }
         if now != Residency::Resident && !matches!(now, Residency::Failed(_)) {
             // Loads complete inside steps; make sure one runs.
             engine.poll_adapters_now().unwrap_or_else(|e| now = Residency::Failed(e.to_string().into()));
             self.kick(ctx);
         }
-        vec![now]
+        vec![Ok(now)]
     }
 }
 
@@ -372,7 +419,7 @@ impl<B: Backend> Handler<UnloadAdapter> for Worker<B> {
 
     fn handle(&mut self, msg: UnloadAdapter, _ctx: &mut Self::Context) -> bool {
         let Ok(engine) = &mut self.engine else { return false };
-        let held = engine.adapters().release(&msg.key);
+        let held = engine.adapters().release(&msg.key, &msg.holder);
         if msg.forget {
             engine.adapters().forget(&msg.key);
         }

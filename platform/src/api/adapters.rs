@@ -2,10 +2,14 @@
 //! operator's publishing. Files live under `DATA_DIR/adapters/<id>/`, the metadata in the
 //! database.
 //!
-//! An upload is written to a scratch directory under the data directory, validated against the
-//! base model there, moved into place with one rename, and only then recorded: a failed upload
-//! leaves nothing behind, and no row ever points at missing or unchecked files. A deleted
-//! version's files stay until the last request using it has finished.
+//! An upload is written to a scratch directory under the data directory, parsed and validated
+//! against the base model there (once: a manifest of what was validated is written next to the
+//! files, and later loads read that instead of the PEFT config), moved into place with one
+//! rename, and only then recorded, in the same transaction that checks and consumes the owner's
+//! quota: a failed upload leaves nothing behind, and no row ever points at missing or unchecked
+//! files. A body that stalls is cut with 408 and its scratch files removed; each key may run a
+//! few uploads at once. Validation and file I/O run on the blocking pool. A deleted version's
+//! files stay until the last request using it has finished.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -14,14 +18,13 @@ use std::time::Duration;
 
 use actix_multipart::Multipart;
 use actix_web::{HttpRequest, HttpResponse, web};
-use futures::StreamExt;
 use loraplex_adapters::LoraAdapter;
 use serde::Deserialize;
 use serde_json::json;
-use tokio::io::AsyncWriteExt;
 
 use super::{ApiError, AppState, authorize, json_body};
 use crate::memory::{AdapterRef, Residency};
+use crate::runtime::{HoldError, Holder};
 use crate::store::{AdapterRecord, NewAdapter, Scope};
 
 pub fn routes(cfg: &mut web::ServiceConfig) {
@@ -41,7 +44,30 @@ const MAX_CONFIG_BYTES: usize = 1 << 20;
 /// operator (`""`, with the admin key).
 struct Owner {
     id: String,
-    limits: crate::store::TenantLimits,
+    /// The key used, for the per-key upload cap.
+    key_id: String,
+    /// The tenant (its limits, its weight), or `None` for the operator.
+    tenant: Option<crate::store::Tenant>,
+}
+
+impl Owner {
+    fn limits(&self) -> crate::store::TenantLimits {
+        self.tenant.as_ref().map(|t| t.limits()).unwrap_or_default()
+    }
+
+    /// Who pins what this owner loads, and how many pages of each pool its pins may take: the
+    /// tenant's `max_pinned_pages`, else the server's default share; the operator's pins are
+    /// bounded by the pool's share for pins only.
+    fn holder(&self, state: &AppState) -> Holder {
+        let max_pages = match &self.tenant {
+            None => usize::MAX,
+            Some(t) => match t.max_pinned_pages {
+                Some(max) => usize::try_from(max).unwrap_or(0),
+                None => state.serving.pool_shape().total_pages.saturating_mul(state.settings.tenant_pinned_percent.min(100) as usize) / 100,
+            },
+        };
+        Holder { id: self.id.as_str().into(), max_pages }
+    }
 }
 
 async fn owner(req: &HttpRequest, state: &AppState) -> Result<Owner, ApiError> {
@@ -55,9 +81,52 @@ async fn owner(req: &HttpRequest, state: &AppState) -> Result<Owner, ApiError> {
     match key.tenant_id {
         Some(t) => {
             let tenant = state.store.tenant(&t).await?.ok_or(ApiError::BadKey)?;
-            Ok(Owner { limits: tenant.limits(), id: tenant.id })
+            Ok(Owner { id: tenant.id.clone(), key_id: key.id, tenant: Some(tenant) })
         }
-        None => Ok(Owner { id: String::new(), limits: Default::default() }),
+        None => Ok(Owner { id: String::new(), key_id: key.id, tenant: None }),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Uploads in flight
+
+/// Uploads running per key.
+#[derive(Debug, Default)]
+pub struct Uploads {
+    running: Mutex<HashMap<String, u32>>,
+}
+
+/// One running upload of a key; the count drops with it.
+struct UploadSlot<'a> {
+    uploads: &'a Uploads,
+    key: String,
+}
+
+impl Uploads {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, u32>> {
+        self.running.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn enter(&self, key: &str, max: u32) -> Result<UploadSlot<'_>, ApiError> {
+        let mut running = self.lock();
+        let n = running.entry(key.to_string()).or_default();
+        if *n >= max {
+            return Err(ApiError::RateLimited { message: format!("this key already runs {n} uploads, the most it may at once"), retry_after: 1 });
+        }
+        *n += 1;
+        Ok(UploadSlot { uploads: self, key: key.to_string() })
+    }
+}
+
+impl Drop for UploadSlot<'_> {
+    fn drop(&mut self) {
+        let mut running = self.uploads.lock();
+        if let Some(n) = running.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                running.remove(&self.key);
+            }
+        }
     }
 }
 
@@ -105,15 +174,17 @@ impl Blobs {
         Some(BlobGuard { blobs: self.clone(), id: id.to_string() })
     }
 
-    /// Version `id` was deleted: its files go now, or when its last user finishes.
-    pub fn retire(&self, id: &str, dir: PathBuf) {
+    /// Version `id` was deleted: its files go now (the directory is returned for the caller to
+    /// remove, off the async threads), or when its last user finishes.
+    #[must_use]
+    pub fn retire(&self, id: &str, dir: PathBuf) -> Option<PathBuf> {
         let mut b = self.lock();
         b.retired.insert(id.to_string());
         if b.users.get(id).copied().unwrap_or(0) == 0 {
-            drop(b);
-            remove_dir(&dir);
+            Some(dir)
         } else {
             b.pending.insert(id.to_string(), dir);
+            None
         }
     }
 
@@ -137,13 +208,14 @@ impl Drop for BlobGuard {
             b.users.remove(&self.id);
             if let Some(dir) = b.pending.remove(&self.id) {
                 drop(b);
-                remove_dir(&dir);
+                // The last request on a deleted version ended, maybe on an async thread.
+                let _ = std::thread::Builder::new().name("remove-adapter".into()).spawn(move || remove_dir(&dir));
             }
         }
     }
 }
 
-fn remove_dir(dir: &Path) {
+pub(super) fn remove_dir(dir: &Path) {
     if let Err(e) = std::fs::remove_dir_all(dir)
         && e.kind() != std::io::ErrorKind::NotFound
     {
@@ -151,20 +223,70 @@ fn remove_dir(dir: &Path) {
     }
 }
 
-/// Removes what a crash may have left: scratch uploads, and files of adapters that are not
-/// live in the database.
-pub async fn sweep(data_dir: &Path, store: &crate::store::Store) -> anyhow::Result<()> {
-    let _ = std::fs::remove_dir_all(data_dir.join("uploads"));
-    let live: HashSet<String> = store.live_adapter_blobs().await?.into_iter().collect();
-    let root = data_dir.join("adapters");
-    let Ok(entries) = std::fs::read_dir(&root) else { return Ok(()) };
-    for entry in entries.flatten() {
-        let blob = format!("adapters/{}", entry.file_name().to_string_lossy());
-        if !live.contains(&blob) {
-            remove_dir(&entry.path());
-        }
+/// Removes the directories of deleted versions, on the blocking pool.
+async fn remove_dirs(state: &AppState, dirs: Vec<PathBuf>) {
+    if dirs.is_empty() {
+        return;
     }
-    Ok(())
+    // Refused only when the pool is saturated; then a thread of its own does it.
+    if let Err(ApiError::Overloaded { .. }) = state
+        .blocking
+        .run({
+            let dirs = dirs.clone();
+            move || dirs.iter().for_each(|d| remove_dir(d))
+        })
+        .await
+    {
+        let _ = std::thread::Builder::new().name("remove-adapter".into()).spawn(move || dirs.iter().for_each(|d| remove_dir(d)));
+    }
+}
+
+/// What [`sweep`] did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Swept {
+    /// Adapter directories kept (live in the database).
+    pub kept: usize,
+    /// Directories removed: no live version names them.
+    pub orphans: usize,
+    /// Live versions written before manifests existed, validated now and given one.
+    pub validated: usize,
+}
+
+/// At start: removes what a crash may have left (scratch uploads, files of adapters that are
+/// not live in the database) and gives live adapters uploaded before manifests existed their
+/// manifest, validating them once. Runs before the server takes requests.
+pub async fn sweep(
+    data_dir: &Path,
+    store: &crate::store::Store,
+    shape: loraplex_adapters::BaseShape,
+    limits: loraplex_adapters::AdapterLimits,
+) -> anyhow::Result<Swept> {
+    let live: HashSet<String> = store.live_adapter_blobs().await?.into_iter().collect();
+    let data_dir = data_dir.to_path_buf();
+    let swept = tokio::task::spawn_blocking(move || {
+        let _ = std::fs::remove_dir_all(data_dir.join("uploads"));
+        let mut swept = Swept::default();
+        let Ok(entries) = std::fs::read_dir(data_dir.join("adapters")) else { return swept };
+        for entry in entries.flatten() {
+            let blob = format!("adapters/{}", entry.file_name().to_string_lossy());
+            if !live.contains(&blob) {
+                remove_dir(&entry.path());
+                swept.orphans += 1;
+                continue;
+            }
+            swept.kept += 1;
+            let dir = entry.path();
+            if !dir.join(loraplex_adapters::MANIFEST_FILE).is_file() {
+                match LoraAdapter::load_with_manifest(&dir, &shape, &limits).and_then(|(_, m)| m.write(&dir)) {
+                    Ok(()) => swept.validated += 1,
+                    Err(e) => eprintln!("warning: adapter files {} do not validate: {e}", dir.display()),
+                }
+            }
+        }
+        swept
+    })
+    .await?;
+    Ok(swept)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -182,11 +304,11 @@ impl Drop for Scratch {
 }
 
 /// Reads one multipart field into memory, refusing more than `limit` bytes.
-async fn read_small(field: &mut actix_multipart::Field, what: &str, limit: usize) -> Result<Vec<u8>, ApiError> {
+async fn read_small(state: &AppState, field: &mut actix_multipart::Field, what: &str, limit: usize) -> Result<Vec<u8>, ApiError> {
     let mut out = Vec::new();
-    while let Some(chunk) = field.next().await {
+    while let Some(chunk) = super::next_chunk(field, state.settings.body_timeout).await? {
         let chunk = chunk.map_err(|e| ApiError::Invalid(format!("reading `{what}`: {e}")))?;
-        if out.len() + chunk.len() > limit {
+        if out.len().saturating_add(chunk.len()) > limit {
             return Err(ApiError::TooLarge(format!("`{what}` is larger than {limit} bytes")));
         }
         out.extend_from_slice(&chunk);
@@ -194,42 +316,87 @@ async fn read_small(field: &mut actix_multipart::Field, what: &str, limit: usize
     Ok(out)
 }
 
+/// Bytes of `weights` gathered before each write to disk.
+const WRITE_CHUNK: usize = 1 << 20;
+
+/// Streams the `weights` field into `path` (written on the blocking pool, a megabyte at a
+/// time), refusing more than `limit` bytes; returns its size.
+async fn write_weights(state: &AppState, field: &mut actix_multipart::Field, path: PathBuf, limit: u64) -> Result<u64, ApiError> {
+    let io = |e: std::io::Error| ApiError::Internal(format!("writing the upload: {e}"));
+    let mut file = Some(state.blocking.run(move || std::fs::File::create(path)).await?.map_err(io)?);
+    let mut size = 0u64;
+    let mut buffer = Vec::with_capacity(WRITE_CHUNK);
+    loop {
+        let chunk = super::next_chunk(field, state.settings.body_timeout).await?;
+        let done = chunk.is_none();
+        if let Some(chunk) = chunk {
+            let chunk = chunk.map_err(|e| ApiError::Invalid(format!("reading `weights`: {e}")))?;
+            size = size.saturating_add(chunk.len() as u64);
+            if size > limit {
+                return Err(ApiError::TooLarge(format!("`weights` is larger than the limit of {limit} bytes")));
+            }
+            buffer.extend_from_slice(&chunk);
+        }
+        if buffer.len() >= WRITE_CHUNK || (done && !buffer.is_empty()) {
+            let (mut f, data) = (file.take().ok_or_else(|| ApiError::Internal("the upload file is gone".into()))?, std::mem::take(&mut buffer));
+            file = Some(
+                state
+                    .blocking
+                    .run(move || {
+                        use std::io::Write;
+                        f.write_all(&data).map(|()| f)
+                    })
+                    .await?
+                    .map_err(io)?,
+            );
+        }
+        if done {
+            break;
+        }
+    }
+    if let Some(f) = file {
+        state.blocking.run(move || f.sync_all()).await?.map_err(io)?;
+    }
+    Ok(size)
+}
+
+/// What validating an upload found.
+struct Checked {
+    rank: i64,
+    targets: String,
+    content_hash: String,
+}
+
 async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     let owner = owner(&req, &state).await?;
+    let _slot = state.uploads.enter(&owner.key_id, state.settings.max_uploads_per_key)?;
     let mut form = Multipart::new(req.headers(), payload);
     let scratch_root = state.data_dir.join("uploads");
-    std::fs::create_dir_all(&scratch_root).map_err(|e| ApiError::Internal(format!("creating {}: {e}", scratch_root.display())))?;
     let dir = scratch_root.join(crate::store::random_id("up"));
-    std::fs::create_dir(&dir).map_err(|e| ApiError::Internal(format!("creating {}: {e}", dir.display())))?;
+    let created = dir.clone();
+    state
+        .blocking
+        .run(move || std::fs::create_dir_all(&scratch_root).and_then(|()| std::fs::create_dir(&created)))
+        .await?
+        .map_err(|e| ApiError::Internal(format!("creating the upload directory: {e}")))?;
+    // From here on, every way out removes the scratch files.
     let mut scratch = Scratch(Some(dir.clone()));
 
     let max_weights = state.settings.max_upload_bytes;
-    let (mut name, mut config, mut weights) = (None, None, 0u64);
-    while let Some(field) = form.next().await {
+    let (mut name, mut config, mut weights) = (None, None, None);
+    while let Some(field) = super::next_chunk(&mut form, state.settings.body_timeout).await? {
         let mut field = field.map_err(|e| ApiError::Invalid(format!("malformed multipart body: {e}")))?;
         let field_name = field.name().unwrap_or_default().to_string();
         match field_name.as_str() {
             "name" => {
-                let bytes = read_small(&mut field, "name", 256).await?;
+                let bytes = read_small(&state, &mut field, "name", 256).await?;
                 name = Some(String::from_utf8(bytes).map_err(|_| ApiError::Invalid("`name` is not UTF-8".into()))?.trim().to_string());
             }
-            "config" => config = Some(read_small(&mut field, "config", MAX_CONFIG_BYTES).await?),
-            "weights" => {
-                let path = dir.join("adapter_model.safetensors");
-                let mut file = tokio::fs::File::create(&path).await.map_err(|e| ApiError::Internal(format!("creating {}: {e}", path.display())))?;
-                weights = 0;
-                while let Some(chunk) = field.next().await {
-                    let chunk = chunk.map_err(|e| ApiError::Invalid(format!("reading `weights`: {e}")))?;
-                    weights += chunk.len() as u64;
-                    if weights > max_weights {
-                        return Err(ApiError::TooLarge(format!("`weights` is larger than the limit of {max_weights} bytes")));
-                    }
-                    file.write_all(&chunk).await.map_err(|e| ApiError::Internal(format!("writing the upload: {e}")))?;
-                }
-                file.flush().await.map_err(|e| ApiError::Internal(format!("writing the upload: {e}")))?;
-                file.sync_all().await.map_err(|e| ApiError::Internal(format!("writing the upload: {e}")))?;
-            }
+            "config" => config = Some(read_small(&state, &mut field, "config", MAX_CONFIG_BYTES).await?),
+            "weights" if weights.is_some() => return Err(ApiError::Invalid("the form has two `weights` fields".into())),
+            "weights" => weights = Some(write_weights(&state, &mut field, dir.join("adapter_model.safetensors"), max_weights).await?),
             other => {
+                let other: String = other.chars().take(64).collect();
                 return Err(ApiError::Invalid(format!(
                     "unknown form field `{other}`: send `name`, `config` (adapter_config.json) and `weights` (adapter_model.safetensors)"
                 )));
@@ -241,50 +408,64 @@ async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
     if *name == *state.model_name {
         return Err(ApiError::Conflict(format!("`{name}` is the base model's name")));
     }
-    let (count, used) = state.store.adapter_footprint(&owner.id).await?;
-    if let Some(max) = owner.limits.max_adapters
-        && count >= max
-        && state.store.adapter(&owner.id, &name).await?.is_none()
-    {
-        return Err(ApiError::RateLimited { message: format!("adapter limit reached: {count} of {max}; delete one first"), retry_after: 3600 });
-    }
     let config = config.ok_or_else(|| ApiError::Invalid("the form has no `config` field (adapter_config.json)".into()))?;
-    if !dir.join("adapter_model.safetensors").is_file() {
-        return Err(ApiError::Invalid("the form has no `weights` field (adapter_model.safetensors)".into()));
-    }
-    std::fs::write(dir.join("adapter_config.json"), &config).map_err(|e| ApiError::Internal(format!("writing the upload: {e}")))?;
-    let bytes = (config.len() as u64 + weights) as i64;
-    if let Some(max) = owner.limits.max_adapter_bytes
-        && used + bytes > max
+    let weights = weights.ok_or_else(|| ApiError::Invalid("the form has no `weights` field (adapter_model.safetensors)".into()))?;
+    let bytes = i64::try_from((config.len() as u64).saturating_add(weights)).unwrap_or(i64::MAX);
+    // A cheap early look at the quota, before the work of validating; the insert checks again.
+    let limits = owner.limits();
+    let (count, used) = state.store.adapter_footprint(&owner.id).await?;
+    if limits.max_adapters.is_some_and(|max| count >= max) && state.store.adapter(&owner.id, &name).await?.is_none()
+        || limits.max_adapter_bytes.is_some_and(|max| used.saturating_add(bytes) > max)
     {
-        return Err(ApiError::RateLimited {
-            message: format!("adapter storage limit: {used} bytes used, this upload is {bytes}, the limit is {max}; delete an adapter first"),
-            retry_after: 3600,
-        });
+        let quota = crate::store::TenantLimits { max_adapters: limits.max_adapters, max_adapter_bytes: limits.max_adapter_bytes, ..Default::default() };
+        return Err(quota_error(count, used, bytes, &quota));
     }
 
-    // Validate against the base model, off the async threads.
-    let (shape, limits) = (*state.serving.base_shape(), *state.serving.adapter_limits());
+    // Parse and validate against the base model, once, and keep what was validated.
+    let (shape, mut adapter_limits) = (*state.serving.base_shape(), *state.serving.adapter_limits());
+    adapter_limits.max_file_bytes = adapter_limits.max_file_bytes.min(max_weights);
     let check_dir = dir.clone();
-    let adapter = web::block(move || LoraAdapter::load(&check_dir, &shape, &limits))
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))?
-        .map_err(|e| ApiError::Invalid(format!("the adapter does not fit the base model: {}", e.to_string().replace(&dir.display().to_string(), "upload"))))?;
-    let rank = adapter.modules().map(|m| m.rank).max().unwrap_or(0) as i64;
-    let targets: Vec<&str> = adapter.target_modules().into_iter().map(|t| t.hf_name()).collect();
-    let content_hash = adapter.content_hash_hex();
-    drop(adapter);
+    let checked = state
+        .blocking
+        .run(move || -> Result<Checked, String> {
+            std::fs::write(check_dir.join("adapter_config.json"), &config).map_err(|e| format!("writing the upload: {e}"))?;
+            let (adapter, manifest) = LoraAdapter::load_with_manifest(&check_dir, &shape, &adapter_limits).map_err(|e| e.to_string())?;
+            manifest.write(&check_dir).map_err(|e| e.to_string())?;
+            let targets: Vec<&str> = adapter.target_modules().into_iter().map(|t| t.hf_name()).collect();
+            Ok(Checked {
+                rank: adapter.modules().map(|m| m.rank).max().unwrap_or(0) as i64,
+                targets: targets.join(","),
+                content_hash: adapter.content_hash_hex(),
+            })
+        })
+        .await?
+        .map_err(|e| ApiError::Invalid(format!("the adapter does not fit the base model: {}", e.replace(&dir.display().to_string(), "upload"))))?;
 
     let blob_id = crate::store::random_id("blob");
     let blob = format!("adapters/{blob_id}");
     let target = state.data_dir.join(&blob);
-    std::fs::create_dir_all(state.data_dir.join("adapters")).map_err(|e| ApiError::Internal(e.to_string()))?;
-    std::fs::rename(&dir, &target).map_err(|e| ApiError::Internal(format!("moving the upload into place: {e}")))?;
-    scratch.0 = Some(target.clone());
-    let record = state.store.insert_adapter(&NewAdapter { owner: owner.id, name, rank, targets: targets.join(","), bytes, content_hash, blob }).await?;
+    let (from, to, root) = (dir.clone(), target.clone(), state.data_dir.join("adapters"));
+    state
+        .blocking
+        .run(move || std::fs::create_dir_all(&root).and_then(|()| std::fs::rename(&from, &to)))
+        .await?
+        .map_err(|e| ApiError::Internal(format!("moving the upload into place: {e}")))?;
+    scratch.0 = Some(target);
+    let new = NewAdapter { owner: owner.id.clone(), name, rank: checked.rank, targets: checked.targets, bytes, content_hash: checked.content_hash, blob };
+    let record = state.store.insert_adapter(&new, &limits).await?;
     // Recorded: the files are the adapter's now.
     scratch.0 = None;
     Ok(HttpResponse::Created().json(record_json(&record)))
+}
+
+fn quota_error(count: i64, used: i64, bytes: i64, limits: &crate::store::TenantLimits) -> ApiError {
+    match (limits.max_adapters, limits.max_adapter_bytes) {
+        (Some(max), _) if count >= max => ApiError::Quota(format!("adapter limit reached: {count} of {max}; delete one first")),
+        (_, Some(max)) => {
+            ApiError::Quota(format!("adapter storage limit: {used} bytes used, this upload is {bytes}, the limit is {max}; delete an adapter first"))
+        }
+        _ => ApiError::Quota("adapter quota reached".into()),
+    }
 }
 
 fn record_json(r: &AdapterRecord) -> serde_json::Value {
@@ -328,10 +509,12 @@ async fn delete(req: HttpRequest, state: web::Data<AppState>, name: web::Path<St
     if deleted.is_empty() {
         return Err(not_found(&name));
     }
+    let mut gone = Vec::new();
     for r in &deleted {
-        state.serving.unload_adapter(r.id.as_str().into(), true).await;
-        state.blobs.retire(&r.id, state.data_dir.join(&r.blob));
+        state.serving.unload_adapter(r.id.as_str().into(), owner.id.as_str().into(), true).await;
+        gone.extend(state.blobs.retire(&r.id, state.data_dir.join(&r.blob)));
     }
+    remove_dirs(&state, gone).await;
     Ok(HttpResponse::Ok().json(json!({"name": &*name, "deleted_versions": deleted.iter().map(|r| r.version).collect::<Vec<_>>()})))
 }
 
@@ -345,16 +528,39 @@ fn residency_name(r: &Residency) -> String {
     }
 }
 
-/// Pins the latest version in every worker's pool (waiting up to a few seconds for it to
-/// arrive): requests for it never wait for a load.
+/// A tenant's load and unload count against its request limits, so that a storm of them
+/// is bounded like any other traffic.
+fn admit_pin_request(state: &AppState, owner: &Owner) -> Result<Option<super::limits::Permit>, ApiError> {
+    let Some(tenant) = &owner.tenant else { return Ok(None) };
+    let mut permit = state.limiter.admit(&tenant.id, &tenant.limits()).inspect_err(|_| state.metrics.limited(&tenant.name))?;
+    permit.reserve(0)?;
+    Ok(Some(permit))
+}
+
+fn hold_error(e: HoldError) -> ApiError {
+    match e {
+        HoldError::HolderCap { .. } => ApiError::RateLimited { message: e.to_string(), retry_after: 60 },
+        HoldError::PoolShare { .. } => ApiError::Overloaded { message: e.to_string(), retry_after: 10 },
+    }
+}
+
+/// Pins the latest version in every worker's pool on behalf of the caller (waiting up to a
+/// few seconds for it to arrive): requests for it never wait for a load. The pin is the
+/// caller's: only the caller's unload lets it go, and its pages count against the caller's
+/// cap.
 async fn load(req: HttpRequest, state: web::Data<AppState>, name: web::Path<String>) -> Result<HttpResponse, ApiError> {
     let owner = owner(&req, &state).await?;
+    let _permit = admit_pin_request(&state, &owner)?;
     let record = state.store.visible_adapter(&owner.id, &name).await?.ok_or_else(|| not_found(&name))?;
     let _guard = state.blobs.enter(&record.id).ok_or_else(|| not_found(&name))?;
-    let adapter = AdapterRef::new(record.id.as_str(), state.data_dir.join(&record.blob));
+    let adapter = AdapterRef::validated(record.id.as_str(), state.data_dir.join(&record.blob));
+    let holder = owner.holder(&state);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let states = state.serving.load_adapter(adapter.clone(), true).await;
+        let mut states = Vec::new();
+        for s in state.serving.load_adapter(adapter.clone(), Some(holder.clone())).await {
+            states.push(s.map_err(hold_error)?);
+        }
         if let Some(Residency::Failed(e)) = states.iter().find(|s| matches!(s, Residency::Failed(_))) {
             return Err(ApiError::Internal(format!("adapter `{name}` could not be loaded: {e}")));
         }
@@ -370,12 +576,15 @@ async fn load(req: HttpRequest, state: web::Data<AppState>, name: web::Path<Stri
     }
 }
 
+/// Lets the caller's pin of an adapter go; pins of others (the operator's pin of a published
+/// adapter) stay.
 async fn unload(req: HttpRequest, state: web::Data<AppState>, name: web::Path<String>) -> Result<HttpResponse, ApiError> {
     let owner = owner(&req, &state).await?;
+    let _permit = admit_pin_request(&state, &owner)?;
     let record = state.store.visible_adapter(&owner.id, &name).await?.ok_or_else(|| not_found(&name))?;
     let mut released = false;
     for v in state.store.adapter_versions(&record.owner, &record.name).await? {
-        released |= state.serving.unload_adapter(v.id.as_str().into(), false).await;
+        released |= state.serving.unload_adapter(v.id.as_str().into(), owner.id.as_str().into(), false).await;
     }
     Ok(HttpResponse::Ok().json(json!({"name": record.name, "released": released})))
 }
@@ -396,7 +605,7 @@ fn yes() -> bool {
 
 async fn publish(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state, Scope::Admin).await?;
-    let b: Publish = json_body(payload).await?;
+    let b: Publish = json_body(&state, payload).await?;
     let owner = b.tenant_id.unwrap_or_default();
     if !state.store.publish_adapter(&owner, &b.name, b.public).await? {
         return Err(not_found(&b.name));

@@ -13,6 +13,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .route("/admin/tenants/{id}", web::patch().to(patch_tenant))
         .route("/admin/tenants/{id}", web::delete().to(delete_tenant))
         .route("/admin/tenants/{id}/keys", web::post().to(create_key))
+        .route("/admin/keys", web::post().to(create_operator_key))
         .route("/admin/keys/{id}", web::delete().to(revoke_key));
 }
 
@@ -38,7 +39,7 @@ fn standard() -> String {
 
 async fn create_tenant(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state, Scope::Admin).await?;
-    let b: CreateTenant = json_body(payload).await?;
+    let b: CreateTenant = json_body(&state, payload).await?;
     let t = state.store.create_tenant(&NewTenant { name: b.name, weight: b.weight, plan: b.plan, limits: b.limits }).await?;
     Ok(HttpResponse::Created().json(t))
 }
@@ -54,18 +55,25 @@ async fn get_tenant(req: HttpRequest, state: web::Data<AppState>, id: web::Path<
     Ok(HttpResponse::Ok().json(t))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PatchTenant {
-    weight: Option<f64>,
-    plan: Option<String>,
-    limits: Option<TenantLimits>,
-}
-
+/// A JSON merge patch (RFC 7396) of a tenant: fields left out stay as they are; a limit set to
+/// `null` is cleared (unlimited). `weight` and `plan` always have a value, so `null` is refused
+/// for them.
 async fn patch_tenant(req: HttpRequest, state: web::Data<AppState>, id: web::Path<String>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state, Scope::Admin).await?;
-    let b: PatchTenant = json_body(payload).await?;
-    let t = state.store.update_tenant(&id, &TenantPatch { weight: b.weight, plan: b.plan, limits: b.limits }).await?;
+    let body: serde_json::Value = json_body(&state, payload).await?;
+    let Some(fields) = body.as_object() else {
+        return Err(ApiError::Invalid("a tenant patch is a JSON object (a merge patch: absent fields stay, null clears a limit)".into()));
+    };
+    for field in ["weight", "plan"] {
+        if fields.get(field).is_some_and(serde_json::Value::is_null) {
+            return Err(ApiError::Invalid(format!("`{field}` cannot be cleared; give a value")));
+        }
+    }
+    if fields.get("limits").is_some_and(serde_json::Value::is_null) {
+        return Err(ApiError::Invalid("`limits` cannot be null; clear one limit with `{\"limits\": {\"NAME\": null}}`".into()));
+    }
+    let patch: TenantPatch = serde_json::from_value(body).map_err(|e| ApiError::Invalid(format!("invalid tenant patch: {e}")))?;
+    let t = state.store.update_tenant(&id, &patch).await?;
     Ok(HttpResponse::Ok().json(t))
 }
 
@@ -74,9 +82,13 @@ async fn delete_tenant(req: HttpRequest, state: web::Data<AppState>, id: web::Pa
     // Its keys are revoked and its adapters deleted with it (their files go once requests
     // still running on them finish); its usage stays billable.
     let adapters = state.store.delete_tenant(&id).await?.ok_or_else(|| ApiError::NotFound(format!("tenant {id}")))?;
+    let mut gone = Vec::new();
     for a in adapters {
-        state.serving.unload_adapter(a.id.as_str().into(), true).await;
-        state.blobs.retire(&a.id, state.data_dir.join(&a.blob));
+        state.serving.unload_adapter(a.id.as_str().into(), id.as_str().into(), true).await;
+        gone.extend(state.blobs.retire(&a.id, state.data_dir.join(&a.blob)));
+    }
+    if !gone.is_empty() {
+        state.blocking.run(move || gone.iter().for_each(|d| super::adapters::remove_dir(d))).await?;
     }
     Ok(HttpResponse::NoContent().finish())
 }
@@ -95,16 +107,28 @@ fn tenant_scopes() -> Vec<Scope> {
 async fn create_key(req: HttpRequest, state: web::Data<AppState>, id: web::Path<String>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state, Scope::Admin).await?;
     // The body is optional: without one, the key gets the inference and adapters scopes.
-    let body = super::read_body(payload).await?;
+    let body = super::read_body(&state, payload).await?;
     let scopes = if body.iter().all(u8::is_ascii_whitespace) { tenant_scopes() } else { super::parse_json::<CreateKey>(&body)?.scopes };
-    if scopes.contains(&Scope::Admin) {
-        return Err(ApiError::Invalid("a tenant's key cannot have the admin scope".into()));
+    if let Some(s) = scopes.iter().find(|s| matches!(s, Scope::Admin | Scope::Metrics)) {
+        return Err(ApiError::Invalid(format!("a tenant's key cannot have the {} scope (it would see every tenant)", s.as_str())));
     }
     let (key, secret) = state.store.create_key(Some(&id), &scopes).await.map_err(|e| match e {
         crate::store::StoreError::NotFound(_) => ApiError::NotFound(format!("tenant {id}")),
         e => e.into(),
     })?;
     Ok(HttpResponse::Created().json(serde_json::json!({"id": key.id, "key": secret, "prefix": key.prefix, "scopes": key.scopes, "tenant_id": key.tenant_id})))
+}
+
+/// A new operator key: `admin` (everything) and/or `metrics` (scraping `/metrics` only, for a
+/// Prometheus server).
+async fn create_operator_key(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state, Scope::Admin).await?;
+    let b: CreateKey = json_body(&state, payload).await?;
+    if let Some(s) = b.scopes.iter().find(|s| !matches!(s, Scope::Admin | Scope::Metrics)) {
+        return Err(ApiError::Invalid(format!("an operator key has the admin and/or metrics scopes; {} belongs to a tenant's key", s.as_str())));
+    }
+    let (key, secret) = state.store.create_key(None, &b.scopes).await?;
+    Ok(HttpResponse::Created().json(serde_json::json!({"id": key.id, "key": secret, "prefix": key.prefix, "scopes": key.scopes, "tenant_id": null})))
 }
 
 async fn revoke_key(req: HttpRequest, state: web::Data<AppState>, id: web::Path<String>) -> Result<HttpResponse, ApiError> {

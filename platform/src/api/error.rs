@@ -4,6 +4,7 @@
 use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
 
+use crate::request::SeqError;
 use crate::runtime::{RuntimeError, SubmitError};
 use crate::store::StoreError;
 
@@ -24,12 +25,27 @@ pub enum ApiError {
     Conflict(String),
     #[error("{0}")]
     TooLarge(String),
-    /// A per-tenant limit; retry after this many seconds.
+    /// A per-tenant limit, or the tenant holds more than its share of a full server; retry
+    /// after this many seconds.
     #[error("{message}")]
     RateLimited { message: String, retry_after: u64 },
-    /// The server cannot take the request now (shutting down, a worker restarting).
+    /// A tenant's quota (adapters, adapter bytes) is used up.
+    #[error("{0}")]
+    Quota(String),
+    /// The server is full (queued and running work, the blocking pool); retry after this many
+    /// seconds.
+    #[error("{message}")]
+    Overloaded { message: String, retry_after: u64 },
+    /// The server cannot take the request now (shutting down, workers rebuilding, the
+    /// database busy).
     #[error("{0}")]
     Unavailable(String),
+    /// The request body stalled.
+    #[error("{0}")]
+    Timeout(String),
+    /// The request was cancelled (its client went away); nobody reads the answer.
+    #[error("the request was cancelled")]
+    Cancelled,
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -46,7 +62,11 @@ impl ApiError {
             ApiError::Conflict(_) => ("conflict", "invalid_request_error"),
             ApiError::TooLarge(_) => ("payload_too_large", "invalid_request_error"),
             ApiError::RateLimited { .. } => ("rate_limit_exceeded", "rate_limit_error"),
+            ApiError::Quota(_) => ("quota_exceeded", "rate_limit_error"),
+            ApiError::Overloaded { .. } => ("server_overloaded", "server_error"),
             ApiError::Unavailable(_) => ("unavailable", "server_error"),
+            ApiError::Timeout(_) => ("request_timeout", "invalid_request_error"),
+            ApiError::Cancelled => ("cancelled", "invalid_request_error"),
             ApiError::Internal(_) => ("internal_error", "server_error"),
         }
     }
@@ -67,8 +87,11 @@ impl ResponseError for ApiError {
             ApiError::Invalid(_) => StatusCode::BAD_REQUEST,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::RateLimited { .. } | ApiError::Quota(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Overloaded { .. } | ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
+            // nginx's "client closed request": only ever seen in logs, the client has gone.
+            ApiError::Cancelled => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -76,13 +99,27 @@ impl ResponseError for ApiError {
     fn error_response(&self) -> HttpResponse {
         let mut res = HttpResponse::build(self.status_code());
         match self {
-            ApiError::RateLimited { retry_after, .. } => {
+            ApiError::RateLimited { retry_after, .. } | ApiError::Overloaded { retry_after, .. } => {
                 res.insert_header(("retry-after", retry_after.to_string()));
+            }
+            ApiError::Quota(_) => {
+                res.insert_header(("retry-after", "3600"));
             }
             ApiError::Unavailable(_) => {
                 res.insert_header(("retry-after", "1"));
             }
-            _ => {}
+            ApiError::Timeout(_) => {
+                res.insert_header(("connection", "close"));
+            }
+            ApiError::MissingKey
+            | ApiError::BadKey
+            | ApiError::Forbidden(_)
+            | ApiError::NotFound(_)
+            | ApiError::Invalid(_)
+            | ApiError::Conflict(_)
+            | ApiError::TooLarge(_)
+            | ApiError::Cancelled
+            | ApiError::Internal(_) => {}
         }
         res.json(self.body())
     }
@@ -92,7 +129,10 @@ impl From<RuntimeError> for ApiError {
     fn from(e: RuntimeError) -> Self {
         match e {
             RuntimeError::Rejected(why) => ApiError::Invalid(why.to_string()),
-            RuntimeError::Failed(_) => ApiError::Internal(e.to_string()),
+            RuntimeError::Sequence(SeqError::PoolExhausted { .. }) => ApiError::Overloaded { message: e.to_string(), retry_after: 1 },
+            // Adapters are validated at upload: failing to load one later is the server's fault.
+            RuntimeError::Sequence(SeqError::AdapterFailed(_) | SeqError::Failed(_)) => ApiError::Internal(e.to_string()),
+            RuntimeError::Cancelled => ApiError::Cancelled,
             RuntimeError::WorkerFailed(_) | RuntimeError::Unavailable(_) => ApiError::Unavailable(e.to_string()),
         }
     }
@@ -115,6 +155,10 @@ impl From<StoreError> for ApiError {
             StoreError::Conflict { .. } => ApiError::Conflict(e.to_string()),
             StoreError::NotFound(what) => ApiError::NotFound(what.to_string()),
             StoreError::Invalid { .. } => ApiError::Invalid(e.to_string()),
+            StoreError::Quota(why) => ApiError::Quota(why),
+            StoreError::Unavailable(_) => ApiError::Unavailable(e.to_string()),
+            // Every connection busy, or the pool closing: capacity, not a fault.
+            StoreError::Database(sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed) => ApiError::Unavailable(e.to_string()),
             StoreError::Database(_) | StoreError::Migrate(_) | StoreError::Url(_) => ApiError::Internal(e.to_string()),
         }
     }

@@ -1,11 +1,17 @@
-//! What every inference endpoint shares: who is calling, which model they named, admission
-//! against their limits, and the job that runs their prompts, records the ledger row and
-//! hands the events to the endpoint's formatter.
+//! What every inference endpoint shares: who is calling, which model they named, admission,
+//! and the job that runs their prompts, records the ledger row and hands the events to the
+//! endpoint's formatter.
 //!
-//! A job runs in a task of its own, so its ledger row is written whatever the client does:
-//! when the client goes away the task sees its event channel closed, cancels the requests and
-//! records what was generated with the outcome `cancelled`. The final event (the usage) is sent
-//! only after the row is committed.
+//! [`start`] does the work in order of cost, so that what is refused costs little: the cheap
+//! checks of what was sent ([`validate`]), admission against the server's and the tenant's
+//! bounds and the tenant's request limits, then tokenizing on the blocking pool, the checks of
+//! the token counts, the token reservation, and only then the ledger and the queue.
+//!
+//! A job runs in a task of its own, so its ledger row is written whatever the client does. The
+//! row is opened (outcome `running`) before the request is queued and completed when the job
+//! ends: when the client goes away (its event channel closes) the task cancels the requests
+//! and records what was generated with the outcome `cancelled`. The final event (the usage) is
+//! sent only after the row is committed.
 
 use std::time::{Duration, Instant};
 
@@ -14,22 +20,23 @@ use futures::StreamExt;
 use tokio::sync::mpsc;
 
 use super::adapters::BlobGuard;
+use super::admission::Slot;
 use super::limits::Permit;
 use super::metrics::Observation;
+use super::peer::Peer;
+use super::validate::{self, DefaultMax, Knobs, Prompt};
 use super::{ApiError, AppState, authorize};
 use crate::memory::AdapterRef;
-use crate::request::{FinishReason, GenerationRequest};
+use crate::request::FinishReason;
 use crate::runtime::{Event, RequestHandle, RuntimeError, TokenOut, Usage};
 use crate::scheduler::{Placement, TenantId};
-use crate::store::{AdapterRecord, ApiKey, Scope, Tenant, UsageRecord, now_ms};
+use crate::store::{AdapterRecord, ApiKey, Plan, Scope, Tenant, UsageRecord, now_ms, outcome};
 
-/// The most prompts one request may carry.
-pub const MAX_PROMPTS: usize = 64;
-
-/// An authenticated tenant's key.
+/// An authenticated tenant's key, with the tenant and its plan.
 pub struct Caller {
     pub key: ApiKey,
     pub tenant: Tenant,
+    pub plan: Plan,
 }
 
 /// The caller behind the request's key, which must be a tenant's key with `scope`.
@@ -39,7 +46,8 @@ pub async fn caller(req: &HttpRequest, state: &AppState, scope: Scope) -> Result
         return Err(ApiError::Invalid("the operator's key manages tenants; inference and adapters need a tenant's key".into()));
     };
     let tenant = state.store.tenant(&tenant_id).await?.ok_or(ApiError::BadKey)?;
-    Ok(Caller { key, tenant })
+    let plan = state.store.plan(&tenant.plan).await?.ok_or_else(|| ApiError::Internal(format!("tenant {} has no plan {:?}", tenant.id, tenant.plan)))?;
+    Ok(Caller { key, tenant, plan })
 }
 
 /// What a request's `model` (or LoRAX `adapter_id`) names.
@@ -65,7 +73,11 @@ pub async fn resolve(state: &AppState, tenant: &str, name: &str) -> Result<Targe
     if name == &*state.model_name {
         return Ok(Target::Base);
     }
-    let not_found = || ApiError::NotFound(format!("model `{name}` (neither the base model `{}` nor an adapter you may use)", state.model_name));
+    let shown: String = name.chars().take(80).collect();
+    let not_found = || ApiError::NotFound(format!("model `{shown}` (neither the base model `{}` nor an adapter you may use)", state.model_name));
+    if name.len() > 256 {
+        return Err(not_found());
+    }
     let record = match name.rsplit_once('@') {
         Some((base, v)) if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) => {
             let version: i64 = v.parse().map_err(|_| not_found())?;
@@ -90,8 +102,11 @@ pub enum JobEvent {
 /// What a job runs: one generation request per prompt, sharing the other fields.
 pub struct JobSpec {
     pub endpoint: &'static str,
-    pub prompts: Vec<Vec<u32>>,
-    pub request: GenerationRequest,
+    pub prompts: Vec<Prompt>,
+    pub knobs: Knobs,
+    pub default_max: DefaultMax,
+    /// Keep only the last this many tokens of each prompt (LoRAX's `truncate`).
+    pub truncate: Option<u32>,
     pub target: Target,
 }
 
@@ -101,52 +116,87 @@ pub struct Job {
     pub prompt_tokens: usize,
 }
 
-/// Validates every prompt, admits the job against the tenant's limits, queues it and starts
-/// the task that drives it. Errors here are the response's status.
+/// Checks, admits and queues a job, and starts the task that drives it. Errors here are the
+/// response's status.
 pub async fn start(state: &AppState, caller: Caller, spec: JobSpec) -> Result<Job, ApiError> {
     let started = Instant::now();
     let started_at = now_ms();
-    if spec.prompts.is_empty() {
-        return Err(ApiError::Invalid("the prompt is empty".into()));
-    }
-    if spec.prompts.len() > MAX_PROMPTS {
-        return Err(ApiError::Invalid(format!("at most {MAX_PROMPTS} prompts per request, got {}", spec.prompts.len())));
-    }
-    let adapter = match &spec.target {
+    // What was sent, cheaply.
+    spec.knobs.check()?;
+    validate::check_prompts(&spec.prompts, &state.prompt_limits)?;
+    // Admission, before any expensive work.
+    let units = (spec.prompts.len() as u32).saturating_mul(spec.knobs.samples());
+    let slot = state.admission.admit(&caller.tenant.id, caller.tenant.weight, units).inspect_err(|_| state.metrics.limited(&caller.tenant.name))?;
+    let mut permit = state.limiter.admit(&caller.tenant.id, &caller.tenant.limits()).inspect_err(|_| state.metrics.limited(&caller.tenant.name))?;
+    let guard = match &spec.target {
         Target::Base => None,
-        Target::Adapter(a) => Some(a.clone()),
+        Target::Adapter(a) => Some(state.blobs.enter(&a.id).ok_or_else(|| ApiError::NotFound(format!("model `{}`", a.name)))?),
     };
-    let guard = match &adapter {
-        Some(a) => Some(state.blobs.enter(&a.id).ok_or_else(|| ApiError::NotFound(format!("model `{}`", a.name)))?),
-        None => None,
+    let adapter_ref = match &spec.target {
+        Target::Base => None,
+        Target::Adapter(a) => Some(AdapterRef::validated(a.id.as_str(), state.data_dir.join(&a.blob))),
     };
-    let adapter_ref = adapter.as_ref().map(|a| AdapterRef::new(a.id.as_str(), state.data_dir.join(&a.blob)));
-    let mut valid = Vec::with_capacity(spec.prompts.len());
-    for prompt in spec.prompts {
-        let request = GenerationRequest { prompt, adapter: adapter_ref.clone(), ..spec.request.clone() };
+    // Tokens.
+    let prompts = validate::tokenize(state, spec.prompts).await?;
+    let context = state.serving.model_config().max_position_embeddings;
+    let mut valid = Vec::with_capacity(prompts.len());
+    let mut requests = Vec::with_capacity(prompts.len());
+    for mut prompt in prompts {
+        if let Some(keep) = spec.truncate {
+            prompt.drain(..prompt.len().saturating_sub(keep as usize));
+        }
+        let mut request = spec.knobs.request(prompt, spec.default_max, context)?;
+        request.adapter = adapter_ref.clone();
+        requests.push(request);
+    }
+    let budget = validate::token_budget(&requests);
+    for request in requests {
         valid.push(state.serving.validate(request)?);
     }
     let prompt_tokens: usize = valid.iter().map(|r| r.get().prompt.len()).sum();
-    let n = spec.request.n.max(1);
-    let budget = (prompt_tokens + valid.len() * n * spec.request.stop.max_new_tokens) as u64;
-    let tenant = caller.tenant.id.clone();
-    let permit = match state.limiter.admit(&tenant, &caller.tenant.limits(), budget) {
-        Ok(p) => p,
-        Err(e) => {
-            state.metrics.limited(&caller.tenant.name);
-            return Err(e);
-        }
+    permit.reserve(budget).inspect_err(|_| state.metrics.limited(&caller.tenant.name))?;
+
+    // The ledger row, durable before anything is generated.
+    let label = spec.target.label();
+    let record = UsageRecord {
+        id: crate::store::random_id("use"),
+        tenant_id: caller.tenant.id.clone(),
+        key_id: caller.key.id.clone(),
+        adapter: label.clone(),
+        prompt_tokens: prompt_tokens as i64,
+        cached_prompt_tokens: 0,
+        completion_tokens: 0,
+        queue_ms: 0.0,
+        ttft_ms: 0.0,
+        total_ms: 0.0,
+        outcome: outcome::RUNNING.into(),
+        started_at,
+        finished_at: started_at,
+        plan: caller.plan.name.clone(),
+        prompt_price: caller.plan.prompt_price,
+        cached_prompt_price: caller.plan.cached_prompt_price,
+        completion_price: caller.plan.completion_price,
+        instance: state.settings.instance.clone(),
     };
-    let placement = Placement::tenant(TenantId::new(&tenant), caller.tenant.weight);
+    state.ledger.open(record.clone()).await?;
+    let placement = Placement::tenant(TenantId::new(&caller.tenant.id), caller.tenant.weight);
     let mut handles = Vec::with_capacity(valid.len());
     for request in valid {
-        // Handles already queued are dropped (and so cancelled) if a later one is refused.
-        handles.push(state.serving.submit(request, placement.clone()).await?);
+        match state.serving.submit(request, placement.clone()).await {
+            Ok(h) => handles.push(h),
+            Err(e) => {
+                // Handles already queued are dropped (and so cancelled); the row says why.
+                drop(handles);
+                let e = ApiError::from(e);
+                let ended = UsageRecord { outcome: outcome::ERROR.into(), finished_at: now_ms(), ..record };
+                state.ledger.commit(ended).await?;
+                return Err(e);
+            }
+        }
     }
     let (tx, rx) = mpsc::unbounded_channel();
-    let label = spec.target.label();
     state.metrics.job_queued(&label);
-    let run = Run { state: state.clone(), endpoint: spec.endpoint, caller, label, prompt_tokens, started, started_at, permit, _guard: guard };
+    let run = Run { state: state.clone(), endpoint: spec.endpoint, caller, record, label, prompt_tokens, started, permit, _slot: slot, _guard: guard };
     state.jobs.spawn(run.drive(handles, tx));
     Ok(Job { events: rx, prompt_tokens })
 }
@@ -156,11 +206,14 @@ struct Run {
     state: AppState,
     endpoint: &'static str,
     caller: Caller,
+    /// Its ledger row as opened.
+    record: UsageRecord,
     label: String,
     prompt_tokens: usize,
     started: Instant,
-    started_at: i64,
     permit: Permit,
+    /// Its place in the admission bounds.
+    _slot: Slot,
     /// Keeps the adapter's files while the job runs, even if the adapter is deleted.
     _guard: Option<BlobGuard>,
 }
@@ -182,7 +235,12 @@ impl Run {
         let mut completion = 0;
         let mut first_token: Option<Duration> = None;
         let outcome = loop {
-            match merged.next().await {
+            let event = tokio::select! {
+                event = merged.next() => event,
+                // The client went away while nothing was generated.
+                () = tx.closed() => break Outcome::Cancelled,
+            };
+            match event {
                 Some((prompt, Event::Token(token))) => {
                     completion += 1;
                     if first_token.is_none() {
@@ -203,6 +261,7 @@ impl Run {
                         break Outcome::Ok;
                     }
                 }
+                Some((_, Event::Error(RuntimeError::Cancelled))) => break Outcome::Cancelled,
                 Some((_, Event::Error(e))) => break Outcome::Error(e.into()),
                 None => break Outcome::Error(RuntimeError::Unavailable("the runtime stopped before the request finished".into()).into()),
             }
@@ -217,15 +276,11 @@ impl Run {
         usage.time_to_first_token = first_token.unwrap_or(total);
         usage.total_time = total;
         let outcome_name = match &outcome {
-            Outcome::Ok => "ok",
-            Outcome::Cancelled => "cancelled",
-            Outcome::Error(_) => "error",
+            Outcome::Ok => outcome::OK,
+            Outcome::Cancelled => outcome::CANCELLED,
+            Outcome::Error(_) => outcome::ERROR,
         };
         let record = UsageRecord {
-            id: crate::store::random_id("use"),
-            tenant_id: self.caller.tenant.id.clone(),
-            key_id: self.caller.key.id.clone(),
-            adapter: self.label.clone(),
             prompt_tokens: usage.prompt_tokens as i64,
             cached_prompt_tokens: usage.cached_prompt_tokens as i64,
             completion_tokens: usage.completion_tokens as i64,
@@ -233,8 +288,8 @@ impl Run {
             ttft_ms: usage.time_to_first_token.as_secs_f64() * 1e3,
             total_ms: total.as_secs_f64() * 1e3,
             outcome: outcome_name.into(),
-            started_at: self.started_at,
             finished_at: now_ms(),
+            ..self.record.clone()
         };
         let committed = self.state.ledger.commit(record).await;
         self.permit.settle((usage.prompt_tokens + usage.completion_tokens) as u64);
@@ -249,7 +304,7 @@ impl Run {
         });
         let last = match (outcome, committed) {
             (Outcome::Ok, Ok(())) => JobEvent::Done(usage),
-            (Outcome::Ok, Err(e)) => JobEvent::Failed(ApiError::Internal(format!("the usage ledger could not be written: {e}"))),
+            (Outcome::Ok, Err(e)) => JobEvent::Failed(e.into()),
             (Outcome::Error(e), _) => JobEvent::Failed(e),
             (Outcome::Cancelled, _) => return,
         };
@@ -265,23 +320,36 @@ pub struct Gathered {
     pub finish: Option<FinishReason>,
 }
 
-/// Reads a job to its end: per prompt, per sample, the tokens; and the usage.
-pub async fn gather(mut job: Job, prompts: usize, n: usize) -> Result<(Vec<Vec<Gathered>>, Usage), ApiError> {
+/// Reads a job to its end: per prompt, per sample, the tokens; and the usage. If the client
+/// goes away meanwhile, stops reading (which cancels the job) and answers `Cancelled`.
+pub async fn gather(mut job: Job, prompts: usize, n: usize, peer: &Peer) -> Result<(Vec<Vec<Gathered>>, Usage), ApiError> {
     let mut out = vec![vec![Gathered::default(); n]; prompts];
-    while let Some(event) = job.events.recv().await {
+    loop {
+        let event = tokio::select! {
+            event = job.events.recv() => event,
+            () = peer.closed() => return Err(ApiError::Cancelled),
+        };
         match event {
-            JobEvent::Token { prompt, token } => {
+            Some(JobEvent::Token { prompt, token }) => {
                 if let Some(g) = out.get_mut(prompt).and_then(|p| p.get_mut(token.index)) {
                     g.text.push_str(&token.text);
                     g.finish = token.finish.or(g.finish);
                     g.tokens.push(token);
                 }
             }
-            JobEvent::Done(usage) => return Ok((out, usage)),
-            JobEvent::Failed(e) => return Err(e),
+            Some(JobEvent::Done(usage)) => return Ok((out, usage)),
+            Some(JobEvent::Failed(e)) => return Err(e),
+            None => return Err(ApiError::Unavailable("the request ended without a result".into())),
         }
     }
-    Err(ApiError::Unavailable("the request ended without a result".into()))
+}
+
+/// The next event of a streamed job; `None` once the client has gone (which cancels the job).
+pub async fn next_event(job: &mut Job, peer: &Peer) -> Option<Option<JobEvent>> {
+    tokio::select! {
+        event = job.events.recv() => Some(event),
+        () = peer.closed() => None,
+    }
 }
 
 /// OpenAI's usage object.

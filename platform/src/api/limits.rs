@@ -16,16 +16,16 @@ const WINDOW: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Default)]
 struct Window {
-    /// Admission times of the requests of the last minute.
-    requests: VecDeque<Instant>,
-    /// (admission time, reservation id, tokens) of the last minute.
+    /// (admission time, permit id) of the requests of the last minute.
+    requests: VecDeque<(Instant, u64)>,
+    /// (admission time, permit id, tokens) of the last minute.
     tokens: VecDeque<(Instant, u64, u64)>,
     concurrent: usize,
 }
 
 impl Window {
     fn expire(&mut self, now: Instant) {
-        while self.requests.front().is_some_and(|&t| now.duration_since(t) >= WINDOW) {
+        while self.requests.front().is_some_and(|&(t, _)| now.duration_since(t) >= WINDOW) {
             self.requests.pop_front();
         }
         while self.tokens.front().is_some_and(|&(t, _, _)| now.duration_since(t) >= WINDOW) {
@@ -34,7 +34,7 @@ impl Window {
     }
 
     fn token_sum(&self) -> u64 {
-        self.tokens.iter().map(|&(_, _, n)| n).sum()
+        self.tokens.iter().fold(0u64, |sum, &(_, _, n)| sum.saturating_add(n))
     }
 }
 
@@ -45,12 +45,15 @@ pub struct Limiter {
     next_id: std::sync::atomic::AtomicU64,
 }
 
-/// An admitted request: holds a concurrency slot until dropped.
+/// An admitted request: holds a concurrency slot until dropped. A permit dropped before its
+/// tokens were reserved (the request was refused after all) gives its request back.
 #[derive(Debug)]
 pub struct Permit {
     limiter: Arc<Limiter>,
     tenant: String,
-    reservation: u64,
+    limits: TenantLimits,
+    id: u64,
+    reserved: bool,
 }
 
 fn seconds_until(t: Instant, now: Instant) -> u64 {
@@ -63,11 +66,16 @@ impl Limiter {
         Arc::new(Self::default())
     }
 
-    /// Admits one request of `tenant` that may use up to `tokens` tokens, or says when to
-    /// retry.
-    pub fn admit(self: &Arc<Self>, tenant: &str, limits: &TenantLimits, tokens: u64) -> Result<Permit, ApiError> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Window>> {
+        self.tenants.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Admits one request of `tenant` against its concurrency and requests-per-minute limits,
+    /// or says when to retry. Its tokens are reserved later ([`Permit::reserve`]), once they
+    /// are counted.
+    pub fn admit(self: &Arc<Self>, tenant: &str, limits: &TenantLimits) -> Result<Permit, ApiError> {
         let now = Instant::now();
-        let mut all = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = self.lock();
         let w = all.entry(tenant.to_string()).or_default();
         w.expire(now);
         if let Some(max) = limits.max_concurrent
@@ -78,24 +86,39 @@ impl Limiter {
         if let Some(max) = limits.requests_per_min
             && w.requests.len() as i64 >= max
         {
-            let retry_after = w.requests.front().map_or(1, |&t| seconds_until(t, now)).max(1);
+            let retry_after = w.requests.front().map_or(1, |&(t, _)| seconds_until(t, now)).max(1);
             return Err(ApiError::RateLimited { message: format!("too many requests: the limit is {max} per minute"), retry_after });
         }
-        if let Some(max) = limits.tokens_per_min {
+        let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        w.requests.push_back((now, id));
+        w.concurrent += 1;
+        Ok(Permit { limiter: self.clone(), tenant: tenant.to_string(), limits: limits.clone(), id, reserved: false })
+    }
+}
+
+impl Permit {
+    /// Reserves the most tokens the request may use (prompt plus what it may generate) against
+    /// the tokens-per-minute limit, or says when to retry.
+    pub fn reserve(&mut self, tokens: u64) -> Result<(), ApiError> {
+        let now = Instant::now();
+        let mut all = self.limiter.lock();
+        let w = all.entry(self.tenant.clone()).or_default();
+        w.expire(now);
+        if let Some(max) = self.limits.tokens_per_min {
             let max = max.max(0) as u64;
             if tokens > max {
                 return Err(ApiError::Invalid(format!(
-                    "this request may use {tokens} tokens (prompt plus max_tokens), more than the limit of {max} tokens per minute; lower max_tokens"
+                    "this request may use {tokens} tokens (prompt plus max_tokens times n), more than the limit of {max} tokens per minute; lower max_tokens"
                 )));
             }
             let mut sum = w.token_sum();
-            if sum + tokens > max {
+            if sum.saturating_add(tokens) > max {
                 // Retry once enough of the window has expired.
                 let mut retry_after = 1;
                 for &(t, _, n) in &w.tokens {
-                    sum -= n;
+                    sum = sum.saturating_sub(n);
                     retry_after = seconds_until(t, now).max(1);
-                    if sum + tokens <= max {
+                    if sum.saturating_add(tokens) <= max {
                         break;
                     }
                 }
@@ -105,20 +128,16 @@ impl Limiter {
                 });
             }
         }
-        let reservation = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        w.requests.push_back(now);
-        w.tokens.push_back((now, reservation, tokens));
-        w.concurrent += 1;
-        Ok(Permit { limiter: self.clone(), tenant: tenant.to_string(), reservation })
+        w.tokens.push_back((now, self.id, tokens));
+        self.reserved = true;
+        Ok(())
     }
-}
 
-impl Permit {
     /// Replaces the reservation with the tokens the request really used.
     pub fn settle(&self, tokens: u64) {
-        let mut all = self.limiter.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = self.limiter.lock();
         if let Some(w) = all.get_mut(&self.tenant)
-            && let Some(entry) = w.tokens.iter_mut().find(|(_, id, _)| *id == self.reservation)
+            && let Some(entry) = w.tokens.iter_mut().find(|(_, id, _)| *id == self.id)
         {
             entry.2 = tokens;
         }
@@ -127,9 +146,12 @@ impl Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        let mut all = self.limiter.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = self.limiter.lock();
         if let Some(w) = all.get_mut(&self.tenant) {
             w.concurrent = w.concurrent.saturating_sub(1);
+            if !self.reserved {
+                w.requests.retain(|&(_, id)| id != self.id);
+            }
         }
     }
 }
@@ -142,32 +164,50 @@ mod tests {
         TenantLimits { requests_per_min: rpm, tokens_per_min: tpm, max_concurrent: conc, ..TenantLimits::default() }
     }
 
+    fn admit(l: &Arc<Limiter>, tenant: &str, limits: &TenantLimits, tokens: u64) -> Result<Permit, ApiError> {
+        let mut p = l.admit(tenant, limits)?;
+        p.reserve(tokens)?;
+        Ok(p)
+    }
+
     #[test]
     fn each_limit_refuses_with_a_retry_time() {
         let l = Limiter::new();
         let rpm = limits(Some(2), None, None);
-        let _a = l.admit("t", &rpm, 1).unwrap();
-        let _b = l.admit("t", &rpm, 1).unwrap();
-        match l.admit("t", &rpm, 1) {
+        let _a = admit(&l, "t", &rpm, 1).unwrap();
+        let _b = admit(&l, "t", &rpm, 1).unwrap();
+        match admit(&l, "t", &rpm, 1) {
             Err(ApiError::RateLimited { retry_after, .. }) => assert!((59..=60).contains(&retry_after), "{retry_after}"),
             other => panic!("{other:?}"),
         }
         // Another tenant has its own window.
-        assert!(l.admit("u", &rpm, 1).is_ok());
+        assert!(admit(&l, "u", &rpm, 1).is_ok());
 
         let conc = limits(None, None, Some(1));
-        let p = l.admit("c", &conc, 1).unwrap();
-        assert!(matches!(l.admit("c", &conc, 1), Err(ApiError::RateLimited { retry_after: 1, .. })));
+        let p = admit(&l, "c", &conc, 1).unwrap();
+        assert!(matches!(admit(&l, "c", &conc, 1), Err(ApiError::RateLimited { retry_after: 1, .. })));
         drop(p);
-        assert!(l.admit("c", &conc, 1).is_ok());
+        assert!(admit(&l, "c", &conc, 1).is_ok());
 
         let tpm = limits(None, Some(100), None);
-        let p = l.admit("k", &tpm, 80).unwrap();
-        assert!(matches!(l.admit("k", &tpm, 30), Err(ApiError::RateLimited { .. })));
+        let p = admit(&l, "k", &tpm, 80).unwrap();
+        assert!(matches!(admit(&l, "k", &tpm, 30), Err(ApiError::RateLimited { .. })));
         // What was reserved but not used is given back.
         p.settle(10);
-        assert!(l.admit("k", &tpm, 30).is_ok());
+        assert!(admit(&l, "k", &tpm, 30).is_ok());
         // A request that could never fit is a client error, not a retry.
-        assert!(matches!(l.admit("k", &tpm, 101), Err(ApiError::Invalid(_))));
+        assert!(matches!(admit(&l, "k", &tpm, 101), Err(ApiError::Invalid(_))));
+        // Sums saturate instead of overflowing.
+        assert!(matches!(admit(&l, "k", &tpm, u64::MAX), Err(ApiError::Invalid(_))));
+    }
+
+    #[test]
+    fn a_request_refused_after_admission_gives_its_place_back() {
+        let l = Limiter::new();
+        let both = limits(Some(1), Some(100), None);
+        // Admitted, then refused for its tokens: it does not count against the minute.
+        assert!(admit(&l, "t", &both, 500).is_err());
+        let _p = admit(&l, "t", &both, 10).unwrap();
+        assert!(matches!(admit(&l, "t", &both, 10), Err(ApiError::RateLimited { .. })));
     }
 }

@@ -8,10 +8,11 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::infer::{self, Job, JobEvent, JobSpec, Target, sse};
+use super::peer::Peer;
+use super::validate::{DefaultMax, Knobs, Prompt};
 use super::{ApiError, AppState, json_body};
-use crate::request::{FinishReason, GenerationRequest, StopConditions};
+use crate::request::FinishReason;
 use crate::runtime::{TokenOut, Usage};
-use crate::sampling::SamplingParams;
 use crate::store::Scope;
 
 pub fn routes(cfg: &mut web::ServiceConfig) {
@@ -39,7 +40,7 @@ struct Parameters {
     api_token: Option<String>,
     #[serde(default)]
     do_sample: bool,
-    max_new_tokens: Option<usize>,
+    max_new_tokens: Option<u32>,
     #[serde(default)]
     ignore_eos_token: bool,
     repetition_penalty: Option<f32>,
@@ -49,18 +50,18 @@ struct Parameters {
     stop: Vec<String>,
     seed: Option<u64>,
     temperature: Option<f32>,
-    top_k: Option<usize>,
+    top_k: Option<u32>,
     top_p: Option<f32>,
-    truncate: Option<usize>,
+    truncate: Option<u32>,
     typical_p: Option<f32>,
-    best_of: Option<usize>,
+    best_of: Option<u32>,
     #[serde(default)]
     watermark: bool,
     #[serde(default)]
     details: bool,
     #[serde(default)]
     decoder_input_details: bool,
-    return_k_alternatives: Option<usize>,
+    return_k_alternatives: Option<u32>,
     response_format: Option<Value>,
 }
 
@@ -69,7 +70,7 @@ fn unsupported(field: &str, why: &str) -> ApiError {
 }
 
 /// LoRAX's default for `max_new_tokens`.
-const DEFAULT_MAX_NEW_TOKENS: usize = 20;
+const DEFAULT_MAX_NEW_TOKENS: u32 = 20;
 
 struct Prepared {
     spec: JobSpec,
@@ -82,7 +83,7 @@ struct Prepared {
 
 async fn prepare(req: &HttpRequest, state: &AppState, payload: web::Payload) -> Result<(infer::Caller, Prepared), ApiError> {
     let caller = infer::caller(req, state, Scope::Inference).await?;
-    let body: GenerateRequest = json_body(payload).await?;
+    let body: GenerateRequest = json_body(state, payload).await?;
     let p = body.parameters;
     let _ = (&p.api_token, body.stream);
     if p.merged_adapters.as_ref().is_some_and(|v| !v.is_null()) {
@@ -112,48 +113,37 @@ async fn prepare(req: &HttpRequest, state: &AppState, payload: web::Payload) -> 
     if body.inputs.is_empty() {
         return Err(ApiError::Invalid("`inputs` must not be empty".into()));
     }
-    let adapter_id = p.adapter_id.clone().unwrap_or_default();
-    let target = if adapter_id.is_empty() { Target::Base } else { infer::resolve(state, &caller.tenant.id, &adapter_id).await? };
-    let mut prompt = state.tokenizer.encode(&body.inputs, true).map_err(|e| ApiError::Invalid(format!("`inputs` could not be tokenized: {e}")))?;
-    if let Some(keep) = p.truncate {
-        if keep == 0 {
-            return Err(ApiError::Invalid("`truncate` must be at least 1".into()));
-        }
-        prompt.drain(..prompt.len().saturating_sub(keep));
+    if p.truncate == Some(0) {
+        return Err(ApiError::Invalid("`truncate` must be at least 1".into()));
     }
     // LoRAX samples when asked to or when a sampling parameter departs from its default.
     let sampling = p.do_sample || p.temperature.is_some_and(|t| t != 1.0) || p.top_k.is_some() || p.top_p.is_some();
-    let defaults = SamplingParams::default();
-    let params = SamplingParams {
-        temperature: if sampling { p.temperature.unwrap_or(1.0) } else { 0.0 },
-        top_k: p.top_k.unwrap_or(0),
-        top_p: p.top_p.unwrap_or(1.0),
-        repetition_penalty: p.repetition_penalty.unwrap_or(1.0),
+    let knobs = Knobs {
+        max_tokens: p.max_new_tokens,
+        temperature: Some(if sampling { p.temperature.unwrap_or(1.0) } else { 0.0 }),
+        top_p: p.top_p,
+        top_k: p.top_k.map(|k| i32::try_from(k).unwrap_or(i32::MAX)),
+        repetition_penalty: p.repetition_penalty,
         seed: p.seed,
         logprobs: Some(p.return_k_alternatives.unwrap_or(0)),
-        ..defaults
+        stop: p.stop.clone(),
+        ignore_eos: p.ignore_eos_token,
+        ..Knobs::default()
     };
-    let request = GenerationRequest {
-        prompt: Vec::new(),
-        sampling: params,
-        stop: StopConditions {
-            max_new_tokens: p.max_new_tokens.unwrap_or(DEFAULT_MAX_NEW_TOKENS),
-            stop_token_ids: Vec::new(),
-            stop_strings: p.stop.clone(),
-            ignore_eos: p.ignore_eos_token,
-        },
-        adapter: None,
-        n: 1,
-    };
+    knobs.check()?;
+    let adapter_id = p.adapter_id.clone().unwrap_or_default();
+    let target = if adapter_id.is_empty() { Target::Base } else { infer::resolve(state, &caller.tenant.id, &adapter_id).await? };
     let eos = state.tokenizer.eos_token_ids().to_vec();
-    let prepared = Prepared {
-        spec: JobSpec { endpoint: "generate", prompts: vec![prompt], request, target },
-        adapter_id,
-        details: p.details,
-        full_text: p.return_full_text.then(|| body.inputs.clone()),
-        seed: p.seed,
-        eos,
+    let full_text = p.return_full_text.then(|| body.inputs.clone());
+    let spec = JobSpec {
+        endpoint: "generate",
+        prompts: vec![Prompt::Text(body.inputs)],
+        knobs,
+        default_max: DefaultMax::Tokens(DEFAULT_MAX_NEW_TOKENS),
+        truncate: p.truncate,
+        target,
     };
+    let prepared = Prepared { spec, adapter_id, details: p.details, full_text, seed: p.seed, eos };
     Ok((caller, prepared))
 }
 
@@ -191,7 +181,7 @@ async fn generate(req: HttpRequest, state: web::Data<AppState>, payload: web::Pa
     let (caller, p) = prepare(&req, &state, payload).await?;
     let job = infer::start(&state, caller, p.spec).await?;
     let prompt_tokens = job.prompt_tokens;
-    let (samples, usage) = infer::gather(job, 1, 1).await?;
+    let (samples, usage) = infer::gather(job, 1, 1, &Peer::of(&req)).await?;
     let g = &samples[0][0];
     let text = match &p.full_text {
         Some(input) => format!("{input}{}", g.text),
@@ -217,6 +207,7 @@ async fn generate(req: HttpRequest, state: web::Data<AppState>, payload: web::Pa
 struct Streaming {
     state: AppState,
     job: Job,
+    peer: Peer,
     eos: Vec<u32>,
     seed: Option<u64>,
     text: String,
@@ -232,13 +223,14 @@ impl Streaming {
         }
         // The first token is held back without writing anything: each token goes out once
         // the next event says whether it is the last.
-        let mut event = self.job.events.recv().await;
+        // `None` from `next_event`: the client went away; ending the body cancels the job.
+        let mut event = infer::next_event(&mut self.job, &self.peer).await?;
         while self.held.is_none()
             && let Some(JobEvent::Token { token, .. }) = event
         {
             self.text.push_str(&token.text);
             self.held = Some(token);
-            event = self.job.events.recv().await;
+            event = infer::next_event(&mut self.job, &self.peer).await?;
         }
         match event {
             Some(JobEvent::Token { token, .. }) => {
@@ -275,7 +267,16 @@ async fn generate_stream(req: HttpRequest, state: web::Data<AppState>, payload: 
     let job = infer::start(&state, caller, p.spec).await?;
     let mut res = HttpResponse::Ok();
     headers(&mut res, &state, &p.adapter_id, job.prompt_tokens, None);
-    let s = Streaming { state: (**state).clone(), job, eos: p.eos, seed: p.seed, text: p.full_text.unwrap_or_default(), held: None, done: false };
+    let s = Streaming {
+        state: (**state).clone(),
+        job,
+        peer: Peer::of(&req),
+        eos: p.eos,
+        seed: p.seed,
+        text: p.full_text.unwrap_or_default(),
+        held: None,
+        done: false,
+    };
     let body = futures::stream::unfold(s, |mut s| async move { s.next().await.map(|b| (Ok::<_, std::convert::Infallible>(b), s)) });
     Ok(res.content_type("text/event-stream").insert_header(("cache-control", "no-cache")).streaming(body))
 }

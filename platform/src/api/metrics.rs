@@ -196,6 +196,13 @@ impl Metrics {
         let waiting = sum(&|w| w.waiting as u64);
         gauge(o, "loraplex_requests_running", "Sequences generating now.", "gauge", running as f64);
         gauge(o, "loraplex_requests_waiting", "Sequences queued.", "gauge", waiting as f64);
+        let _ = writeln!(
+            o,
+            "# HELP loraplex_worker_healthy 1 when the worker has an engine and takes requests; 0 while it is being rebuilt.\n# TYPE loraplex_worker_healthy gauge"
+        );
+        for w in s.workers {
+            let _ = writeln!(o, "loraplex_worker_healthy{{worker=\"{}\"}} {}", w.worker, u8::from(w.unhealthy.is_none()));
+        }
         let _ = writeln!(o, "# HELP loraplex_pool_pages Page pool pages by kind, per worker.\n# TYPE loraplex_pool_pages gauge");
         for w in s.workers {
             let p = &w.pool;

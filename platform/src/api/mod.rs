@@ -3,6 +3,8 @@
 
 mod adapters;
 mod admin;
+mod admission;
+mod blocking;
 mod error;
 mod infer;
 mod limits;
@@ -10,8 +12,10 @@ mod lorax;
 mod metrics;
 mod openai;
 pub mod openapi;
+mod peer;
 mod serving;
 mod usage;
+pub mod validate;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -19,9 +23,12 @@ use std::sync::Arc;
 use actix_web::{HttpRequest, HttpResponse, web};
 
 pub use adapters::{Blobs, sweep};
+pub use admission::{Admission, AdmissionConfig};
+pub use blocking::BlockingPool;
 pub use error::ApiError;
 pub use limits::Limiter;
 pub use metrics::Metrics;
+pub use peer::on_connect;
 pub use serving::Serving;
 
 use crate::store::{ApiKey, Ledger, Scope, Store};
@@ -34,6 +41,36 @@ pub struct ApiSettings {
     pub max_upload_bytes: u64,
     /// Most sequences one worker runs at once (reported as `max_lora`).
     pub max_running: usize,
+    /// Admission: sequences queued or running on the server, and per tenant.
+    pub admission: AdmissionConfig,
+    /// Threads of the blocking pool, and the most jobs that may wait for one.
+    pub blocking_threads: usize,
+    pub blocking_queue: usize,
+    /// A request body that sends nothing for this long is cut with 408.
+    pub body_timeout: std::time::Duration,
+    /// Uploads one key may run at once.
+    pub max_uploads_per_key: u32,
+    /// Percent of each pool a tenant without its own `max_pinned_pages` may pin.
+    pub tenant_pinned_percent: u32,
+    /// This server's name on the ledger rows it opens (see [`crate::store::Ledger`]).
+    pub instance: String,
+}
+
+impl ApiSettings {
+    /// The defaults of `loraplex serve`, for an instance named `instance`.
+    pub fn new(instance: impl Into<String>) -> Self {
+        Self {
+            max_upload_bytes: 1 << 30,
+            max_running: 256,
+            admission: AdmissionConfig { max_pending: 4096, max_pending_per_tenant: 1024 },
+            blocking_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            blocking_queue: 1024,
+            body_timeout: std::time::Duration::from_secs(30),
+            max_uploads_per_key: 2,
+            tenant_pinned_percent: 10,
+            instance: instance.into(),
+        }
+    }
 }
 
 /// What every handler can reach.
@@ -51,6 +88,11 @@ pub struct AppState {
     pub blobs: Arc<Blobs>,
     pub jobs: Arc<Jobs>,
     pub settings: Arc<ApiSettings>,
+    pub admission: Arc<Admission>,
+    pub blocking: Arc<BlockingPool>,
+    pub uploads: Arc<adapters::Uploads>,
+    /// What prompts may be, from the model's context and vocabulary.
+    pub prompt_limits: validate::PromptLimits,
     /// Unix milliseconds.
     pub started_at: i64,
 }
@@ -59,8 +101,15 @@ impl AppState {
     /// State over a started runtime; starts the ledger writer (call inside the server's
     /// async runtime).
     pub fn new(store: Store, serving: Arc<dyn Serving>, tokenizer: Arc<Tokenizer>, model_name: &str, data_dir: &Path, settings: ApiSettings) -> Self {
+        let context = serving.model_config().max_position_embeddings;
+        // Normalization may shrink text a little (composed characters): twice the bound.
+        let max_bytes = context.saturating_mul(tokenizer.longest_token_bytes()).saturating_mul(2);
         Self {
             ledger: Ledger::start(store.clone()),
+            admission: Admission::new(settings.admission),
+            blocking: Arc::new(BlockingPool::new(settings.blocking_threads, settings.blocking_queue)),
+            uploads: Arc::new(adapters::Uploads::default()),
+            prompt_limits: validate::PromptLimits { context, max_bytes },
             store,
             serving,
             tokenizer,
@@ -144,6 +193,9 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
 /// Largest JSON body accepted.
 const MAX_JSON_BYTES: usize = 4 << 20;
 
+/// Bodies up to this size are parsed in place; larger ones on the blocking pool.
+const INLINE_JSON_BYTES: usize = 16 << 10;
+
 /// Parses a JSON body (after the caller is authorized, so that an unauthenticated request
 /// learns nothing but that it needs a key): a clear 400 for malformed JSON, wrong types or
 /// unknown fields.
@@ -154,13 +206,24 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiE
     serde_json::from_slice(body).map_err(|e| ApiError::Invalid(format!("invalid JSON body: {e}")))
 }
 
-/// Reads a request body of at most [`MAX_JSON_BYTES`].
-pub async fn read_body(mut payload: web::Payload) -> Result<web::Bytes, ApiError> {
+/// The next part of a body (a chunk, a multipart field); 408 if none comes within `timeout`.
+pub async fn next_chunk<S>(stream: &mut S, timeout: std::time::Duration) -> Result<Option<S::Item>, ApiError>
+where
+    S: futures::Stream + Unpin,
+{
     use futures::StreamExt;
+    tokio::time::timeout(timeout, stream.next())
+        .await
+        .map_err(|_| ApiError::Timeout(format!("the request body stalled: nothing arrived for {} s", timeout.as_secs_f64())))
+}
+
+/// Reads a request body of at most [`MAX_JSON_BYTES`]; a body that stalls for the body timeout
+/// is cut with 408.
+pub async fn read_body(state: &AppState, mut payload: web::Payload) -> Result<web::Bytes, ApiError> {
     let mut out = web::BytesMut::new();
-    while let Some(chunk) = payload.next().await {
+    while let Some(chunk) = next_chunk(&mut payload, state.settings.body_timeout).await? {
         let chunk = chunk.map_err(|e| ApiError::Invalid(format!("reading the body: {e}")))?;
-        if out.len() + chunk.len() > MAX_JSON_BYTES {
+        if out.len().saturating_add(chunk.len()) > MAX_JSON_BYTES {
             return Err(ApiError::TooLarge(format!("the body is larger than {MAX_JSON_BYTES} bytes")));
         }
         out.extend_from_slice(&chunk);
@@ -168,9 +231,13 @@ pub async fn read_body(mut payload: web::Payload) -> Result<web::Bytes, ApiError
     Ok(out.freeze())
 }
 
-/// [`read_body`], then [`parse_json`].
-pub async fn json_body<T: serde::de::DeserializeOwned>(payload: web::Payload) -> Result<T, ApiError> {
-    parse_json(&read_body(payload).await?)
+/// [`read_body`], then [`parse_json`] (on the blocking pool when the body is large).
+pub async fn json_body<T: serde::de::DeserializeOwned + Send + 'static>(state: &AppState, payload: web::Payload) -> Result<T, ApiError> {
+    let body = read_body(state, payload).await?;
+    if body.len() <= INLINE_JSON_BYTES {
+        return parse_json(&body);
+    }
+    state.blocking.run(move || parse_json(&body)).await?
 }
 
 /// Parses a query string (after authorization, as [`parse_json`]).
@@ -187,20 +254,38 @@ async fn health() -> HttpResponse {
     HttpResponse::Ok().json(serde_json::json!({"status": "ok"}))
 }
 
-/// Ready once the database answers and every worker has an engine.
+/// Ready once the database answers and at least one worker has an engine; every worker's
+/// health is listed (a worker without an engine is rebuilding it and gets no requests).
 async fn ready(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     state.store.plans().await?;
     let workers = state.serving.stats().await;
-    if workers.is_empty() {
-        return Err(ApiError::Unavailable("no worker is running".into()));
+    let list: Vec<serde_json::Value> =
+        workers.iter().map(|w| serde_json::json!({"worker": w.worker, "healthy": w.unhealthy.is_none(), "reason": w.unhealthy})).collect();
+    let healthy = workers.iter().filter(|w| w.unhealthy.is_none()).count();
+    if healthy == 0 {
+        return Err(ApiError::Unavailable(if workers.is_empty() {
+            "no worker is running".into()
+        } else {
+            "no worker is healthy; they are being rebuilt".into()
+        }));
     }
-    Ok(HttpResponse::Ok().json(serde_json::json!({"status": "ready", "workers": workers.len()})))
+    let status = if healthy == workers.len() { "ready" } else { "degraded" };
+    Ok(HttpResponse::Ok().json(serde_json::json!({"status": status, "workers": list})))
 }
 
-async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+/// Prometheus metrics, for an operator key with the `metrics` (or `admin`) scope: they name
+/// every tenant and adapter in use.
+async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let key = match authorize(&req, &state, Scope::Metrics).await {
+        Err(ApiError::Forbidden(_)) => authorize(&req, &state, Scope::Admin).await.map_err(|_| ApiError::Forbidden(Scope::Metrics.as_str()))?,
+        other => other?,
+    };
+    if key.tenant_id.is_some() {
+        return Err(ApiError::Forbidden(Scope::Metrics.as_str()));
+    }
     let workers = state.serving.stats().await;
     let body = state.metrics.render(&metrics::Snapshot { workers: &workers, max_lora: state.settings.max_running });
-    HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(body)
+    Ok(HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(body))
 }
 
 async fn openapi_json() -> HttpResponse {

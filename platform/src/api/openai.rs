@@ -7,9 +7,9 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::infer::{self, Caller, Job, JobEvent, JobSpec, sse, usage_json};
+use super::peer::Peer;
+use super::validate::{self, DefaultMax, Knobs, Prompt};
 use super::{ApiError, AppState, json_body};
-use crate::request::{GenerationRequest, StopConditions};
-use crate::sampling::SamplingParams;
 use crate::store::{Scope, now_ms};
 use crate::tokenizer::ChatMessage;
 
@@ -19,32 +19,11 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .route("/v1/models", web::get().to(models));
 }
 
-/// Most stop strings per request.
-const MAX_STOPS: usize = 16;
-
 #[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct StreamOptions {
     #[serde(default)]
     include_usage: bool,
-}
-
-/// The sampling and stopping fields both endpoints share, as sent.
-#[derive(Debug, Default)]
-struct Knobs {
-    max_tokens: Option<usize>,
-    temperature: Option<f32>,
-    top_p: Option<f32>,
-    n: Option<usize>,
-    stop: Option<Value>,
-    seed: Option<i64>,
-    presence_penalty: Option<f32>,
-    frequency_penalty: Option<f32>,
-    top_k: Option<i64>,
-    min_p: Option<f32>,
-    repetition_penalty: Option<f32>,
-    ignore_eos: Option<bool>,
-    logprobs: Option<usize>,
 }
 
 /// The [`Knobs`] of a completion or chat request: the fields both spell the same way, and the
@@ -56,101 +35,57 @@ macro_rules! knobs {
             logprobs: $logprobs,
             temperature: $b.temperature,
             top_p: $b.top_p,
-            n: $b.n,
-            stop: $b.stop,
-            seed: $b.seed,
-            presence_penalty: $b.presence_penalty,
-            frequency_penalty: $b.frequency_penalty,
             top_k: $b.top_k,
             min_p: $b.min_p,
+            n: $b.n,
+            stop: stop_strings($b.stop.as_ref())?,
+            // OpenAI's seed is a signed integer; every value maps to its own generator seed.
+            seed: $b.seed.map(|s| s as u64),
+            presence_penalty: $b.presence_penalty,
+            frequency_penalty: $b.frequency_penalty,
             repetition_penalty: $b.repetition_penalty,
-            ignore_eos: $b.ignore_eos,
+            ignore_eos: $b.ignore_eos.unwrap_or(false),
         }
     };
 }
 
-impl Knobs {
-    /// The generation request (without its prompt). `default_max` applies when `max_tokens`
-    /// is absent.
-    fn request(&self, default_max: usize) -> Result<GenerationRequest, ApiError> {
-        let top_k = match self.top_k {
-            None | Some(-1) | Some(0) => 0,
-            Some(k) if k > 0 => k as usize,
-            Some(k) => return Err(ApiError::Invalid(format!("`top_k` must be -1 (off) or positive; given: {k}"))),
-        };
-        let defaults = SamplingParams::default();
-        let sampling = SamplingParams {
-            temperature: self.temperature.unwrap_or(defaults.temperature),
-            top_k,
-            top_p: self.top_p.unwrap_or(defaults.top_p),
-            min_p: self.min_p.unwrap_or(defaults.min_p),
-            repetition_penalty: self.repetition_penalty.unwrap_or(defaults.repetition_penalty),
-            presence_penalty: self.presence_penalty.unwrap_or(0.0),
-            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
-            seed: self.seed.map(|s| s as u64),
-            logprobs: self.logprobs,
-        };
-        Ok(GenerationRequest {
-            prompt: Vec::new(),
-            sampling,
-            stop: StopConditions {
-                max_new_tokens: self.max_tokens.unwrap_or(default_max),
-                stop_token_ids: Vec::new(),
-                stop_strings: stop_strings(self.stop.as_ref())?,
-                ignore_eos: self.ignore_eos.unwrap_or(false),
-            },
-            adapter: None,
-            n: self.n.unwrap_or(1),
-        })
-    }
-}
-
+/// `stop` as sent: a string or a list of strings (their count and lengths are checked with the
+/// other limits, in [`validate`]).
 fn stop_strings(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
-    let stops = match stop {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(|v| v.as_str().map(str::to_string).ok_or_else(|| ApiError::Invalid("`stop` must be a string or a list of strings".into())))
-            .collect::<Result<_, _>>()?,
-        Some(_) => return Err(ApiError::Invalid("`stop` must be a string or a list of strings".into())),
-    };
-    if stops.len() > MAX_STOPS {
-        return Err(ApiError::Invalid(format!("at most {MAX_STOPS} stop strings, got {}", stops.len())));
+    let shape = || ApiError::Invalid("`stop` must be a string or a list of strings".into());
+    match stop {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::Array(items)) if items.len() > validate::MAX_STOPS => {
+            Err(ApiError::Invalid(format!("at most {} stop strings; given: {}", validate::MAX_STOPS, items.len())))
+        }
+        Some(Value::Array(items)) => items.iter().map(|v| v.as_str().map(str::to_string).ok_or_else(shape)).collect(),
+        Some(_) => Err(shape()),
     }
-    if stops.iter().any(String::is_empty) {
-        return Err(ApiError::Invalid("stop strings must not be empty".into()));
-    }
-    Ok(stops)
 }
 
 fn unsupported(field: &str, why: &str) -> ApiError {
     ApiError::Invalid(format!("`{field}` is not supported: {why}"))
 }
 
-/// The prompts of a completion request, as token ids.
-fn prompts(state: &AppState, prompt: &Value) -> Result<Vec<Vec<u32>>, ApiError> {
+/// The prompts of a completion request, as sent.
+fn prompts(prompt: &Value) -> Result<Vec<Prompt>, ApiError> {
     let shape = || ApiError::Invalid("`prompt` must be a string, a list of strings, a list of token ids or a list of lists of token ids".into());
-    let encode = |s: &str| -> Result<Vec<u32>, ApiError> {
-        if s.is_empty() {
-            return Err(ApiError::Invalid("the prompt is empty".into()));
-        }
-        state.tokenizer.encode(s, true).map_err(|e| ApiError::Invalid(format!("the prompt could not be tokenized: {e}")))
-    };
-    let ids = |items: &[Value]| -> Result<Vec<u32>, ApiError> {
-        if items.is_empty() {
-            return Err(ApiError::Invalid("the prompt is empty".into()));
-        }
+    let ids = |items: &[Value]| -> Result<Prompt, ApiError> {
         items
             .iter()
             .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(|| ApiError::Invalid(format!("token id {v} is not a valid token id"))))
-            .collect()
+            .collect::<Result<_, _>>()
+            .map(Prompt::Ids)
     };
     match prompt {
-        Value::String(s) => Ok(vec![encode(s)?]),
+        Value::String(s) => Ok(vec![Prompt::Text(s.clone())]),
         Value::Array(items) if items.is_empty() => Err(ApiError::Invalid("the prompt is empty".into())),
+        Value::Array(items) if items.len() > validate::MAX_PROMPTS && !items[0].is_number() => {
+            Err(ApiError::Invalid(format!("at most {} prompts per request; given: {}", validate::MAX_PROMPTS, items.len())))
+        }
         Value::Array(items) => match &items[0] {
-            Value::String(_) => items.iter().map(|v| v.as_str().ok_or_else(shape).and_then(encode)).collect(),
+            Value::String(_) => items.iter().map(|v| v.as_str().map(|s| Prompt::Text(s.to_string())).ok_or_else(shape)).collect(),
             Value::Number(_) => Ok(vec![ids(items)?]),
             Value::Array(_) => items.iter().map(|v| v.as_array().ok_or_else(shape).and_then(|a| ids(a))).collect(),
             _ => Err(shape()),
@@ -164,24 +99,24 @@ fn prompts(state: &AppState, prompt: &Value) -> Result<Vec<Vec<u32>>, ApiError> 
 struct CompletionRequest {
     model: String,
     prompt: Value,
-    max_tokens: Option<usize>,
+    max_tokens: Option<u32>,
     temperature: Option<f32>,
     top_p: Option<f32>,
-    n: Option<usize>,
+    n: Option<u32>,
     stop: Option<Value>,
     seed: Option<i64>,
     presence_penalty: Option<f32>,
     frequency_penalty: Option<f32>,
-    logprobs: Option<usize>,
+    logprobs: Option<u32>,
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
     user: Option<String>,
-    top_k: Option<i64>,
+    top_k: Option<i32>,
     min_p: Option<f32>,
     repetition_penalty: Option<f32>,
     ignore_eos: Option<bool>,
     echo: Option<bool>,
-    best_of: Option<usize>,
+    best_of: Option<u32>,
     suffix: Option<String>,
     logit_bias: Option<serde_json::Map<String, Value>>,
 }
@@ -193,7 +128,7 @@ struct Shape {
     created: i64,
     n: usize,
     prompts: usize,
-    logprobs: Option<usize>,
+    logprobs: Option<u32>,
     include_usage: bool,
     chat: bool,
 }
@@ -206,9 +141,20 @@ fn check_stream_options(stream: bool, options: &Option<StreamOptions>) -> Result
     }
 }
 
-async fn completions(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
-    let caller = infer::caller(&req, &state, Scope::Inference).await?;
-    let b: CompletionRequest = json_body(payload).await?;
+/// A request of either endpoint, translated and checked as far as it can be without the
+/// model: what [`run`] needs.
+struct Parsed {
+    model: String,
+    prompts: Vec<Prompt>,
+    knobs: Knobs,
+    default_max: DefaultMax,
+    stream: bool,
+    include_usage: bool,
+    logprobs: Option<u32>,
+    chat: bool,
+}
+
+fn parse_completion(b: CompletionRequest) -> Result<Parsed, ApiError> {
     if b.echo == Some(true) {
         return Err(unsupported("echo", "the prompt is not returned with the completion"));
     }
@@ -226,21 +172,16 @@ async fn completions(req: HttpRequest, state: web::Data<AppState>, payload: web:
     let _ = &b.user;
     let stream = b.stream.unwrap_or(false);
     let include_usage = check_stream_options(stream, &b.stream_options)?;
-    let target = infer::resolve(&state, &caller.tenant.id, &b.model).await?;
-    let prompts = prompts(&state, &b.prompt)?;
+    let prompts = prompts(&b.prompt)?;
     let knobs = knobs!(b, b.max_tokens, b.logprobs);
-    let request = knobs.request(16)?;
-    let shape = Shape {
-        id: infer::response_id("cmpl"),
-        model: b.model,
-        created: now_ms() / 1000,
-        n: request.n.max(1),
-        prompts: prompts.len(),
-        logprobs: b.logprobs,
-        include_usage,
-        chat: false,
-    };
-    run(&state, caller, JobSpec { endpoint: "completions", prompts, request, target }, shape, stream).await
+    knobs.check()?;
+    Ok(Parsed { model: b.model, prompts, knobs, default_max: DefaultMax::Tokens(16), stream, include_usage, logprobs: b.logprobs, chat: false })
+}
+
+async fn completions(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
+    let caller = infer::caller(&req, &state, Scope::Inference).await?;
+    let parsed = parse_completion(json_body(&state, payload).await?)?;
+    run(&state, caller, parsed, "completions", &Peer::of(&req)).await
 }
 
 #[derive(Debug, Deserialize)]
@@ -248,21 +189,21 @@ async fn completions(req: HttpRequest, state: web::Data<AppState>, payload: web:
 struct ChatRequest {
     model: String,
     messages: Vec<ChatMessage>,
-    max_tokens: Option<usize>,
-    max_completion_tokens: Option<usize>,
+    max_tokens: Option<u32>,
+    max_completion_tokens: Option<u32>,
     temperature: Option<f32>,
     top_p: Option<f32>,
-    n: Option<usize>,
+    n: Option<u32>,
     stop: Option<Value>,
     seed: Option<i64>,
     presence_penalty: Option<f32>,
     frequency_penalty: Option<f32>,
     logprobs: Option<bool>,
-    top_logprobs: Option<usize>,
+    top_logprobs: Option<u32>,
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
     user: Option<String>,
-    top_k: Option<i64>,
+    top_k: Option<i32>,
     min_p: Option<f32>,
     repetition_penalty: Option<f32>,
     ignore_eos: Option<bool>,
@@ -272,12 +213,7 @@ struct ChatRequest {
     response_format: Option<Value>,
 }
 
-async fn chat_completions(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
-    let caller = infer::caller(&req, &state, Scope::Inference).await?;
-    let b: ChatRequest = json_body(payload).await?;
-    if b.messages.is_empty() {
-        return Err(ApiError::Invalid("`messages` must not be empty".into()));
-    }
+fn parse_chat(b: ChatRequest) -> Result<Parsed, ApiError> {
     if b.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
         return Err(unsupported("logit_bias", "use stop strings or penalties"));
     }
@@ -299,35 +235,38 @@ async fn chat_completions(req: HttpRequest, state: web::Data<AppState>, payload:
     let _ = &b.user;
     let stream = b.stream.unwrap_or(false);
     let include_usage = check_stream_options(stream, &b.stream_options)?;
-    let target = infer::resolve(&state, &caller.tenant.id, &b.model).await?;
-    let prompt = state
-        .tokenizer
-        .encode_chat(&b.messages, true)
-        .map_err(|e| ApiError::Invalid(format!("the messages could not be rendered with the model's chat template: {e}")))?;
-    let context = state.serving.model_config().max_position_embeddings;
     let logprobs = if b.logprobs == Some(true) { Some(b.top_logprobs.unwrap_or(0)) } else { None };
     let knobs = knobs!(b, b.max_completion_tokens.or(b.max_tokens), logprobs);
+    knobs.check()?;
     // Without max_tokens, a chat reply may use the rest of the context.
-    let request = knobs.request(context.saturating_sub(prompt.len()).max(1))?;
-    let shape = Shape {
-        id: infer::response_id("chatcmpl"),
-        model: b.model,
-        created: now_ms() / 1000,
-        n: request.n.max(1),
-        prompts: 1,
-        logprobs,
-        include_usage,
-        chat: true,
-    };
-    run(&state, caller, JobSpec { endpoint: "chat_completions", prompts: vec![prompt], request, target }, shape, stream).await
+    let prompts = vec![Prompt::Chat(b.messages)];
+    Ok(Parsed { model: b.model, prompts, knobs, default_max: DefaultMax::RestOfContext, stream, include_usage, logprobs, chat: true })
 }
 
-async fn run(state: &AppState, caller: Caller, spec: JobSpec, shape: Shape, stream: bool) -> Result<HttpResponse, ApiError> {
+async fn chat_completions(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
+    let caller = infer::caller(&req, &state, Scope::Inference).await?;
+    let parsed = parse_chat(json_body(&state, payload).await?)?;
+    run(&state, caller, parsed, "chat_completions", &Peer::of(&req)).await
+}
+
+async fn run(state: &AppState, caller: Caller, p: Parsed, endpoint: &'static str, peer: &Peer) -> Result<HttpResponse, ApiError> {
+    let target = infer::resolve(state, &caller.tenant.id, &p.model).await?;
+    let shape = Shape {
+        id: infer::response_id(if p.chat { "chatcmpl" } else { "cmpl" }),
+        model: p.model,
+        created: now_ms() / 1000,
+        n: p.knobs.samples() as usize,
+        prompts: p.prompts.len(),
+        logprobs: p.logprobs,
+        include_usage: p.include_usage,
+        chat: p.chat,
+    };
+    let spec = JobSpec { endpoint, prompts: p.prompts, knobs: p.knobs, default_max: p.default_max, truncate: None, target };
     let job = infer::start(state, caller, spec).await?;
-    if stream {
-        return Ok(stream_response(state.clone(), job, shape));
+    if p.stream {
+        return Ok(stream_response(state.clone(), job, shape, peer.clone()));
     }
-    let (samples, usage) = infer::gather(job, shape.prompts, shape.n).await?;
+    let (samples, usage) = infer::gather(job, shape.prompts, shape.n, peer).await?;
     let mut choices = Vec::with_capacity(shape.prompts * shape.n);
     for (p, prompt) in samples.iter().enumerate() {
         for (i, g) in prompt.iter().enumerate() {
@@ -389,6 +328,7 @@ fn chat_logprobs(state: &AppState, tokens: &[crate::runtime::TokenOut]) -> Value
 struct Streaming {
     state: AppState,
     job: Job,
+    peer: Peer,
     shape: Shape,
     offsets: Vec<usize>,
     started: bool,
@@ -419,7 +359,9 @@ impl Streaming {
             out.extend_from_slice(&sse(&self.chunk(choices, None)));
         }
         self.started = true;
-        match self.job.events.recv().await {
+        // The client went away: end the body, which drops the job and so cancels it.
+        let event = infer::next_event(&mut self.job, &self.peer).await?;
+        match event {
             Some(JobEvent::Token { prompt, token }) => {
                 let index = prompt * self.shape.n + token.index;
                 let finish = token.finish.map(|f| f.as_str());
@@ -457,9 +399,9 @@ impl Streaming {
     }
 }
 
-fn stream_response(state: AppState, job: Job, shape: Shape) -> HttpResponse {
+fn stream_response(state: AppState, job: Job, shape: Shape, peer: Peer) -> HttpResponse {
     let offsets = vec![0; shape.n * shape.prompts];
-    let s = Streaming { state, job, shape, offsets, started: false, done: false };
+    let s = Streaming { state, job, peer, shape, offsets, started: false, done: false };
     let body = futures::stream::unfold(s, |mut s| async move { s.next().await.map(|b| (Ok::<_, std::convert::Infallible>(b), s)) });
     HttpResponse::Ok().content_type("text/event-stream").insert_header(("cache-control", "no-cache")).streaming(body)
 }

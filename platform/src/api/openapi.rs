@@ -6,7 +6,7 @@ use serde_json::{Map, Value, json};
 pub const ROUTES: &[(&str, &str, &str, &str)] = &[
     ("get", "/health", "Liveness: the process answers.", "none"),
     ("get", "/ready", "Readiness: the database answers and the workers run.", "none"),
-    ("get", "/metrics", "Prometheus metrics, with the vllm:* names gateways read.", "none"),
+    ("get", "/metrics", "Prometheus metrics, with the vllm:* names gateways read (an operator key with the metrics or admin scope).", "metrics"),
     ("get", "/openapi.json", "This document.", "none"),
     ("post", "/v1/completions", "OpenAI text completion; `model` is the base model or an adapter.", "inference"),
     ("post", "/v1/chat/completions", "OpenAI chat completion through the model's chat template.", "inference"),
@@ -27,6 +27,7 @@ pub const ROUTES: &[(&str, &str, &str, &str)] = &[
     ("patch", "/admin/tenants/{id}", "Change a tenant's weight, plan or limits.", "admin"),
     ("delete", "/admin/tenants/{id}", "Delete a tenant and revoke its keys.", "admin"),
     ("post", "/admin/tenants/{id}/keys", "Create a key for a tenant; the secret is shown once.", "admin"),
+    ("post", "/admin/keys", "Create an operator key with the admin and/or metrics scopes; the secret is shown once.", "admin"),
     ("delete", "/admin/keys/{id}", "Revoke a key.", "admin"),
     ("get", "/admin/billing/report", "Every tenant's bill: ?from=&to=&format=json|csv.", "admin"),
 ];

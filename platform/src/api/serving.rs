@@ -10,7 +10,7 @@ use loraplex_kernels::Backend;
 use crate::memory::{AdapterRef, Residency};
 use crate::model::ModelConfig;
 use crate::request::{GenerationRequest, ValidRequest};
-use crate::runtime::{RequestHandle, Runtime, SubmitError, WorkerStats};
+use crate::runtime::{HoldError, Holder, PoolShape, RequestHandle, Runtime, SubmitError, WorkerStats};
 use crate::scheduler::Placement;
 
 pub trait Serving: Send + Sync + 'static {
@@ -18,13 +18,12 @@ pub trait Serving: Send + Sync + 'static {
     fn base_shape(&self) -> &BaseShape;
     fn adapter_limits(&self) -> &AdapterLimits;
     fn device_name(&self) -> &str;
+    fn pool_shape(&self) -> PoolShape;
     fn validate(&self, request: GenerationRequest) -> Result<ValidRequest, SubmitError>;
     fn submit(&self, request: ValidRequest, placement: Placement) -> LocalBoxFuture<'_, Result<RequestHandle, SubmitError>>;
     fn stats(&self) -> LocalBoxFuture<'_, Vec<WorkerStats>>;
-    fn load_adapter(&self, adapter: AdapterRef, hold: bool) -> LocalBoxFuture<'_, Vec<Residency>>;
-    fn unload_adapter(&self, key: Arc<str>, forget: bool) -> LocalBoxFuture<'_, bool>;
-    /// Makes the next step of `worker` fail as a device failure would (failure drills).
-    fn inject_fault(&self, worker: usize, reason: &str) -> bool;
+    fn load_adapter(&self, adapter: AdapterRef, holder: Option<Holder>) -> LocalBoxFuture<'_, Vec<Result<Residency, HoldError>>>;
+    fn unload_adapter(&self, key: Arc<str>, holder: Arc<str>, forget: bool) -> LocalBoxFuture<'_, bool>;
 }
 
 impl<B: Backend> Serving for Runtime<B> {
@@ -44,6 +43,10 @@ impl<B: Backend> Serving for Runtime<B> {
         Runtime::device_name(self)
     }
 
+    fn pool_shape(&self) -> PoolShape {
+        Runtime::pool_shape(self)
+    }
+
     fn validate(&self, request: GenerationRequest) -> Result<ValidRequest, SubmitError> {
         Runtime::validate(self, request)
     }
@@ -56,15 +59,11 @@ impl<B: Backend> Serving for Runtime<B> {
         Box::pin(Runtime::stats(self))
     }
 
-    fn load_adapter(&self, adapter: AdapterRef, hold: bool) -> LocalBoxFuture<'_, Vec<Residency>> {
-        Box::pin(Runtime::load_adapter(self, adapter, hold))
+    fn load_adapter(&self, adapter: AdapterRef, holder: Option<Holder>) -> LocalBoxFuture<'_, Vec<Result<Residency, HoldError>>> {
+        Box::pin(Runtime::load_adapter(self, adapter, holder))
     }
 
-    fn unload_adapter(&self, key: Arc<str>, forget: bool) -> LocalBoxFuture<'_, bool> {
-        Box::pin(Runtime::unload_adapter(self, key, forget))
-    }
-
-    fn inject_fault(&self, worker: usize, reason: &str) -> bool {
-        Runtime::inject_fault(self, worker, reason)
+    fn unload_adapter(&self, key: Arc<str>, holder: Arc<str>, forget: bool) -> LocalBoxFuture<'_, bool> {
+        Box::pin(Runtime::unload_adapter(self, key, holder, forget))
     }
 }

@@ -9,25 +9,10 @@ use serde_json::json;
 
 use super::infer;
 use super::{ApiError, AppState, authorize, parse_query};
-use crate::store::{BillingLine, Scope, Totals, now_ms};
+use crate::store::{BillingLine, Scope, TenantTotals, Totals, date, now_ms};
 
 pub fn routes(cfg: &mut web::ServiceConfig) {
     cfg.route("/v1/usage", web::get().to(usage)).route("/admin/billing/report", web::get().to(report));
-}
-
-/// `YYYY-MM-DD` of a day number since the Unix epoch (proleptic Gregorian, UTC).
-pub fn date(day: i64) -> String {
-    // Howard Hinnant's days-to-civil.
-    let z = day + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}")
 }
 
 /// Day number of a `YYYY-MM-DD` date.
@@ -47,7 +32,7 @@ fn day_of(date: &str) -> Option<i64> {
     let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
     let day = era * 146_097 + doe - 719_468;
     // Reject days that do not exist (2026-02-30).
-    (self::date(day) == format!("{:04}-{:02}-{:02}", if m <= 2 { y + 1 } else { y }, m, d)).then_some(day)
+    (crate::store::date(day) == format!("{:04}-{:02}-{:02}", if m <= 2 { y + 1 } else { y }, m, d)).then_some(day)
 }
 
 /// A bound: Unix seconds, or a `YYYY-MM-DD` date (its midnight, UTC). In milliseconds.
@@ -67,25 +52,19 @@ struct UsageQuery {
     group_by: Option<String>,
 }
 
+/// Sums as JSON; `cost` is a decimal string of dollars, exact (see [`crate::store::Money`]).
 fn totals_json(t: &Totals) -> serde_json::Value {
     json!({
         "requests": t.requests,
         "prompt_tokens": t.prompt_tokens,
         "cached_prompt_tokens": t.cached_prompt_tokens,
         "completion_tokens": t.completion_tokens,
-        "total_tokens": t.prompt_tokens + t.completion_tokens,
+        "total_tokens": t.total_tokens(),
         "cost": t.cost,
     })
 }
 
-fn add(into: &mut Totals, t: &Totals) {
-    into.requests += t.requests;
-    into.prompt_tokens += t.prompt_tokens;
-    into.cached_prompt_tokens += t.cached_prompt_tokens;
-    into.completion_tokens += t.completion_tokens;
-    into.cost += t.cost;
-}
-
+/// A report line, with the same fields and values as its CSV row.
 fn line_json(l: &BillingLine) -> serde_json::Value {
     let mut v = totals_json(&l.totals);
     v["tenant_id"] = l.tenant_id.clone().into();
@@ -93,6 +72,13 @@ fn line_json(l: &BillingLine) -> serde_json::Value {
     v["plan"] = l.plan.clone().into();
     v["adapter"] = l.adapter.clone().into();
     v["date"] = date(l.day).into();
+    v
+}
+
+fn tenant_json(id: &str, t: &TenantTotals) -> serde_json::Value {
+    let mut v = totals_json(&t.totals);
+    v["tenant_id"] = id.into();
+    v["tenant"] = t.tenant.clone().into();
     v
 }
 
@@ -107,7 +93,7 @@ async fn usage(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpRespo
         Some("day") => {
             let mut by: BTreeMap<i64, Totals> = BTreeMap::new();
             for l in &report.lines {
-                add(by.entry(l.day).or_default(), &l.totals);
+                by.entry(l.day).or_default().add(&l.totals)?;
             }
             by.iter()
                 .map(|(d, t)| {
@@ -120,7 +106,7 @@ async fn usage(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpRespo
         Some("adapter") => {
             let mut by: BTreeMap<&str, Totals> = BTreeMap::new();
             for l in &report.lines {
-                add(by.entry(&l.adapter).or_default(), &l.totals);
+                by.entry(&l.adapter).or_default().add(&l.totals)?;
             }
             by.iter()
                 .map(|(a, t)| {
@@ -163,7 +149,7 @@ async fn report(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResp
             "from": from / 1000,
             "to": to / 1000,
             "lines": report.lines.iter().map(line_json).collect::<Vec<_>>(),
-            "tenants": report.tenants.iter().map(|(id, t)| { let mut v = totals_json(t); v["tenant_id"] = id.clone().into(); v }).collect::<Vec<_>>(),
+            "tenants": report.tenants.iter().map(|(id, t)| tenant_json(id, t)).collect::<Vec<_>>(),
             "totals": totals_json(&report.totals),
         }))),
         "csv" => Ok(HttpResponse::Ok()

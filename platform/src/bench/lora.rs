@@ -176,7 +176,7 @@ impl Bench<'_> {
         let c = self.model.config();
         let mut ids = Vec::new();
         for (i, adapter) in rows.iter().enumerate() {
-            let stop = StopConditions { max_new_tokens: new_tokens, ignore_eos: true, ..Default::default() };
+            let stop = StopConditions { max_new_tokens: u32::try_from(new_tokens)?, ignore_eos: true, ..Default::default() };
             let req = GenerationRequest {
                 prompt: prompt(self.args.context, c.vocab_size, i),
                 sampling: SamplingParams::greedy(),
@@ -255,7 +255,7 @@ fn residency_times(model: &Model<CpuBackend>, adapters: &[AdapterRef]) -> anyhow
     let layout = model.kv_layout(16);
     let mut mem = DevicePool::with_bytes(backend.as_ref(), layout, 256 << 20)?;
     let loader = AdapterLoader::new(&LoaderConfig::default(), model.base_shape(), layout.page_elems())?;
-    let mut res = AdapterResidency::new(loader, model.config().num_layers);
+    let mut res = AdapterResidency::new(loader, model.config().num_layers, usize::MAX);
     let mut disk = Vec::new();
     let mut host = Vec::new();
     for a in adapters {

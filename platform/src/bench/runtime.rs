@@ -57,7 +57,7 @@ impl Setup {
     }
 
     fn request(&self, prompt: Vec<u32>, max_new_tokens: usize, sampling: SamplingParams, adapter: Option<AdapterRef>) -> anyhow::Result<ValidRequest> {
-        let stop = StopConditions { max_new_tokens, ignore_eos: true, ..Default::default() };
+        let stop = StopConditions { max_new_tokens: u32::try_from(max_new_tokens)?, ignore_eos: true, ..Default::default() };
         Ok(GenerationRequest { prompt, sampling, stop, adapter, n: 1 }.validate(self.model.config())?)
     }
 
@@ -378,13 +378,20 @@ pub fn churn(setup: &Setup, opts: &ChurnOptions) -> anyhow::Result<ChurnResult> 
     let host = LoaderConfig { host_cache_bytes: 16 << 30, ..opts.engine.adapters.clone() };
     let sized =
         |adapters: usize| EngineConfig { pool_bytes: (kv_pages + adapters * adapter_pages) * page_bytes, adapters: host.clone(), ..opts.engine.clone() };
+    // The all-resident run pins every adapter: pins get the share of the pool they need, and
+    // requests keep their pages (plus the rounding of that share).
+    let pinned = |adapters: usize| {
+        let pins = adapters * adapter_pages;
+        let total = pins + kv_pages + (pins + kv_pages) / 50 + 2;
+        EngineConfig { pool_bytes: total * page_bytes, pinned_percent: (pins * 100).div_ceil(total) as u32, ..sized(adapters) }
+    };
 
     let draws = zipf_draws(opts.adapters, opts.zipf, opts.requests, 11);
     let distinct = draws.iter().collect::<std::collections::HashSet<_>>().len();
     let requests: Vec<(Vec<u32>, AdapterRef)> = draws.iter().enumerate().map(|(i, &a)| (prompt(opts.prompt, setup.vocab(), i), refs[a].clone())).collect();
 
     // Every adapter resident, held in the pool, before the clock starts.
-    let rt = setup.runtime(sized(opts.adapters))?;
+    let rt = setup.runtime(pinned(opts.adapters))?;
     for a in &refs {
         rt.load_adapter_blocking(a, true, Duration::from_secs(120)).map_err(|e| anyhow::anyhow!("loading {}: {e}", a.key))?;
     }

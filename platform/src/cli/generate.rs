@@ -105,7 +105,7 @@ struct BatchLine {
     prompt: Option<String>,
     prompt_ids: Option<Vec<u32>>,
     adapter: Option<PathBuf>,
-    max_new_tokens: Option<usize>,
+    max_new_tokens: Option<u32>,
     temperature: Option<f32>,
     top_p: Option<f32>,
     top_k: Option<usize>,

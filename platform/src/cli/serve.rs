@@ -12,7 +12,7 @@ use anyhow::{Context, bail};
 use loraplex_kernels::cpu::CpuBackend;
 use loraplex_kernels::cuda::{self, CudaBackend};
 
-use crate::api::{self, ApiSettings, AppState, Serving};
+use crate::api::{self, AdmissionConfig, ApiSettings, AppState, Serving};
 use crate::config::{Device, Resolved, ServeArgs};
 use crate::model;
 use crate::runtime::Runtime;
@@ -47,6 +47,11 @@ fn model_dir(args: &ServeArgs) -> anyhow::Result<(PathBuf, String)> {
     Ok((dir, SYNTHETIC_MODEL.to_string()))
 }
 
+/// The engine as `serve` runs it: adapter pins may take their share of each pool.
+fn engine_config(args: &ServeArgs) -> crate::engine::EngineConfig {
+    crate::engine::EngineConfig { pinned_percent: args.max_pinned_percent, ..args.engine.engine_config() }
+}
+
 fn start_runtime(args: &ServeArgs, dir: &Path) -> anyhow::Result<(Arc<dyn Serving>, Arc<Tokenizer>)> {
     if args.workers == 0 {
         bail!("--workers must be at least 1");
@@ -65,7 +70,7 @@ fn start_runtime(args: &ServeArgs, dir: &Path) -> anyhow::Result<(Arc<dyn Servin
             }
             let model = Arc::new(model::load(Arc::new(CpuBackend::new()), dir).with_context(|| load("the CPU"))?);
             let devices = vec![model; args.workers];
-            Arc::new(Runtime::start(devices, tokenizer.clone(), args.engine.engine_config()).context("starting the workers")?)
+            Arc::new(Runtime::start(devices, tokenizer.clone(), engine_config(args)).context("starting the workers")?)
         }
         Resolved::Cuda(ordinals) => {
             let mut devices = Vec::new();
@@ -74,10 +79,25 @@ fn start_runtime(args: &ServeArgs, dir: &Path) -> anyhow::Result<(Arc<dyn Servin
                 backend.warm_up().with_context(|| format!("compiling the kernels for cuda:{n}"))?;
                 devices.push(Arc::new(model::load(Arc::new(backend), dir).with_context(|| load(&format!("cuda:{n}")))?));
             }
-            Arc::new(Runtime::start(devices, tokenizer.clone(), args.engine.engine_config()).context("starting the workers")?)
+            Arc::new(Runtime::start(devices, tokenizer.clone(), engine_config(args)).context("starting the workers")?)
         }
     };
     Ok((serving, tokenizer))
+}
+
+/// This server's name on the ledger rows it opens: kept in the data directory, so that a
+/// restart finds the rows its previous run left open (and no other replica's).
+fn instance_id(data_dir: &Path) -> anyhow::Result<String> {
+    let path = data_dir.join("instance-id");
+    if let Ok(id) = std::fs::read_to_string(&path)
+        && !id.trim().is_empty()
+    {
+        return Ok(id.trim().to_string());
+    }
+    let id = crate::store::random_id("inst");
+    let partial = data_dir.join("instance-id.partial");
+    std::fs::write(&partial, &id).and_then(|()| std::fs::rename(&partial, &path)).with_context(|| format!("writing {}", path.display()))?;
+    Ok(id)
 }
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
@@ -91,7 +111,17 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let (dir, default_name) = model_dir(args)?;
     let model_name = args.served_model_name.clone().unwrap_or(default_name);
     let (serving, tokenizer) = start_runtime(args, &dir)?;
-    let settings = ApiSettings { max_upload_bytes: args.max_upload_mb.saturating_mul(1 << 20), max_running: args.engine.max_running };
+    let settings = ApiSettings {
+        max_upload_bytes: args.max_upload_mb.saturating_mul(1 << 20),
+        max_running: args.engine.max_running,
+        admission: AdmissionConfig { max_pending: args.max_pending.max(1), max_pending_per_tenant: args.max_pending_per_tenant.max(1) },
+        blocking_threads: args.blocking_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())).max(1),
+        blocking_queue: args.blocking_queue,
+        body_timeout: Duration::from_secs(args.body_timeout.max(1)),
+        max_uploads_per_key: args.max_uploads_per_key.max(1),
+        tenant_pinned_percent: args.tenant_pinned_percent,
+        instance: instance_id(&data_dir)?,
+    };
     actix_web::rt::System::new().block_on(async move {
         let store = Store::connect(&url).await.with_context(|| format!("opening the database {url}"))?;
         match &args.admin_key {
@@ -104,11 +134,20 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             }
             None => {}
         }
-        api::sweep(&data_dir, &store).await.context("cleaning the data directory")?;
+        let swept = api::sweep(&data_dir, &store, *serving.base_shape(), *serving.adapter_limits()).await.context("cleaning the data directory")?;
+        if swept.orphans + swept.validated > 0 {
+            println!("adapter files: kept {}, removed {} orphaned, validated {} from before manifests", swept.kept, swept.orphans, swept.validated);
+        }
+        // Requests this instance admitted and never finished: its last run died under them.
+        let interrupted = store.interrupt_running(&settings.instance).await.context("closing the ledger rows of the last run")?;
+        if interrupted > 0 {
+            println!("ledger: {interrupted} requests of the last run were interrupted (recorded without charge)");
+        }
         let state = AppState::new(store.clone(), serving, tokenizer, &model_name, &data_dir, settings);
         let app_state = state.clone();
-        let mut server =
-            HttpServer::new(move || App::new().app_data(web::Data::new(app_state.clone())).configure(api::routes)).shutdown_timeout(args.shutdown_timeout);
+        let mut server = HttpServer::new(move || App::new().app_data(web::Data::new(app_state.clone())).configure(api::routes))
+            .on_connect(api::on_connect)
+            .shutdown_timeout(args.shutdown_timeout);
         if let Some(n) = args.http_workers {
             server = server.workers(n.max(1));
         }

@@ -27,7 +27,7 @@ use crate::memory::{
     ResidencyEvent, ResidentRows,
 };
 use crate::model::{LoraBatch, Model};
-use crate::request::{FinishReason, RequestError, ValidRequest};
+use crate::request::{FinishReason, RequestError, SeqError, ValidRequest};
 use crate::sampling::Sampler;
 use crate::scheduler::{Placement, Readiness, Scheduler, SchedulerConfig, StepMemory};
 use crate::tokenizer::{Tokenizer, TokenizerError};
@@ -51,25 +51,43 @@ pub struct EngineConfig {
     pub adapters: LoaderConfig,
     /// Keep full KV blocks for later requests with the same prefix.
     pub prefix_cache: bool,
+    /// Percent of the pool's pages that adapter pins (loads that hold an adapter) may take
+    /// together; the rest is for requests, which are refused at admission if they could need
+    /// more than it.
+    pub pinned_percent: u32,
+}
+
+impl EngineConfig {
+    /// Pages of the pool that pins may take, of `total`.
+    pub fn max_pinned_pages(&self, total: usize) -> usize {
+        total.saturating_mul(self.pinned_percent.min(100) as usize) / 100
+    }
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { block_size: 16, pool_bytes: 1 << 30, max_batch_tokens: 2048, max_running: 256, adapters: LoaderConfig::default(), prefix_cache: true }
+        Self {
+            block_size: 16,
+            pool_bytes: 1 << 30,
+            max_batch_tokens: 2048,
+            max_running: 256,
+            adapters: LoaderConfig::default(),
+            prefix_cache: true,
+            pinned_percent: 0,
+        }
     }
 }
 
-/// Errors of a step. A request error refers to one request; the others fail the whole step.
+/// Errors of the engine. A request error or an adapter failure refers to one request; the
+/// others fail the whole step (the device cannot be trusted any more).
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     #[error(transparent)]
     Request(#[from] RequestError),
-    #[error("the request needs {needed} pool pages but the pool has only {total}; raise --pool-mb")]
-    TooLargeForPool { needed: usize, total: usize },
-    #[error("{0}")]
+    #[error("the adapter could not be loaded: {0}")]
     Adapter(Arc<str>),
     #[error("sequence {}: {error}", seq.0)]
-    Failed { seq: SeqId, error: Arc<str> },
+    Failed { seq: SeqId, error: SeqError },
     #[error("starting the adapter loader: {0}")]
     Loader(std::io::Error),
     #[error("invalid engine configuration: {0}")]
@@ -109,7 +127,7 @@ pub struct TokenLogprobs {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Failure {
     pub seq: SeqId,
-    pub error: Arc<str>,
+    pub error: SeqError,
 }
 
 pub struct Engine<B: Backend> {
@@ -144,7 +162,8 @@ impl<B: Backend> Engine<B> {
             Some(pool) => AdapterLoader::on(pool),
             None => AdapterLoader::new(&config.adapters, model.base_shape(), mem.page_elems()).map_err(EngineError::Loader)?,
         };
-        let adapters = AdapterResidency::new(loader, model.config().num_layers);
+        let pinnable = config.max_pinned_pages(mem.pages.stats().total);
+        let adapters = AdapterResidency::new(loader, model.config().num_layers, pinnable);
         Ok(Self {
             model,
             tokenizer,
@@ -176,6 +195,12 @@ impl<B: Backend> Engine<B> {
     /// The adapters resident in this device's pool.
     pub fn resident_adapters(&self) -> Vec<Arc<str>> {
         self.adapters.resident_keys()
+    }
+
+    /// Pages of the pool that requests can always have: all but the share pins may take.
+    pub fn usable_pages(&self) -> usize {
+        let total = self.mem.pages.stats().total;
+        total - self.config.max_pinned_pages(total)
     }
 
     /// Sequences running and waiting.
@@ -236,10 +261,9 @@ impl<B: Backend> Engine<B> {
     pub fn add_placed(&mut self, request: ValidRequest, placement: Placement) -> Result<SeqId, EngineError> {
         let req = request.into_inner();
         let blocks = BlockTable::new(&self.mem.pages, self.config.block_size);
-        let needed = blocks.blocks_for(req.prompt.len() + req.stop.max_new_tokens);
-        let total = self.mem.pages.stats().total;
-        if needed > total {
-            return Err(EngineError::TooLargeForPool { needed, total });
+        let (needed, usable) = (req.max_pages(self.config.block_size), self.usable_pages());
+        if needed > usable {
+            return Err(RequestError::TooLargeForPool { needed, usable, samples: req.n, max_new_tokens: req.stop.max_new_tokens }.into());
         }
         if let Some(adapter) = &req.adapter
             && let Residency::Failed(e) = self.adapters.request(adapter)
@@ -247,12 +271,12 @@ impl<B: Backend> Engine<B> {
             return Err(EngineError::Adapter(e));
         }
         let id = SeqId(self.next_id);
-        self.next_id += req.n.max(1) as u64;
+        self.next_id += u64::from(req.n.max(1));
         let forks = (1..req.n)
             .map(|i| {
                 let mut params = req.sampling.clone();
-                params.seed = params.seed.map(|seed| seed.wrapping_add(i as u64));
-                (SeqId(id.0 + i as u64), Sampler::new(params, &req.prompt))
+                params.seed = params.seed.map(|seed| seed.wrapping_add(u64::from(i)));
+                (SeqId(id.0 + u64::from(i)), Sampler::new(params, &req.prompt))
             })
             .collect();
         let sampler = Sampler::new(req.sampling, &req.prompt);
@@ -334,21 +358,18 @@ impl<B: Backend> Engine<B> {
             }
             let prefix = self.config.prefix_cache.then_some(&mut self.prefix);
             let mut samples = if s.forks.is_empty() { Vec::new() } else { split_samples(s, &mut self.mem, backend.as_ref(), prefix)? };
-            let (finished, sample_events) = if argmax_only {
-                let token = chosen.next().unwrap_or_default();
-                let mut out = vec![s.take_argmax(token, &self.tokenizer)?];
-                for c in samples.iter_mut().filter(|c| c.computed == c.tokens.len()) {
-                    out.push(c.take_argmax(token, &self.tokenizer)?);
+            let pick = if argmax_only { Pick::Argmax(chosen.next().unwrap_or_default()) } else { Pick::Logits(rows.next().unwrap_or_default()) };
+            // A sequence that fails here (its output cannot be detokenized) ends alone: its
+            // samples are dropped with it and the rest of the batch goes on.
+            let sample_events = match take_tokens(s, &mut samples, pick, &self.tokenizer) {
+                Ok(out) => out,
+                Err(e) => {
+                    self.failures.push(Failure { seq: id, error: SeqError::Failed(e.to_string().into()) });
+                    self.sched.finish(id);
+                    continue;
                 }
-                (out[0].finish.is_some(), out)
-            } else {
-                let row = rows.next().unwrap_or_default();
-                let mut out = vec![s.sample(&mut row.to_vec(), &self.tokenizer)?];
-                for c in samples.iter_mut().filter(|c| c.computed == c.tokens.len()) {
-                    out.push(c.sample(&mut row.to_vec(), &self.tokenizer)?);
-                }
-                (out[0].finish.is_some(), out)
             };
+            let finished = sample_events[0].finish.is_some();
             for c in samples {
                 let done = sample_events.iter().any(|e| e.seq == c.id && e.finish.is_some());
                 if !done {
@@ -398,9 +419,8 @@ impl<B: Backend> Engine<B> {
         let adapters = &self.adapters;
         let stuck = |s: &Sequence| s.adapter.as_ref().and_then(|a| adapters.staged_pages(&a.key).filter(|&n| n > available).map(|n| (a.key.clone(), n)));
         for s in self.sched.remove_waiting_where(|s| stuck(s).is_some()) {
-            if let Some((key, n)) = stuck(&s) {
-                let error = format!("adapter {key} needs {n} pool pages; only {available} can be made free (the rest are held); raise --pool-mb");
-                self.failures.push(Failure { seq: s.id, error: error.into() });
+            if let Some((_, needed)) = stuck(&s) {
+                self.failures.push(Failure { seq: s.id, error: SeqError::PoolExhausted { needed, available } });
             }
         }
     }
@@ -466,6 +486,29 @@ impl<B: Backend> Engine<B> {
         }
         Ok(done.into_values().collect())
     }
+}
+
+/// How this step's token is chosen for a sequence whose tokens are all computed.
+#[derive(Clone, Copy)]
+enum Pick<'a> {
+    /// The device's argmax of its logits row.
+    Argmax(u32),
+    /// Its logits row, sampled on the host.
+    Logits(&'a [f32]),
+}
+
+/// The next token of `s` and of each of its samples whose prompt is computed; the first event
+/// is `s`'s.
+fn take_tokens(s: &mut Sequence, samples: &mut [Sequence], pick: Pick<'_>, tokenizer: &Tokenizer) -> Result<Vec<TokenEvent>, TokenizerError> {
+    let take = |seq: &mut Sequence| match pick {
+        Pick::Argmax(token) => seq.take_argmax(token, tokenizer),
+        Pick::Logits(row) => seq.sample(&mut row.to_vec(), tokenizer),
+    };
+    let mut out = vec![take(s)?];
+    for c in samples.iter_mut().filter(|c| c.computed == c.tokens.len()) {
+        out.push(take(c)?);
+    }
+    Ok(out)
 }
 
 /// Names the sequence's newly completed full blocks and offers them to the prefix cache
@@ -563,12 +606,12 @@ impl<B: Backend> StepMemory<Sequence> for EngineMemory<'_, B> {
         let Some(adapter) = &seq.adapter else { return Readiness::Ready };
         match self.adapters.request(adapter) {
             Residency::Resident => Readiness::Ready,
-            Residency::Failed(error) => Readiness::Failed(error),
+            Residency::Failed(error) => Readiness::Failed(SeqError::AdapterFailed(error)),
             _ => Readiness::Waiting,
         }
     }
 
-    fn start(&mut self, seq: &mut Sequence, alone: bool) -> Result<bool, Arc<str>> {
+    fn start(&mut self, seq: &mut Sequence, alone: bool) -> Result<bool, SeqError> {
         if let Some(adapter) = &seq.adapter {
             match self.adapters.pin(&adapter.key) {
                 Some(pinned) => seq.lora = Some(pinned),
@@ -583,8 +626,7 @@ impl<B: Backend> StepMemory<Sequence> for EngineMemory<'_, B> {
         let available = self.pool.pages.available();
         if alone && needed > available {
             self.release(seq);
-            let total = self.pool.pages.stats().total;
-            return Err(format!("needs {needed} pool pages; {available} of {total} can be made free; raise --pool-mb").into());
+            return Err(SeqError::PoolExhausted { needed, available });
         }
         Ok(true)
     }

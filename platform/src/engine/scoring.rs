@@ -28,12 +28,15 @@ pub fn greedy_logits<B: Backend>(
     let mut kv = DevicePool::with_bytes(backend, layout, pages * layout.page_bytes())?;
     let mut table = BlockTable::new(&kv.pages, block_size);
     if !table.reserve(total) {
-        return Err(EngineError::TooLargeForPool { needed: pages, total: kv.pages.stats().total });
+        return Err(EngineError::Config(format!("a pool of {} pages cannot hold {total} tokens", kv.pages.stats().total)));
     }
     let mut rows_table = None;
     let mut _entry = None;
     if let Some(packed) = &packed {
-        let (entry, pin) = kv.pages.insert(EntryKind::Adapter, packed.num_pages()).ok_or(EngineError::TooLargeForPool { needed: pages, total: pages })?;
+        let (entry, pin) = kv
+            .pages
+            .insert(EntryKind::Adapter, packed.num_pages())
+            .ok_or_else(|| EngineError::Config(format!("a pool of {pages} pages cannot hold the adapter")))?;
         let placed = entry.pages();
         for (i, &p) in placed.iter().enumerate() {
             backend.write_f32(&mut kv.buffer, p as usize * layout.page_elems(), packed.page(i))?;

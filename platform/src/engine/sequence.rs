@@ -160,7 +160,7 @@ impl Sequence {
 
     /// The most tokens this sequence can ever hold.
     pub fn max_len(&self) -> usize {
-        self.prompt_len + self.stop.max_new_tokens
+        self.prompt_len + self.stop.max_new_tokens as usize
     }
 
     /// Whether the next token is the plain argmax of the logits (see [`Sampler::is_plain_argmax`]).
@@ -198,7 +198,7 @@ impl Sequence {
                     finish = Some(FinishReason::Stop);
                 }
             }
-            if finish.is_none() && self.generated() >= self.stop.max_new_tokens {
+            if finish.is_none() && self.generated() >= self.stop.max_new_tokens as usize {
                 finish = Some(FinishReason::Length);
             }
         }

@@ -13,7 +13,7 @@
 //! final placement is a copy of the page images between steps (about a millisecond per 10 MB);
 //! reading, validating and packing happen on the loader threads.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,11 +30,20 @@ use super::{CachedPages, DevicePool, EntryKind, PagePin};
 pub struct AdapterRef {
     pub key: Arc<str>,
     pub dir: Arc<Path>,
+    /// The directory was validated when the adapter was uploaded and holds its manifest
+    /// (`loraplex_adapter.json`): loads read that, not the PEFT config.
+    pub validated: bool,
 }
 
 impl AdapterRef {
+    /// A PEFT adapter directory, parsed and validated when it is loaded.
     pub fn new(key: impl Into<Arc<str>>, dir: impl AsRef<Path>) -> Self {
-        Self { key: key.into(), dir: Arc::from(dir.as_ref()) }
+        Self { key: key.into(), dir: Arc::from(dir.as_ref()), validated: false }
+    }
+
+    /// An uploaded adapter, validated once at upload (see [`loraplex_adapters::Manifest`]).
+    pub fn validated(key: impl Into<Arc<str>>, dir: impl AsRef<Path>) -> Self {
+        Self { validated: true, ..Self::new(key, dir) }
     }
 }
 
@@ -132,6 +141,35 @@ impl ResidentAdapter {
     }
 }
 
+/// Who asks for an adapter to stay pinned in the pool (a tenant, or the operator), and how many
+/// pages of this pool all of its pins together may take.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Holder {
+    /// The tenant's id; empty for the operator.
+    pub id: Arc<str>,
+    pub max_pages: usize,
+}
+
+/// Why a pin was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HoldError {
+    /// The holder's own pins would take more pages than its cap.
+    #[error("pinning this adapter takes {pages} pool pages; your pins already take {used} of your limit of {max}; unload one first")]
+    HolderCap { pages: usize, used: usize, max: usize },
+    /// Every holder's pins together would take more than the share of the pool pins may have
+    /// (the rest stays for running requests).
+    #[error("pinning this adapter takes {pages} pool pages; pins already take {used} of the {max} the server allows; try again later")]
+    PoolShare { pages: usize, used: usize, max: usize },
+}
+
+/// An adapter kept pinned on behalf of one or more holders.
+struct Held {
+    /// Keeps the pages; released when dropped.
+    _pin: PagePin,
+    pages: usize,
+    holders: HashSet<Arc<str>>,
+}
+
 enum State {
     Loading { since: Instant },
     Staged { since: Instant, from: Tier, host: Arc<HostAdapter> },
@@ -147,13 +185,17 @@ pub struct AdapterResidency {
     /// Staged adapters in the order they are to be placed.
     staged: VecDeque<Arc<str>>,
     /// Pins held on behalf of callers that asked for an adapter to stay resident.
-    held: HashMap<Arc<str>, PagePin>,
+    held: HashMap<Arc<str>, Held>,
+    /// Most pages all holds together may pin.
+    max_held_pages: usize,
     events: Vec<ResidencyEvent>,
 }
 
 impl AdapterResidency {
-    pub fn new(loader: AdapterLoader, num_layers: usize) -> Self {
-        Self { loader, num_layers, states: HashMap::new(), staged: VecDeque::new(), held: HashMap::new(), events: Vec::new() }
+    /// `max_held_pages` bounds what [`Self::hold`] may pin, so that the rest of the pool stays
+    /// for requests.
+    pub fn new(loader: AdapterLoader, num_layers: usize, max_held_pages: usize) -> Self {
+        Self { loader, num_layers, states: HashMap::new(), staged: VecDeque::new(), held: HashMap::new(), max_held_pages, events: Vec::new() }
     }
 
     /// Where `key` is now. An evicted adapter reads as [`Residency::Absent`] until requested.
@@ -184,7 +226,7 @@ impl AdapterResidency {
             }
             None => {
                 self.states.insert(adapter.key.clone(), State::Loading { since });
-                self.loader.submit(adapter.key.clone(), adapter.dir.clone());
+                self.loader.submit(adapter.clone());
                 Residency::Loading
             }
         }
@@ -227,28 +269,58 @@ impl AdapterResidency {
         }
     }
 
-    /// Keeps a resident adapter in the pool until [`Self::release`], whether requests use it or
-    /// not. False if it is not resident.
-    pub fn hold(&mut self, key: &str) -> bool {
-        if self.held.contains_key(key) {
-            return true;
+    /// Keeps a resident adapter in the pool on behalf of `holder` until that holder's
+    /// [`Self::release`], whether requests use it or not. `Ok(false)` if it is not resident
+    /// (yet). Each holder is charged the adapter's pages against its own cap; the adapter's pages
+    /// count once against the pool's share for pins.
+    pub fn hold(&mut self, key: &str, holder: &Holder) -> Result<bool, HoldError> {
+        if self.held.get(key).is_some_and(|h| h.holders.contains(&holder.id)) {
+            return Ok(true);
         }
-        match self.pin(key) {
-            Some((pin, r)) => {
-                self.held.insert(r.key.clone(), pin);
-                true
+        let Some((pin, r)) = self.pin(key) else { return Ok(false) };
+        let pages = r.num_pages();
+        let used = self.held_pages_of(&holder.id);
+        if used.saturating_add(pages) > holder.max_pages {
+            return Err(HoldError::HolderCap { pages, used, max: holder.max_pages });
+        }
+        match self.held.get_mut(key) {
+            Some(h) => {
+                h.holders.insert(holder.id.clone());
             }
-            None => false,
+            None => {
+                let used = self.held_pages();
+                if used.saturating_add(pages) > self.max_held_pages {
+                    return Err(HoldError::PoolShare { pages, used, max: self.max_held_pages });
+                }
+                self.held.insert(r.key.clone(), Held { _pin: pin, pages, holders: HashSet::from([holder.id.clone()]) });
+            }
         }
+        Ok(true)
     }
 
-    /// Lets a held adapter be evicted again once no request uses it.
-    pub fn release(&mut self, key: &str) -> bool {
-        self.held.remove(key).is_some()
+    /// Pages pinned by holds, each adapter counted once.
+    pub fn held_pages(&self) -> usize {
+        self.held.values().map(|h| h.pages).sum()
     }
 
-    /// Forgets an adapter everywhere (a deleted or replaced adapter). Requests already running
-    /// keep its pages through their pins until they finish.
+    /// Pages of the adapters `holder` keeps pinned.
+    pub fn held_pages_of(&self, holder: &str) -> usize {
+        self.held.values().filter(|h| h.holders.contains(holder)).map(|h| h.pages).sum()
+    }
+
+    /// Lets `holder`'s pin of an adapter go; the adapter can be evicted again once no other
+    /// holder keeps it and no request uses it. False if `holder` did not hold it.
+    pub fn release(&mut self, key: &str, holder: &str) -> bool {
+        let Some(h) = self.held.get_mut(key) else { return false };
+        let released = h.holders.remove(holder);
+        if h.holders.is_empty() {
+            self.held.remove(key);
+        }
+        released
+    }
+
+    /// Forgets an adapter everywhere (a deleted or replaced adapter), every holder's pin
+    /// included. Requests already running keep its pages through their pins until they finish.
     pub fn forget(&mut self, key: &str) {
         self.held.remove(key);
         self.states.remove(key);

@@ -13,6 +13,8 @@ use std::thread::JoinHandle;
 
 use loraplex_adapters::{AdapterLimits, BaseShape, LoraAdapter, PackedAdapter, TargetModule};
 use loraplex_kernels::LORA_ROW_ALIGN;
+
+use super::AdapterRef;
 use moka::sync::Cache;
 
 /// Sizes of the host tier.
@@ -61,8 +63,11 @@ struct LoadContext {
 }
 
 impl LoadContext {
-    fn load(&self, key: &Arc<str>, dir: &Path) -> Result<Arc<HostAdapter>, String> {
-        let adapter = LoraAdapter::load(dir, &self.shape, &self.limits).map_err(|e| e.to_string())?;
+    fn load(&self, key: &Arc<str>, dir: &Path, validated: bool) -> Result<Arc<HostAdapter>, String> {
+        // An uploaded adapter was parsed and validated once, at upload: its manifest says what
+        // is in the weights file, and no PEFT config or pattern is read again.
+        let adapter = if validated { LoraAdapter::load_validated(dir, &self.shape, &self.limits) } else { LoraAdapter::load(dir, &self.shape, &self.limits) };
+        let adapter = adapter.map_err(|e| e.to_string())?;
         let packed = PackedAdapter::pack(&adapter, self.page_elems, LORA_ROW_ALIGN).map_err(|e| format!("{}: {e}", dir.display()))?;
         let host = Arc::new(HostAdapter {
             key: key.clone(),
@@ -137,12 +142,13 @@ impl LoaderPool {
     }
 
     /// Runs a load off the caller's thread; its outcome goes to `reply`.
-    fn submit(&self, key: Arc<str>, dir: Arc<Path>, reply: Sender<LoadDone>) {
+    fn submit(&self, adapter: AdapterRef, reply: Sender<LoadDone>) {
         let ctx = self.ctx.clone();
         let failed = reply.clone();
-        let failed_key = key.clone();
+        let failed_key = adapter.key.clone();
         let task: LoadTask = Box::new(move || {
-            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ctx.load(&key, &dir)))
+            let AdapterRef { key, dir, validated } = adapter;
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ctx.load(&key, &dir, validated)))
                 .unwrap_or_else(|_| Err(format!("{}: the loader failed unexpectedly", dir.display())))
                 .map_err(Arc::from);
             // The asker may be gone (a rebuilt worker); the adapter stays cached.
@@ -194,9 +200,9 @@ impl AdapterLoader {
         self.pool.ctx.cache.get(key)
     }
 
-    /// Queues a load from `dir`; its outcome comes out of [`Self::completed`].
-    pub fn submit(&self, key: Arc<str>, dir: Arc<Path>) {
-        self.pool.submit(key, dir, self.reply.clone());
+    /// Queues a load of `adapter`; its outcome comes out of [`Self::completed`].
+    pub fn submit(&self, adapter: AdapterRef) {
+        self.pool.submit(adapter, self.reply.clone());
     }
 
     /// Loads finished since the last call, without waiting.

@@ -21,9 +21,9 @@ mod fair;
 mod tests;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
 
 use crate::engine::SeqId;
+use crate::request::SeqError;
 use fair::{FairQueues, Job};
 pub use fair::{Priority, TenantId};
 
@@ -49,7 +49,7 @@ pub enum Readiness {
     /// Its adapter is still on its way.
     Waiting,
     /// It can never run (its adapter failed to load; it can never fit): drop it with this reason.
-    Failed(Arc<str>),
+    Failed(SeqError),
 }
 
 /// The memory side of scheduling, implemented over the page pool by the engine.
@@ -60,7 +60,7 @@ pub trait StepMemory<S> {
     /// raises its `computed`). `Ok(false)`, with nothing held, when the pool is short now;
     /// `Err` when it can never start. `alone` says nothing else runs, so no pages will be
     /// freed by others: a shortfall then is final.
-    fn start(&mut self, seq: &mut S, alone: bool) -> Result<bool, Arc<str>>;
+    fn start(&mut self, seq: &mut S, alone: bool) -> Result<bool, SeqError>;
     /// Gives `seq` room in the cache for `tokens` tokens in all; false, with nothing changed,
     /// when the pool is short.
     fn grow(&mut self, seq: &mut S, tokens: usize) -> bool;
@@ -128,7 +128,7 @@ pub struct StepPlan<S> {
     /// Running sequences sent back to their queues to free pages.
     pub preempted: Vec<SeqId>,
     /// Queued sequences that can never run, with the reason.
-    pub failed: Vec<(S, Arc<str>)>,
+    pub failed: Vec<(S, SeqError)>,
 }
 
 impl<S> Default for StepPlan<S> {

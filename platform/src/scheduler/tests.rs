@@ -44,15 +44,15 @@ impl Mem {
 impl StepMemory<Seq> for Mem {
     fn readiness(&mut self, seq: &Seq) -> Readiness {
         match seq.adapter {
-            Some(a) if self.failed.contains(a) => Readiness::Failed(format!("adapter {a} failed").into()),
+            Some(a) if self.failed.contains(a) => Readiness::Failed(SeqError::AdapterFailed(format!("adapter {a} failed").into())),
             Some(a) if !self.ready.contains(a) => Readiness::Waiting,
             _ => Readiness::Ready,
         }
     }
-    fn start(&mut self, seq: &mut Seq, alone: bool) -> Result<bool, Arc<str>> {
+    fn start(&mut self, seq: &mut Seq, alone: bool) -> Result<bool, SeqError> {
         let need = seq.max_len.div_ceil(self.block);
         if alone && need > self.free {
-            return Err(format!("needs {need} blocks, {} free", self.free).into());
+            return Err(SeqError::PoolExhausted { needed: need, available: self.free });
         }
         Ok(self.free > 0)
     }
@@ -247,7 +247,7 @@ fn a_request_whose_adapter_failed_is_dropped_with_the_reason() {
     let plan = sim.step();
     assert_eq!(plan.failed.len(), 1);
     assert_eq!(plan.failed[0].0.id, bad);
-    assert!(plan.failed[0].1.contains("broken"));
+    assert!(matches!(&plan.failed[0].1, SeqError::AdapterFailed(why) if why.contains("broken")), "{}", plan.failed[0].1);
     assert!(!sim.sched.has_work());
 }
 
@@ -257,7 +257,7 @@ fn a_request_that_can_never_fit_fails_instead_of_waiting_forever() {
     sim.add("a", 1.0, Priority::Interactive, 60, 40, None);
     let plan = sim.step();
     assert_eq!(plan.failed.len(), 1);
-    assert!(plan.failed[0].1.contains("needs 7 blocks"), "{}", plan.failed[0].1);
+    assert!(matches!(plan.failed[0].1, SeqError::PoolExhausted { needed: 7, available: 4 }), "{}", plan.failed[0].1);
 }
 
 #[test]

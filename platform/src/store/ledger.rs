@@ -1,15 +1,33 @@
-//! The usage ledger: one row per request, written before the request's final event is sent,
-//! with group commit (rows that arrive while a transaction is being written go into the next
-//! one); and billing reports priced by each tenant's plan.
+//! The usage ledger: one row per request, with group commit (rows that arrive while a
+//! transaction is being written go into the next one); and billing reports.
+//!
+//! A request's row is written twice: when it is admitted ([`Ledger::open`], outcome `running`,
+//! durable before its first token goes out) and when it ends ([`Ledger::commit`], before its
+//! final event goes out). A process that dies in between leaves `running` rows, which the next
+//! start of the same instance turns into `interrupted` ([`Store::interrupt_running`]): recorded
+//! with their prompt tokens and no charge. Each row keeps the plan and prices in force when it
+//! was opened, so reports price history as it was, exactly (see [`Money`]).
 
 use std::collections::BTreeMap;
 
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 
-use super::{Store, StoreError};
+use super::{Money, Store, StoreError};
 
-/// One finished request.
+/// The outcomes a row can have.
+pub mod outcome {
+    /// Admitted, not finished yet (or its process died: see `INTERRUPTED`).
+    pub const RUNNING: &str = "running";
+    pub const OK: &str = "ok";
+    /// The client went away, or cancelled.
+    pub const CANCELLED: &str = "cancelled";
+    pub const ERROR: &str = "error";
+    /// Admitted and unfinished when its server process died; not charged.
+    pub const INTERRUPTED: &str = "interrupted";
+}
+
+/// One request.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow, Serialize)]
 pub struct UsageRecord {
     pub id: String,
@@ -23,18 +41,26 @@ pub struct UsageRecord {
     pub queue_ms: f64,
     pub ttft_ms: f64,
     pub total_ms: f64,
-    /// `ok`, `cancelled`, `error`, ...
+    /// One of [`outcome`].
     pub outcome: String,
     pub started_at: i64,
     pub finished_at: i64,
+    /// The tenant's plan when the request was admitted, and its prices (micro-dollars per
+    /// million tokens).
+    pub plan: String,
+    pub prompt_price: i64,
+    pub cached_prompt_price: i64,
+    pub completion_price: i64,
+    /// The server instance that admitted it.
+    pub instance: String,
 }
 
 /// Most rows in one transaction.
 const GROUP: usize = 256;
 
-/// A row to commit, or a barrier: answered once every row sent before it is committed.
+/// A row to write, or a barrier: answered once every row sent before it is committed.
 enum Pending {
-    Row(UsageRecord, oneshot::Sender<Result<(), String>>),
+    Row(Box<UsageRecord>, oneshot::Sender<Result<(), String>>),
     Flush(oneshot::Sender<()>),
 }
 
@@ -47,10 +73,14 @@ pub struct Ledger {
 impl std::fmt::Debug for Pending {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Pending::Row(r, _) => write!(f, "Row({})", r.id),
+            Pending::Row(r, _) => write!(f, "Row({}, {})", r.id, r.outcome),
             Pending::Flush(_) => write!(f, "Flush"),
         }
     }
+}
+
+fn stopped() -> StoreError {
+    StoreError::Unavailable("the ledger writer has stopped".into())
 }
 
 impl Ledger {
@@ -63,11 +93,11 @@ impl Ledger {
                 let rows: Vec<&UsageRecord> = batch
                     .iter()
                     .filter_map(|p| match p {
-                        Pending::Row(r, _) => Some(r),
+                        Pending::Row(r, _) => Some(&**r),
                         Pending::Flush(_) => None,
                     })
                     .collect();
-                let outcome = if rows.is_empty() { Ok(()) } else { store.insert_usage(&rows).await.map_err(|e| e.to_string()) };
+                let outcome = if rows.is_empty() { Ok(()) } else { store.upsert_usage(&rows).await.map_err(|e| e.to_string()) };
                 for p in batch.drain(..) {
                     match p {
                         Pending::Row(_, done) => {
@@ -83,14 +113,25 @@ impl Ledger {
         Self { tx }
     }
 
-    /// Commits one row; returns once it is durable (or why it could not be written).
+    /// Records an admitted request (outcome `running`); returns once the row is durable.
+    pub async fn open(&self, record: UsageRecord) -> Result<(), StoreError> {
+        debug_assert_eq!(record.outcome, outcome::RUNNING);
+        self.write(record).await
+    }
+
+    /// Records how a request ended (creating its row if it was never opened); returns once it
+    /// is durable (or why it could not be written).
     pub async fn commit(&self, record: UsageRecord) -> Result<(), StoreError> {
+        self.write(record).await
+    }
+
+    async fn write(&self, record: UsageRecord) -> Result<(), StoreError> {
         let (done, wait) = oneshot::channel();
-        self.tx.send(Pending::Row(record, done)).map_err(|_| StoreError::Invalid { field: "ledger", why: "the ledger writer has stopped".into() })?;
+        self.tx.send(Pending::Row(Box::new(record), done)).map_err(|_| stopped())?;
         match wait.await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(why)) => Err(StoreError::Invalid { field: "ledger", why }),
-            Err(_) => Err(StoreError::Invalid { field: "ledger", why: "the ledger writer has stopped".into() }),
+            Ok(Err(why)) => Err(StoreError::Unavailable(format!("the usage ledger could not be written: {why}"))),
+            Err(_) => Err(stopped()),
         }
     }
 
@@ -103,32 +144,41 @@ impl Ledger {
     }
 }
 
-/// Token sums and their price.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+/// Token sums and their exact price.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct Totals {
     pub requests: i64,
     pub prompt_tokens: i64,
     pub cached_prompt_tokens: i64,
     pub completion_tokens: i64,
-    /// Dollars.
-    pub cost: f64,
+    pub cost: Money,
+}
+
+fn overflow() -> StoreError {
+    StoreError::Invalid { field: "report", why: "the sums overflow".into() }
 }
 
 impl Totals {
-    fn add(&mut self, o: &Totals) {
-        self.requests += o.requests;
-        self.prompt_tokens += o.prompt_tokens;
-        self.cached_prompt_tokens += o.cached_prompt_tokens;
-        self.completion_tokens += o.completion_tokens;
-        self.cost += o.cost;
+    pub fn add(&mut self, o: &Totals) -> Result<(), StoreError> {
+        self.requests = self.requests.checked_add(o.requests).ok_or_else(overflow)?;
+        self.prompt_tokens = self.prompt_tokens.checked_add(o.prompt_tokens).ok_or_else(overflow)?;
+        self.cached_prompt_tokens = self.cached_prompt_tokens.checked_add(o.cached_prompt_tokens).ok_or_else(overflow)?;
+        self.completion_tokens = self.completion_tokens.checked_add(o.completion_tokens).ok_or_else(overflow)?;
+        self.cost = self.cost.checked_add(o.cost).ok_or_else(overflow)?;
+        Ok(())
+    }
+
+    pub fn total_tokens(&self) -> i64 {
+        self.prompt_tokens.saturating_add(self.completion_tokens)
     }
 }
 
-/// One (tenant, adapter, day) group of a billing report.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// One (tenant, adapter, day, plan) group of a billing report.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct BillingLine {
     pub tenant_id: String,
     pub tenant: String,
+    /// The plan its requests were admitted under.
     pub plan: String,
     pub adapter: String,
     /// Days since the Unix epoch (UTC).
@@ -137,13 +187,23 @@ pub struct BillingLine {
     pub totals: Totals,
 }
 
-/// Usage in `[from, to)`, priced: per (tenant, adapter, day), per tenant, and overall.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// One tenant's sums over a report.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct TenantTotals {
+    /// The tenant's name (also for deleted tenants, which stay billable).
+    pub tenant: String,
+    #[serde(flatten)]
+    pub totals: Totals,
+}
+
+/// Finished usage in `[from, to)`, priced: per (tenant, adapter, day, plan), per tenant, and
+/// overall.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct BillingReport {
     pub from: i64,
     pub to: i64,
     pub lines: Vec<BillingLine>,
-    pub tenants: BTreeMap<String, Totals>,
+    pub tenants: BTreeMap<String, TenantTotals>,
     pub totals: Totals,
 }
 
@@ -152,105 +212,181 @@ struct Group {
     tenant_id: String,
     adapter: String,
     day: i64,
+    plan: String,
+    prompt_price: i64,
+    cached_prompt_price: i64,
+    completion_price: i64,
     requests: i64,
     prompt_tokens: i64,
     cached_prompt_tokens: i64,
     completion_tokens: i64,
 }
 
-const DAY_MS: i64 = 86_400_000;
+impl Group {
+    fn totals(&self) -> Result<Totals, StoreError> {
+        let uncached = self.prompt_tokens - self.cached_prompt_tokens;
+        let mut cost = Money::ZERO;
+        for (tokens, price) in
+            [(uncached, self.prompt_price), (self.cached_prompt_tokens, self.cached_prompt_price), (self.completion_tokens, self.completion_price)]
+        {
+            cost = cost.checked_add(Money::of(tokens, price)).ok_or_else(overflow)?;
+        }
+        Ok(Totals {
+            requests: self.requests,
+            prompt_tokens: self.prompt_tokens,
+            cached_prompt_tokens: self.cached_prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            cost,
+        })
+    }
+}
+
+pub const DAY_MS: i64 = 86_400_000;
+
+/// `YYYY-MM-DD` of a day number since the Unix epoch (proleptic Gregorian, UTC).
+pub fn date(day: i64) -> String {
+    // Howard Hinnant's days-to-civil.
+    let z = day + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+const UPSERT_USAGE: &str = "INSERT INTO usage (id, tenant_id, key_id, adapter, prompt_tokens, cached_prompt_tokens, completion_tokens, queue_ms, ttft_ms, \
+     total_ms, outcome, started_at, finished_at, plan, prompt_price, cached_prompt_price, completion_price, instance) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18) \
+     ON CONFLICT (id) DO UPDATE SET prompt_tokens = excluded.prompt_tokens, cached_prompt_tokens = excluded.cached_prompt_tokens, \
+     completion_tokens = excluded.completion_tokens, queue_ms = excluded.queue_ms, ttft_ms = excluded.ttft_ms, total_ms = excluded.total_ms, \
+     outcome = excluded.outcome, finished_at = excluded.finished_at";
 
 impl Store {
-    /// Writes rows in one transaction.
-    pub async fn insert_usage(&self, rows: &[&UsageRecord]) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await?;
-        for r in rows {
-            sqlx::query(
-                "INSERT INTO usage (id, tenant_id, key_id, adapter, prompt_tokens, cached_prompt_tokens, completion_tokens, queue_ms, ttft_ms, \
-                 total_ms, outcome, started_at, finished_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
-            )
-            .bind(&r.id)
-            .bind(&r.tenant_id)
-            .bind(&r.key_id)
-            .bind(&r.adapter)
-            .bind(r.prompt_tokens)
-            .bind(r.cached_prompt_tokens)
-            .bind(r.completion_tokens)
-            .bind(r.queue_ms)
-            .bind(r.ttft_ms)
-            .bind(r.total_ms)
-            .bind(&r.outcome)
-            .bind(r.started_at)
-            .bind(r.finished_at)
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await?;
-        Ok(())
+    /// Writes rows in one transaction: new rows are inserted, known ones (opened earlier) get
+    /// their outcome, tokens and times; their plan and prices stay as opened.
+    pub async fn upsert_usage(&self, rows: &[&UsageRecord]) -> Result<(), StoreError> {
+        self.retrying(|| async {
+            let mut tx = self.write_tx().await?;
+            for r in rows {
+                sqlx::query(UPSERT_USAGE)
+                    .bind(&r.id)
+                    .bind(&r.tenant_id)
+                    .bind(&r.key_id)
+                    .bind(&r.adapter)
+                    .bind(r.prompt_tokens)
+                    .bind(r.cached_prompt_tokens)
+                    .bind(r.completion_tokens)
+                    .bind(r.queue_ms)
+                    .bind(r.ttft_ms)
+                    .bind(r.total_ms)
+                    .bind(&r.outcome)
+                    .bind(r.started_at)
+                    .bind(r.finished_at)
+                    .bind(&r.plan)
+                    .bind(r.prompt_price)
+                    .bind(r.cached_prompt_price)
+                    .bind(r.completion_price)
+                    .bind(&r.instance)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            tx.commit().await?;
+            Ok(())
+        })
+        .await
     }
 
-    /// Usage in `[from, to)` (milliseconds), of one tenant or of all, priced by each tenant's
-    /// plan: uncached prompt, cached prompt and completion tokens each at their price.
+    /// Marks the rows `instance` left `running` (its process died) as `interrupted`, without
+    /// charge; returns how many there were.
+    pub async fn interrupt_running(&self, instance: &str) -> Result<u64, StoreError> {
+        let now = super::now_ms();
+        let done = sqlx::query(
+            "UPDATE usage SET outcome = $1, finished_at = CASE WHEN finished_at < $2 THEN $2 ELSE finished_at END, \
+             prompt_price = 0, cached_prompt_price = 0, completion_price = 0 WHERE instance = $3 AND outcome = $4",
+        )
+        .bind(outcome::INTERRUPTED)
+        .bind(now)
+        .bind(instance)
+        .bind(outcome::RUNNING)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
+    }
+
+    /// One row (tests and support).
+    pub async fn usage_row(&self, id: &str) -> Result<Option<UsageRecord>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT id, tenant_id, key_id, adapter, prompt_tokens, cached_prompt_tokens, completion_tokens, queue_ms, ttft_ms, total_ms, outcome, \
+             started_at, finished_at, plan, prompt_price, cached_prompt_price, completion_price, instance FROM usage WHERE id = $1",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
+    /// Rows per outcome of one tenant (or all): what a report counts, and what it leaves out.
+    pub async fn outcomes(&self, tenant: Option<&str>) -> Result<BTreeMap<String, i64>, StoreError> {
+        let rows: Vec<(String, i64)> = sqlx::query_as("SELECT outcome, COUNT(*) FROM usage WHERE ($1 = '' OR tenant_id = $1) GROUP BY outcome")
+            .bind(tenant.unwrap_or(""))
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.into_iter().collect())
+    }
+
+    /// Finished usage in `[from, to)` (milliseconds), of one tenant or of all, each row priced
+    /// as it was admitted: uncached prompt, cached prompt and completion tokens at their prices.
+    /// Requests still running are not in it.
     pub async fn billing_report(&self, from: i64, to: i64, tenant: Option<&str>) -> Result<BillingReport, StoreError> {
         if from > to {
             return Err(StoreError::Invalid { field: "from", why: format!("{from} is after to ({to})") });
         }
         let groups: Vec<Group> = sqlx::query_as(
-            "SELECT tenant_id, adapter, finished_at / $3 AS day, COUNT(*) AS requests, CAST(SUM(prompt_tokens) AS BIGINT) AS prompt_tokens, \
-             CAST(SUM(cached_prompt_tokens) AS BIGINT) AS cached_prompt_tokens, CAST(SUM(completion_tokens) AS BIGINT) AS completion_tokens \
-             FROM usage WHERE finished_at >= $1 AND finished_at < $2 AND ($4 = '' OR tenant_id = $4) \
-             GROUP BY 1, 2, 3 ORDER BY 1, 2, 3",
+            "SELECT tenant_id, adapter, finished_at / $3 AS day, plan, prompt_price, cached_prompt_price, completion_price, COUNT(*) AS requests, \
+             CAST(SUM(prompt_tokens) AS BIGINT) AS prompt_tokens, CAST(SUM(cached_prompt_tokens) AS BIGINT) AS cached_prompt_tokens, \
+             CAST(SUM(completion_tokens) AS BIGINT) AS completion_tokens \
+             FROM usage WHERE finished_at >= $1 AND finished_at < $2 AND ($4 = '' OR tenant_id = $4) AND outcome <> $5 \
+             GROUP BY 1, 2, 3, 4, 5, 6, 7 ORDER BY 1, 2, 3, 4",
         )
         .bind(from)
         .bind(to)
         .bind(DAY_MS)
         .bind(tenant.unwrap_or(""))
+        .bind(outcome::RUNNING)
         .fetch_all(&self.pool)
         .await?;
-        let plans: BTreeMap<String, super::Plan> = self.plans().await?.into_iter().map(|p| (p.name.clone(), p)).collect();
-        #[derive(sqlx::FromRow)]
-        struct Who {
-            id: String,
-            name: String,
-            plan: String,
-        }
-        // Deleted tenants are still billed for what they used.
-        let who: BTreeMap<String, Who> =
-            sqlx::query_as::<_, Who>("SELECT id, name, plan FROM tenants").fetch_all(&self.pool).await?.into_iter().map(|w| (w.id.clone(), w)).collect();
+        // Deleted tenants are still billed for what they used, under their name.
+        let names: BTreeMap<String, String> =
+            sqlx::query_as::<_, (String, String)>("SELECT id, name FROM tenants").fetch_all(&self.pool).await?.into_iter().collect();
         let mut report = BillingReport { from, to, lines: Vec::new(), tenants: BTreeMap::new(), totals: Totals::default() };
         for g in groups {
-            let (name, plan) = who.get(&g.tenant_id).map_or((String::new(), String::new()), |w| (w.name.clone(), w.plan.clone()));
-            let price = plans.get(&plan);
-            let uncached = g.prompt_tokens - g.cached_prompt_tokens;
-            let cost = price.map_or(0.0, |p| {
-                (uncached as f64 * p.prompt_price as f64
-                    + g.cached_prompt_tokens as f64 * p.cached_prompt_price as f64
-                    + g.completion_tokens as f64 * p.completion_price as f64)
-                    / 1e12
-            });
-            let totals = Totals {
-                requests: g.requests,
-                prompt_tokens: g.prompt_tokens,
-                cached_prompt_tokens: g.cached_prompt_tokens,
-                completion_tokens: g.completion_tokens,
-                cost,
-            };
-            report.tenants.entry(g.tenant_id.clone()).or_default().add(&totals);
-            report.totals.add(&totals);
-            report.lines.push(BillingLine { tenant_id: g.tenant_id, tenant: name, plan, adapter: g.adapter, day: g.day, totals });
+            let totals = g.totals()?;
+            let name = names.get(&g.tenant_id).cloned().unwrap_or_default();
+            let tenant = report.tenants.entry(g.tenant_id.clone()).or_insert_with(|| TenantTotals { tenant: name.clone(), totals: Totals::default() });
+            tenant.totals.add(&totals)?;
+            report.totals.add(&totals)?;
+            // Groups that differ only in prices (a plan whose prices changed) share a line.
+            match report.lines.last_mut() {
+                Some(l) if (&l.tenant_id, &l.adapter, l.day, &l.plan) == (&g.tenant_id, &g.adapter, g.day, &g.plan) => l.totals.add(&totals)?,
+                _ => report.lines.push(BillingLine { tenant_id: g.tenant_id, tenant: name, plan: g.plan, adapter: g.adapter, day: g.day, totals }),
+            }
         }
         Ok(report)
     }
 }
 
 impl BillingReport {
-    /// The report as CSV: one line per group, then one per tenant and the overall total.
+    /// The report as CSV, with the same fields and values as its JSON form: one line per group,
+    /// then one per tenant (adapter and date `*`) and the overall total (tenant `*`).
     pub fn to_csv(&self) -> String {
-        let mut out = String::from("tenant_id,tenant,plan,adapter,day,requests,prompt_tokens,cached_prompt_tokens,completion_tokens,cost\n");
-        let field = |s: &str| if s.contains([',', '"', '\n']) { format!("\"{}\"", s.replace('"', "\"\"")) } else { s.to_string() };
+        let mut out = String::from("tenant_id,tenant,plan,adapter,date,requests,prompt_tokens,cached_prompt_tokens,completion_tokens,total_tokens,cost\n");
+        let field = |s: &str| if s.contains([',', '"', '\n', '\r']) { format!("\"{}\"", s.replace('"', "\"\"")) } else { s.to_string() };
         let row = |out: &mut String, id: &str, name: &str, plan: &str, adapter: &str, day: &str, t: &Totals| {
             out.push_str(&format!(
-                "{},{},{},{},{},{},{},{},{},{:.6}\n",
+                "{},{},{},{},{},{},{},{},{},{},{}\n",
                 field(id),
                 field(name),
                 field(plan),
@@ -260,16 +396,17 @@ impl BillingReport {
                 t.prompt_tokens,
                 t.cached_prompt_tokens,
                 t.completion_tokens,
+                t.total_tokens(),
                 t.cost
             ));
         };
         for l in &self.lines {
-            row(&mut out, &l.tenant_id, &l.tenant, &l.plan, &l.adapter, &l.day.to_string(), &l.totals);
+            row(&mut out, &l.tenant_id, &l.tenant, &l.plan, &l.adapter, &date(l.day), &l.totals);
         }
         for (id, t) in &self.tenants {
-            row(&mut out, id, "", "", "*", "*", t);
+            row(&mut out, id, &t.tenant, "*", "*", "*", &t.totals);
         }
-        row(&mut out, "*", "", "", "*", "*", &self.totals);
+        row(&mut out, "*", "*", "*", "*", "*", &self.totals);
         out
     }
 }

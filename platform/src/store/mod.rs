@@ -6,6 +6,7 @@
 //! connect.
 
 mod ledger;
+mod money;
 #[cfg(test)]
 mod tests;
 
@@ -41,12 +42,13 @@ use sha2::{Digest, Sha256};
 use sqlx::AnyPool;
 use sqlx::any::AnyPoolOptions;
 
-pub use ledger::{BillingLine, BillingReport, Ledger, Totals, UsageRecord};
+pub use ledger::{BillingLine, BillingReport, DAY_MS, Ledger, TenantTotals, Totals, UsageRecord, date, outcome};
+pub use money::Money;
 
 /// The columns of [`Tenant`], in order.
 macro_rules! tenant_columns {
     () => {
-        "id, name, weight, plan, requests_per_min, tokens_per_min, max_concurrent, max_adapters, max_adapter_bytes, created_at"
+        "id, name, weight, plan, requests_per_min, tokens_per_min, max_concurrent, max_adapters, max_adapter_bytes, max_pinned_pages, created_at"
     };
 }
 
@@ -72,6 +74,27 @@ pub enum StoreError {
     NotFound(&'static str),
     #[error("invalid {field}: {why}")]
     Invalid { field: &'static str, why: String },
+    /// A tenant's quota (adapters, adapter bytes) would be exceeded.
+    #[error("{0}")]
+    Quota(String),
+    /// The database cannot take the work now (every connection busy, a conflict that persisted
+    /// through retries, the ledger writer gone); retrying later may succeed.
+    #[error("the database is busy: {0}")]
+    Unavailable(String),
+}
+
+impl StoreError {
+    /// Whether the error is a transient conflict between concurrent writers that a retry of
+    /// the whole transaction resolves: PostgreSQL's serialization failure or deadlock, SQLite's
+    /// busy or locked database.
+    fn is_transient(&self) -> bool {
+        let StoreError::Database(sqlx::Error::Database(d)) = self else { return false };
+        let code = d.code();
+        let code = code.as_deref().unwrap_or("");
+        matches!(code, "40001" | "40P01" | "5" | "6" | "261" | "262" | "517" | "SQLITE_BUSY" | "SQLITE_LOCKED")
+            || d.message().contains("database is locked")
+            || d.message().contains("database table is locked")
+    }
 }
 
 /// Which database a store talks to.
@@ -112,6 +135,9 @@ fn is_unique_violation(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(d) if d.is_unique_violation())
 }
 
+/// Attempts of a write transaction that keeps meeting transient conflicts.
+const WRITE_ATTEMPTS: u32 = 8;
+
 impl Store {
     /// Connects (creating a SQLite file if needed) and brings the schema up to date.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
@@ -144,6 +170,50 @@ impl Store {
 
     pub fn kind(&self) -> DbKind {
         self.kind
+    }
+
+    /// A write transaction. On SQLite it takes the write lock up front (`BEGIN IMMEDIATE`):
+    /// a transaction that reads and then writes can otherwise fail at once with "database is
+    /// locked" when another writer got in between (the busy timeout does not apply to a lock
+    /// upgrade).
+    async fn write_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>, sqlx::Error> {
+        match self.kind {
+            DbKind::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await,
+            DbKind::Postgres => self.pool.begin().await,
+        }
+    }
+
+    /// Serializes the writes that concern one owner's adapters (versions, quotas) on
+    /// PostgreSQL, inside `tx`; SQLite's `BEGIN IMMEDIATE` already serializes every writer.
+    async fn lock_owner(&self, tx: &mut sqlx::Transaction<'static, sqlx::Any>, owner: &str) -> Result<(), sqlx::Error> {
+        if self.kind == DbKind::Postgres {
+            sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))").bind(format!("adapters:{owner}")).execute(&mut **tx).await?;
+        }
+        Ok(())
+    }
+
+    /// Runs a whole write transaction again when it fails on a transient conflict, with a
+    /// short randomized backoff; a conflict that outlasts the attempts is
+    /// [`StoreError::Unavailable`].
+    async fn retrying<T, F, Fut>(&self, mut op: F) -> Result<T, StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        let mut attempt = 0;
+        loop {
+            match op().await {
+                Err(e) if e.is_transient() => {
+                    attempt += 1;
+                    if attempt >= WRITE_ATTEMPTS {
+                        return Err(StoreError::Unavailable(e.to_string()));
+                    }
+                    let ms = rand::rng().random_range(1..=(5u64 << attempt.min(6)));
+                    tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+                }
+                other => return other,
+            }
+        }
     }
 
     pub fn pool(&self) -> &AnyPool {
@@ -184,11 +254,12 @@ impl Store {
             max_concurrent: new.limits.max_concurrent,
             max_adapters: new.limits.max_adapters,
             max_adapter_bytes: new.limits.max_adapter_bytes,
+            max_pinned_pages: new.limits.max_pinned_pages,
             created_at: now_ms(),
         };
         let done = sqlx::query(
-            "INSERT INTO tenants (id, name, weight, plan, requests_per_min, tokens_per_min, max_concurrent, max_adapters, max_adapter_bytes, created_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            "INSERT INTO tenants (id, name, weight, plan, requests_per_min, tokens_per_min, max_concurrent, max_adapters, max_adapter_bytes, \
+             max_pinned_pages, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
         )
         .bind(&t.id)
         .bind(&t.name)
@@ -199,6 +270,7 @@ impl Store {
         .bind(t.max_concurrent)
         .bind(t.max_adapters)
         .bind(t.max_adapter_bytes)
+        .bind(t.max_pinned_pages)
         .bind(t.created_at)
         .execute(&self.pool)
         .await;
@@ -220,59 +292,62 @@ impl Store {
         Ok(sqlx::query_as(sql).fetch_all(&self.pool).await?)
     }
 
-    /// Changes what `patch` sets; the tenant as it is now.
+    /// Changes what `patch` sets (a JSON merge patch: absent fields stay, cleared limits become
+    /// unlimited); the tenant as it is now. Read and write happen in one write transaction, so
+    /// concurrent patches of different fields never undo each other.
     pub async fn update_tenant(&self, id: &str, patch: &TenantPatch) -> Result<Tenant, StoreError> {
-        let mut t = self.tenant(id).await?.ok_or(StoreError::NotFound("tenant"))?;
-        if let Some(w) = patch.weight {
-            t.weight = w;
+        if let Some(plan) = &patch.plan
+            && self.plan(plan).await?.is_none()
+        {
+            return Err(StoreError::Invalid { field: "plan", why: format!("no plan named {plan:?}") });
         }
-        if let Some(plan) = &patch.plan {
-            if self.plan(plan).await?.is_none() {
-                return Err(StoreError::Invalid { field: "plan", why: format!("no plan named {plan:?}") });
-            }
-            t.plan = plan.clone();
-        }
-        if let Some(l) = &patch.limits {
-            t.requests_per_min = l.requests_per_min;
-            t.tokens_per_min = l.tokens_per_min;
-            t.max_concurrent = l.max_concurrent;
-            t.max_adapters = l.max_adapters;
-            t.max_adapter_bytes = l.max_adapter_bytes;
-        }
-        validate_weight(t.weight)?;
-        t.limits().validate()?;
-        sqlx::query(
-            "UPDATE tenants SET weight = $1, plan = $2, requests_per_min = $3, tokens_per_min = $4, max_concurrent = $5, \
-             max_adapters = $6, max_adapter_bytes = $7 WHERE id = $8 AND deleted_at IS NULL",
-        )
-        .bind(t.weight)
-        .bind(&t.plan)
-        .bind(t.requests_per_min)
-        .bind(t.tokens_per_min)
-        .bind(t.max_concurrent)
-        .bind(t.max_adapters)
-        .bind(t.max_adapter_bytes)
-        .bind(id)
-        .execute(&self.pool)
-        .await?;
-        Ok(t)
+        self.retrying(|| async {
+            let mut tx = self.write_tx().await?;
+            let sql = concat!("SELECT ", tenant_columns!(), " FROM tenants WHERE id = $1 AND deleted_at IS NULL");
+            let mut t: Tenant = sqlx::query_as(sql).bind(id).fetch_optional(&mut *tx).await?.ok_or(StoreError::NotFound("tenant"))?;
+            patch.apply(&mut t);
+            validate_weight(t.weight)?;
+            t.limits().validate()?;
+            sqlx::query(
+                "UPDATE tenants SET weight = $1, plan = $2, requests_per_min = $3, tokens_per_min = $4, max_concurrent = $5, \
+                 max_adapters = $6, max_adapter_bytes = $7, max_pinned_pages = $8 WHERE id = $9 AND deleted_at IS NULL",
+            )
+            .bind(t.weight)
+            .bind(&t.plan)
+            .bind(t.requests_per_min)
+            .bind(t.tokens_per_min)
+            .bind(t.max_concurrent)
+            .bind(t.max_adapters)
+            .bind(t.max_adapter_bytes)
+            .bind(t.max_pinned_pages)
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            Ok(t)
+        })
+        .await
     }
 
     /// Deletes a tenant and revokes its keys, in one transaction. Its usage stays in the
     /// ledger. False if there was no such tenant.
     pub async fn delete_tenant(&self, id: &str) -> Result<Option<Vec<AdapterRecord>>, StoreError> {
-        let now = now_ms();
-        let mut tx = self.pool.begin().await?;
-        let n = sqlx::query("UPDATE tenants SET deleted_at = $1 WHERE id = $2 AND deleted_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
-        if n.rows_affected() == 0 {
-            return Ok(None);
-        }
-        sqlx::query("UPDATE api_keys SET revoked_at = $1 WHERE tenant_id = $2 AND revoked_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
-        let sql = concat!("SELECT ", adapter_columns!(), " FROM adapters WHERE owner = $1 AND deleted_at IS NULL");
-        let adapters: Vec<AdapterRecord> = sqlx::query_as(sql).bind(id).fetch_all(&mut *tx).await?;
-        sqlx::query("UPDATE adapters SET deleted_at = $1 WHERE owner = $2 AND deleted_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
-        tx.commit().await?;
-        Ok(Some(adapters))
+        self.retrying(|| async {
+            let now = now_ms();
+            let mut tx = self.write_tx().await?;
+            self.lock_owner(&mut tx, id).await?;
+            let n = sqlx::query("UPDATE tenants SET deleted_at = $1 WHERE id = $2 AND deleted_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
+            if n.rows_affected() == 0 {
+                return Ok(None);
+            }
+            sqlx::query("UPDATE api_keys SET revoked_at = $1 WHERE tenant_id = $2 AND revoked_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
+            let sql = concat!("SELECT ", adapter_columns!(), " FROM adapters WHERE owner = $1 AND deleted_at IS NULL");
+            let adapters: Vec<AdapterRecord> = sqlx::query_as(sql).bind(id).fetch_all(&mut *tx).await?;
+            sqlx::query("UPDATE adapters SET deleted_at = $1 WHERE owner = $2 AND deleted_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
+            tx.commit().await?;
+            Ok(Some(adapters))
+        })
+        .await
     }
 
     // -----------------------------------------------------------------------------------------
@@ -331,8 +406,8 @@ impl Store {
 
     /// Whether any live operator key exists.
     pub async fn has_admin_key(&self) -> Result<bool, StoreError> {
-        let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM api_keys WHERE tenant_id IS NULL AND revoked_at IS NULL").fetch_one(&self.pool).await?;
-        Ok(n > 0)
+        let keys: Vec<(String,)> = sqlx::query_as("SELECT scopes FROM api_keys WHERE tenant_id IS NULL AND revoked_at IS NULL").fetch_all(&self.pool).await?;
+        Ok(keys.iter().any(|(scopes,)| scopes.split(',').any(|s| s == Scope::Admin.as_str())))
     }
 
     /// The key a secret belongs to, if it is live (not revoked, its tenant not deleted).
@@ -355,12 +430,38 @@ impl Store {
     // -----------------------------------------------------------------------------------------
     // Adapters
 
-    /// Records a new version of `owner`'s adapter `name` (version 1 for a new name).
-    pub async fn insert_adapter(&self, new: &NewAdapter) -> Result<AdapterRecord, StoreError> {
+    /// Records a new version of `owner`'s adapter `name` (version 1 for a new name; versions
+    /// are never reused, so they stay contiguous). The owner's quota is checked and consumed in
+    /// the same transaction: `quota.max_adapters` live names (a new version of a live name does
+    /// not count again) and `quota.max_adapter_bytes` over every live version.
+    pub async fn insert_adapter(&self, new: &NewAdapter, quota: &TenantLimits) -> Result<AdapterRecord, StoreError> {
         validate_adapter_name(&new.name)?;
-        // A concurrent upload of the same name may take the version first; try again then.
-        for _ in 0..5 {
-            let mut tx = self.pool.begin().await?;
+        self.retrying(|| async {
+            let mut tx = self.write_tx().await?;
+            self.lock_owner(&mut tx, &new.owner).await?;
+            let (names, used, has_name): (i64, Option<i64>, Option<i64>) = sqlx::query_as(
+                "SELECT COUNT(DISTINCT name), CAST(SUM(bytes) AS BIGINT), CAST(SUM(CASE WHEN name = $2 THEN 1 ELSE 0 END) AS BIGINT) \
+                 FROM adapters WHERE owner = $1 AND deleted_at IS NULL",
+            )
+            .bind(&new.owner)
+            .bind(&new.name)
+            .fetch_one(&mut *tx)
+            .await?;
+            let used = used.unwrap_or(0);
+            if let Some(max) = quota.max_adapters
+                && has_name.unwrap_or(0) == 0
+                && names >= max
+            {
+                return Err(StoreError::Quota(format!("adapter limit reached: {names} of {max}; delete one first")));
+            }
+            if let Some(max) = quota.max_adapter_bytes
+                && used.saturating_add(new.bytes) > max
+            {
+                return Err(StoreError::Quota(format!(
+                    "adapter storage limit: {used} bytes used, this upload is {}, the limit is {max}; delete an adapter first",
+                    new.bytes
+                )));
+            }
             // A new version of a published adapter stays published.
             let (latest, public): (Option<i64>, Option<i64>) =
                 sqlx::query_as("SELECT MAX(version), MAX(CASE WHEN deleted_at IS NULL THEN public ELSE 0 END) FROM adapters WHERE owner = $1 AND name = $2")
@@ -381,7 +482,7 @@ impl Store {
                 blob: new.blob.clone(),
                 created_at: now_ms(),
             };
-            let inserted = sqlx::query(
+            sqlx::query(
                 "INSERT INTO adapters (id, owner, name, version, rank, targets, bytes, content_hash, blob, created_at, public) \
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
             )
@@ -397,17 +498,11 @@ impl Store {
             .bind(record.created_at)
             .bind(record.public)
             .execute(&mut *tx)
-            .await;
-            match inserted {
-                Ok(_) => {
-                    tx.commit().await?;
-                    return Ok(record);
-                }
-                Err(e) if is_unique_violation(&e) => continue,
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Err(StoreError::Conflict { what: "adapter version", name: new.name.clone() })
+            .await?;
+            tx.commit().await?;
+            Ok(record)
+        })
+        .await
     }
 
     /// The latest live version of `owner`'s adapter `name`.
@@ -441,17 +536,21 @@ impl Store {
     /// Deletes every version of `owner`'s adapter `name`; returns the versions deleted (none
     /// if there was no such adapter).
     pub async fn delete_adapter(&self, owner: &str, name: &str) -> Result<Vec<AdapterRecord>, StoreError> {
-        let mut tx = self.pool.begin().await?;
-        let sql = concat!("SELECT ", adapter_columns!(), " FROM adapters WHERE owner = $1 AND name = $2 AND deleted_at IS NULL ORDER BY version");
-        let live: Vec<AdapterRecord> = sqlx::query_as(sql).bind(owner).bind(name).fetch_all(&mut *tx).await?;
-        sqlx::query("UPDATE adapters SET deleted_at = $1 WHERE owner = $2 AND name = $3 AND deleted_at IS NULL")
-            .bind(now_ms())
-            .bind(owner)
-            .bind(name)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        Ok(live)
+        self.retrying(|| async {
+            let mut tx = self.write_tx().await?;
+            self.lock_owner(&mut tx, owner).await?;
+            let sql = concat!("SELECT ", adapter_columns!(), " FROM adapters WHERE owner = $1 AND name = $2 AND deleted_at IS NULL ORDER BY version");
+            let live: Vec<AdapterRecord> = sqlx::query_as(sql).bind(owner).bind(name).fetch_all(&mut *tx).await?;
+            sqlx::query("UPDATE adapters SET deleted_at = $1 WHERE owner = $2 AND name = $3 AND deleted_at IS NULL")
+                .bind(now_ms())
+                .bind(owner)
+                .bind(name)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            Ok(live)
+        })
+        .await
     }
 
     /// One version of the adapter `name` as `tenant` sees it (its own, else a published one).
@@ -514,7 +613,7 @@ pub struct Plan {
     pub completion_price: i64,
 }
 
-/// Per-tenant limits; `None` is unlimited.
+/// Per-tenant limits; `None` is unlimited (for `max_pinned_pages`: the server's default).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TenantLimits {
@@ -523,6 +622,8 @@ pub struct TenantLimits {
     pub max_concurrent: Option<i64>,
     pub max_adapters: Option<i64>,
     pub max_adapter_bytes: Option<i64>,
+    /// Pages of each device's pool the tenant may keep pinned by loading adapters.
+    pub max_pinned_pages: Option<i64>,
 }
 
 impl TenantLimits {
@@ -533,6 +634,7 @@ impl TenantLimits {
             ("max_concurrent", self.max_concurrent),
             ("max_adapters", self.max_adapters),
             ("max_adapter_bytes", self.max_adapter_bytes),
+            ("max_pinned_pages", self.max_pinned_pages),
         ];
         for (field, v) in all {
             if let Some(v) = v
@@ -556,6 +658,7 @@ pub struct Tenant {
     pub max_concurrent: Option<i64>,
     pub max_adapters: Option<i64>,
     pub max_adapter_bytes: Option<i64>,
+    pub max_pinned_pages: Option<i64>,
     pub created_at: i64,
 }
 
@@ -567,6 +670,7 @@ impl Tenant {
             max_concurrent: self.max_concurrent,
             max_adapters: self.max_adapters,
             max_adapter_bytes: self.max_adapter_bytes,
+            max_pinned_pages: self.max_pinned_pages,
         }
     }
 }
@@ -587,11 +691,63 @@ impl NewTenant {
     }
 }
 
-#[derive(Debug, Clone, Default, PartialEq)]
+/// A change to a tenant, with JSON merge patch semantics (RFC 7396): `None` leaves a field as
+/// it is; for a limit, `Some(None)` clears it (unlimited) and `Some(Some(v))` sets it.
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct TenantPatch {
     pub weight: Option<f64>,
     pub plan: Option<String>,
-    pub limits: Option<TenantLimits>,
+    #[serde(default)]
+    pub limits: LimitsPatch,
+}
+
+/// A merge patch of [`TenantLimits`].
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsPatch {
+    #[serde(default, deserialize_with = "present")]
+    pub requests_per_min: Option<Option<i64>>,
+    #[serde(default, deserialize_with = "present")]
+    pub tokens_per_min: Option<Option<i64>>,
+    #[serde(default, deserialize_with = "present")]
+    pub max_concurrent: Option<Option<i64>>,
+    #[serde(default, deserialize_with = "present")]
+    pub max_adapters: Option<Option<i64>>,
+    #[serde(default, deserialize_with = "present")]
+    pub max_adapter_bytes: Option<Option<i64>>,
+    #[serde(default, deserialize_with = "present")]
+    pub max_pinned_pages: Option<Option<i64>>,
+}
+
+/// A field that is present: `null` is `Some(None)`, a value `Some(Some(v))`; an absent field
+/// takes the `None` of `#[serde(default)]`.
+fn present<'de, D: serde::Deserializer<'de>, T: serde::Deserialize<'de>>(d: D) -> Result<Option<Option<T>>, D::Error> {
+    <Option<T> as serde::Deserialize>::deserialize(d).map(Some)
+}
+
+impl TenantPatch {
+    fn apply(&self, t: &mut Tenant) {
+        if let Some(w) = self.weight {
+            t.weight = w;
+        }
+        if let Some(plan) = &self.plan {
+            t.plan = plan.clone();
+        }
+        let l = &self.limits;
+        for (field, change) in [
+            (&mut t.requests_per_min, l.requests_per_min),
+            (&mut t.tokens_per_min, l.tokens_per_min),
+            (&mut t.max_concurrent, l.max_concurrent),
+            (&mut t.max_adapters, l.max_adapters),
+            (&mut t.max_adapter_bytes, l.max_adapter_bytes),
+            (&mut t.max_pinned_pages, l.max_pinned_pages),
+        ] {
+            if let Some(v) = change {
+                *field = v;
+            }
+        }
+    }
 }
 
 /// The largest weight a tenant may have against another's.
@@ -626,6 +782,8 @@ pub enum Scope {
     Inference,
     Adapters,
     Admin,
+    /// Reading `/metrics` (operator keys only: the metrics name every tenant).
+    Metrics,
 }
 
 impl Scope {
@@ -634,6 +792,7 @@ impl Scope {
             Scope::Inference => "inference",
             Scope::Adapters => "adapters",
             Scope::Admin => "admin",
+            Scope::Metrics => "metrics",
         }
     }
 

@@ -30,8 +30,9 @@ async fn tenants_and_keys() {
             assert!(matches!(s.create_tenant(&bad).await, Err(StoreError::Invalid { .. })), "{kind:?} {bad:?}");
         }
         let limits = TenantLimits { requests_per_min: Some(60), ..Default::default() };
-        let patched =
-            s.update_tenant(&acme.id, &TenantPatch { weight: Some(2.0), plan: Some("enterprise".into()), limits: Some(limits.clone()) }).await.unwrap();
+        let patch =
+            TenantPatch { weight: Some(2.0), plan: Some("enterprise".into()), limits: LimitsPatch { requests_per_min: Some(Some(60)), ..Default::default() } };
+        let patched = s.update_tenant(&acme.id, &patch).await.unwrap();
         assert_eq!((patched.weight, patched.plan.as_str(), patched.limits()), (2.0, "enterprise", limits));
         assert_eq!(s.tenant(&acme.id).await.unwrap(), Some(patched));
 
@@ -61,6 +62,7 @@ async fn adapter_versions_and_visibility() {
     for (s, _dir) in stores().await {
         let a = s.create_tenant(&tenant("acme")).await.unwrap();
         let b = s.create_tenant(&tenant("globex")).await.unwrap();
+        let none = TenantLimits::default();
         let new = |owner: &str, name: &str| NewAdapter {
             owner: owner.into(),
             name: name.into(),
@@ -70,8 +72,8 @@ async fn adapter_versions_and_visibility() {
             content_hash: "ab".repeat(32),
             blob: format!("adapters/{owner}/{name}"),
         };
-        assert_eq!(s.insert_adapter(&new(&a.id, "support")).await.unwrap().version, 1);
-        let v2 = s.insert_adapter(&new(&a.id, "support")).await.unwrap();
+        assert_eq!(s.insert_adapter(&new(&a.id, "support"), &none).await.unwrap().version, 1);
+        let v2 = s.insert_adapter(&new(&a.id, "support"), &none).await.unwrap();
         assert_eq!((v2.version, v2.label()), (2, "support@2".into()));
         assert_eq!(s.visible_adapter(&a.id, "support").await.unwrap(), Some(v2.clone()));
         assert_eq!(s.visible_adapter(&b.id, "support").await.unwrap(), None, "another tenant's private adapter is unknown");
@@ -79,25 +81,25 @@ async fn adapter_versions_and_visibility() {
         assert_eq!(s.visible_adapters(&a.id).await.unwrap(), std::slice::from_ref(&v2), "only the latest version is listed");
         assert_eq!(s.adapter_footprint(&a.id).await.unwrap(), (1, 2000), "one adapter, two versions");
         for bad in ["../etc", "a/b", "", ".hidden", &"x".repeat(65)] {
-            assert!(matches!(s.insert_adapter(&new(&a.id, bad)).await, Err(StoreError::Invalid { .. })), "{bad:?}");
+            assert!(matches!(s.insert_adapter(&new(&a.id, bad), &none).await, Err(StoreError::Invalid { .. })), "{bad:?}");
         }
         // The operator publishes one of its own to everyone.
-        let shared = s.insert_adapter(&new("", "summarize")).await.unwrap();
+        let shared = s.insert_adapter(&new("", "summarize"), &none).await.unwrap();
         assert_eq!(s.visible_adapter(&b.id, "summarize").await.unwrap(), None);
         assert!(s.publish_adapter("", "summarize", true).await.unwrap());
         assert_eq!(s.visible_adapter(&b.id, "summarize").await.unwrap().map(|r| r.id), Some(shared.id.clone()));
-        let shared2 = s.insert_adapter(&new("", "summarize")).await.unwrap();
+        let shared2 = s.insert_adapter(&new("", "summarize"), &none).await.unwrap();
         assert_eq!(shared2.public, 1, "a new version of a published adapter stays published");
         assert_eq!(s.visible_adapter_version(&b.id, "summarize", 1).await.unwrap().map(|r| r.id), Some(shared.id));
         assert_eq!(s.visible_adapter_version(&a.id, "support", 1).await.unwrap().map(|r| r.version), Some(1));
         assert_eq!(s.visible_adapter_version(&b.id, "support", 1).await.unwrap(), None, "nor any version of it");
         // A tenant's own adapter of the same name comes first.
-        let own = s.insert_adapter(&new(&b.id, "summarize")).await.unwrap();
+        let own = s.insert_adapter(&new(&b.id, "summarize"), &none).await.unwrap();
         assert_eq!(s.visible_adapter(&b.id, "summarize").await.unwrap().map(|r| r.id), Some(own.id));
         assert_eq!(s.delete_adapter(&a.id, "support").await.unwrap().len(), 2);
         assert!(s.delete_adapter(&a.id, "support").await.unwrap().is_empty());
         assert_eq!(s.visible_adapter(&a.id, "support").await.unwrap(), None);
-        assert_eq!(s.insert_adapter(&new(&a.id, "support")).await.unwrap().version, 3, "versions are never reused");
+        assert_eq!(s.insert_adapter(&new(&a.id, "support"), &none).await.unwrap().version, 3, "versions are never reused");
     }
 }
 
@@ -108,14 +110,20 @@ async fn the_ledger_commits_in_groups_and_the_report_adds_up() {
         let a = s.create_tenant(&tenant("acme")).await.unwrap();
         let b = s.create_tenant(&NewTenant { plan: "free".into(), ..tenant("globex") }).await.unwrap();
         let ledger = Ledger::start(s.clone());
+        let (standard, free) = (s.plan("standard").await.unwrap().unwrap(), s.plan("free").await.unwrap().unwrap());
         let day0 = 20_000 * DAY;
         let mut tasks = Vec::new();
         for i in 0..300i64 {
             let ledger = ledger.clone();
-            let tenant = if i % 3 == 0 { b.id.clone() } else { a.id.clone() };
+            let (tenant, plan) = if i % 3 == 0 { (b.id.clone(), &free) } else { (a.id.clone(), &standard) };
             let record = UsageRecord {
                 id: format!("req-{i}"),
                 tenant_id: tenant,
+                plan: plan.name.clone(),
+                prompt_price: plan.prompt_price,
+                cached_prompt_price: plan.cached_prompt_price,
+                completion_price: plan.completion_price,
+                instance: "test".into(),
                 key_id: "key".into(),
                 adapter: if i % 2 == 0 { "support@1".into() } else { String::new() },
                 prompt_tokens: 100 + i,
@@ -141,20 +149,190 @@ async fn the_ledger_commits_in_groups_and_the_report_adds_up() {
         assert_eq!(r.totals.cached_prompt_tokens, sum(|u| u.cached_prompt_tokens));
         assert_eq!(r.totals.completion_tokens, sum(|u| u.completion_tokens));
         assert_eq!(r.lines.len(), 2 * 2 * 2, "tenant x adapter x day");
-        assert_eq!(r.tenants[&b.id].cost, 0.0, "the free plan");
+        assert_eq!(r.tenants[&b.id].totals.cost, Money::ZERO, "the free plan");
+        assert_eq!((r.tenants[&a.id].tenant.as_str(), r.tenants[&b.id].tenant.as_str()), ("acme", "globex"));
         let of_a = |f: fn(&UsageRecord) -> i64| sent.iter().filter(|u| u.tenant_id == a.id).map(f).sum::<i64>();
-        let want = ((of_a(|u| u.prompt_tokens) - of_a(|u| u.cached_prompt_tokens)) as f64 * 0.5
-            + of_a(|u| u.cached_prompt_tokens) as f64 * 0.125
-            + of_a(|u| u.completion_tokens) as f64 * 1.5)
-            / 1e6;
-        assert!((r.tenants[&a.id].cost - want).abs() < 1e-9, "{} vs {want}", r.tenants[&a.id].cost);
+        // Exact: $0.50, $0.125 and $1.50 per million tokens, in pico-dollars.
+        let pico = i128::from(of_a(|u| u.prompt_tokens) - of_a(|u| u.cached_prompt_tokens)) * 500_000
+            + i128::from(of_a(|u| u.cached_prompt_tokens)) * 125_000
+            + i128::from(of_a(|u| u.completion_tokens)) * 1_500_000;
+        assert_eq!(r.tenants[&a.id].totals.cost.pico(), pico);
+        assert_eq!(r.totals.cost.pico(), pico);
         let one_day = s.billing_report(day0, day0 + DAY, Some(&a.id)).await.unwrap();
         assert_eq!(one_day.totals.requests, sent.iter().filter(|u| u.tenant_id == a.id && u.finished_at < day0 + DAY).count() as i64);
         let csv = r.to_csv();
         assert_eq!(csv.lines().count(), 1 + 8 + 2 + 1);
-        assert!(csv.lines().last().unwrap().starts_with(&format!("*,,,*,*,300,{}", r.totals.prompt_tokens)));
+        assert!(csv.lines().last().unwrap().starts_with(&format!("*,*,*,*,*,300,{}", r.totals.prompt_tokens)));
+        // Every row a line of the JSON report has, with the same values; dates as YYYY-MM-DD.
+        let first = csv.lines().nth(1).unwrap();
+        let l = &r.lines[0];
+        assert_eq!(
+            first,
+            format!(
+                "{},acme,standard,{},{},{},{},{},{},{},{}",
+                l.tenant_id,
+                l.adapter,
+                date(l.day),
+                l.totals.requests,
+                l.totals.prompt_tokens,
+                l.totals.cached_prompt_tokens,
+                l.totals.completion_tokens,
+                l.totals.total_tokens(),
+                l.totals.cost
+            )
+        );
+        assert!(csv.lines().any(|row| row.starts_with(&format!("{},globex,*,*,*,", b.id))), "tenant totals carry the name:\n{csv}");
         assert!(matches!(s.billing_report(10, 5, None).await, Err(StoreError::Invalid { .. })));
     }
 }
 
 const DAY: i64 = 86_400_000;
+
+fn row(id: &str, tenant: &Tenant, plan: &Plan, outcome: &str, instance: &str, finished_at: i64) -> UsageRecord {
+    UsageRecord {
+        id: id.into(),
+        tenant_id: tenant.id.clone(),
+        key_id: "key".into(),
+        adapter: String::new(),
+        prompt_tokens: 1000,
+        cached_prompt_tokens: 0,
+        completion_tokens: 100,
+        queue_ms: 0.0,
+        ttft_ms: 0.0,
+        total_ms: 0.0,
+        outcome: outcome.into(),
+        started_at: finished_at,
+        finished_at,
+        plan: plan.name.clone(),
+        prompt_price: plan.prompt_price,
+        cached_prompt_price: plan.cached_prompt_price,
+        completion_price: plan.completion_price,
+        instance: instance.into(),
+    }
+}
+
+#[tokio::test]
+async fn a_plan_change_never_rewrites_a_past_bill_and_unfinished_requests_are_not_billed() {
+    for (s, _dir) in stores().await {
+        let kind = s.kind();
+        let t = s.create_tenant(&tenant("acme")).await.unwrap();
+        let (standard, enterprise) = (s.plan("standard").await.unwrap().unwrap(), s.plan("enterprise").await.unwrap().unwrap());
+        let ledger = Ledger::start(s.clone());
+        ledger.commit(row("old", &t, &standard, outcome::OK, "me", 1000)).await.unwrap();
+        let before = s.billing_report(0, i64::MAX, None).await.unwrap();
+        // $0.50 x 1000 + $1.50 x 100 per million tokens.
+        assert_eq!(before.totals.cost.dollars(), "0.000650", "{kind:?}");
+        s.update_tenant(&t.id, &TenantPatch { plan: Some("enterprise".into()), ..Default::default() }).await.unwrap();
+        assert_eq!(s.billing_report(0, i64::MAX, None).await.unwrap(), before, "the plan change left the past alone");
+        ledger.commit(row("new", &t, &enterprise, outcome::OK, "me", 2000)).await.unwrap();
+        let after = s.billing_report(0, i64::MAX, None).await.unwrap();
+        assert_eq!(after.totals.cost.dollars(), "0.001170", "0.000650 + 0.000400 + 0.000120");
+        assert_eq!(after.lines.iter().map(|l| l.plan.as_str()).collect::<Vec<_>>(), ["enterprise", "standard"]);
+
+        // Requests admitted and not finished are rows too, but not in a bill until they end;
+        // those of a process that died become `interrupted`, without charge; another
+        // instance's rows are left alone.
+        ledger.open(row("mine", &t, &standard, outcome::RUNNING, "me", 3000)).await.unwrap();
+        ledger.open(row("theirs", &t, &standard, outcome::RUNNING, "other", 3000)).await.unwrap();
+        assert_eq!(s.billing_report(0, i64::MAX, None).await.unwrap().totals.requests, 2);
+        assert_eq!(s.interrupt_running("me").await.unwrap(), 1);
+        let mine = s.usage_row("mine").await.unwrap().unwrap();
+        assert_eq!((mine.outcome.as_str(), mine.prompt_tokens, mine.prompt_price, mine.completion_price), (outcome::INTERRUPTED, 1000, 0, 0));
+        assert_eq!(s.usage_row("theirs").await.unwrap().unwrap().outcome, outcome::RUNNING);
+        let with = s.billing_report(0, i64::MAX, None).await.unwrap();
+        assert_eq!((with.totals.requests, with.totals.cost), (3, after.totals.cost), "counted, not charged");
+        // Finishing an opened row keeps the prices it was opened with.
+        let done = UsageRecord {
+            outcome: outcome::OK.into(),
+            completion_tokens: 7,
+            plan: "ignored".into(),
+            prompt_price: 9,
+            ..row("theirs", &t, &standard, outcome::OK, "other", 4000)
+        };
+        ledger.commit(done).await.unwrap();
+        let theirs = s.usage_row("theirs").await.unwrap().unwrap();
+        assert_eq!((theirs.completion_tokens, theirs.plan.as_str(), theirs.prompt_price), (7, "standard", standard.prompt_price));
+        assert_eq!(s.outcomes(Some(&t.id)).await.unwrap().get(outcome::INTERRUPTED), Some(&1));
+    }
+}
+
+#[tokio::test]
+async fn a_merge_patch_changes_only_what_it_names_and_null_clears() {
+    for (s, _dir) in stores().await {
+        let limits = TenantLimits { requests_per_min: Some(60), tokens_per_min: Some(1000), max_pinned_pages: Some(5), ..Default::default() };
+        let t = s.create_tenant(&NewTenant { limits, ..tenant("acme") }).await.unwrap();
+        let patch: TenantPatch = serde_json::from_str(r#"{"limits": {"tokens_per_min": null, "max_concurrent": 3}}"#).unwrap();
+        let t2 = s.update_tenant(&t.id, &patch).await.unwrap();
+        assert_eq!((t2.requests_per_min, t2.tokens_per_min, t2.max_concurrent, t2.max_pinned_pages), (Some(60), None, Some(3), Some(5)));
+        assert_eq!((t2.weight, t2.plan.as_str()), (1.0, "standard"));
+        let t3 = s.update_tenant(&t.id, &serde_json::from_str(r#"{"weight": 3}"#).unwrap()).await.unwrap();
+        assert_eq!((t3.weight, t3.limits()), (3.0, t2.limits()));
+        assert!(serde_json::from_str::<TenantPatch>(r#"{"limits": {"colour": 1}}"#).is_err());
+    }
+}
+
+#[tokio::test]
+async fn quotas_hold_under_concurrent_uploads_and_versions_stay_contiguous() {
+    for (s, _dir) in stores().await {
+        let kind = s.kind();
+        let t = s.create_tenant(&tenant("acme")).await.unwrap();
+        let quota = TenantLimits { max_adapters: Some(3), max_adapter_bytes: Some(10_000), ..Default::default() };
+        let new = |name: String, bytes: i64| NewAdapter {
+            owner: t.id.clone(),
+            name,
+            rank: 8,
+            targets: "q_proj".into(),
+            bytes,
+            content_hash: "00".repeat(32),
+            blob: random_id("adapters/blob"),
+        };
+        // 16 distinct names at once: exactly 3 get in; the rest are quota errors, never a
+        // database error.
+        let tasks: Vec<_> = (0..16)
+            .map(|i| {
+                let (s, new, quota) = (s.clone(), new(format!("n{i}"), 100), quota.clone());
+                tokio::spawn(async move { s.insert_adapter(&new, &quota).await })
+            })
+            .collect();
+        let mut ok = 0;
+        for t in tasks {
+            match t.await.unwrap() {
+                Ok(_) => ok += 1,
+                Err(StoreError::Quota(_)) => {}
+                Err(e) => panic!("{kind:?}: {e}"),
+            }
+        }
+        assert_eq!(ok, 3, "{kind:?}");
+        // 32 uploads and deletes of one name at once: only successes and typed refusals;
+        // versions stay contiguous; a delete that answered deleted every version it saw.
+        let name = "n0".to_string();
+        let tasks: Vec<_> = (0..32)
+            .map(|i| {
+                let (s, new, quota, name, owner) = (s.clone(), new(name.clone(), 10), quota.clone(), name.clone(), t.id.clone());
+                tokio::spawn(
+                    async move { if i % 2 == 0 { s.insert_adapter(&new, &quota).await.map(|r| vec![r]) } else { s.delete_adapter(&owner, &name).await } },
+                )
+            })
+            .collect();
+        for t in tasks {
+            if let Err(e) = t.await.unwrap() {
+                assert!(matches!(e, StoreError::Quota(_)), "{kind:?}: {e}");
+            }
+        }
+        let versions: Vec<(i64,)> = sqlx::query_as("SELECT version FROM adapters WHERE owner = $1 AND name = $2 ORDER BY version")
+            .bind(&t.id)
+            .bind(&name)
+            .fetch_all(s.pool())
+            .await
+            .unwrap();
+        let versions: Vec<i64> = versions.into_iter().map(|(v,)| v).collect();
+        assert_eq!(versions, (1..=versions.len() as i64).collect::<Vec<_>>(), "{kind:?}: contiguous");
+        let live = s.adapter_versions(&t.id, &name).await.unwrap();
+        assert!(live.windows(2).all(|w| w[0].version < w[1].version));
+        // The byte quota is checked in the same transaction too.
+        let (count, used) = s.adapter_footprint(&t.id).await.unwrap();
+        assert!(count <= 3 && used <= 10_000, "{kind:?}: {count} {used}");
+        let big = new("n1".into(), 10_001 - used + 1);
+        assert!(matches!(s.insert_adapter(&big, &quota).await, Err(StoreError::Quota(_))));
+    }
+}

@@ -241,6 +241,14 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The longest token of the vocabulary, in bytes of its stored form. Text of `n` bytes
+    /// encodes to at least `n` divided by this many tokens (byte-level and SentencePiece
+    /// vocabularies store a token in at least as many bytes as it stands for), which bounds how
+    /// much text can ever fit a context before any of it is tokenized.
+    pub fn longest_token_bytes(&self) -> usize {
+        self.inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1)
+    }
+
     pub fn bos_token_id(&self) -> Option<u32> {
         self.bos.as_ref().map(|(_, id)| *id)
     }

@@ -152,8 +152,8 @@ async fn a_deleted_adapter_finishes_the_requests_already_running() {
     let tokens = events.iter().filter(|e| e["choices"].get(0).is_some()).count();
     assert_eq!(tokens, 300, "the running request finished on its version");
     assert_eq!(events.last().unwrap(), "[DONE]");
-    for _ in 0..200 {
-        if h.state.blobs.pending() == 0 {
+    for _ in 0..400 {
+        if h.state.blobs.pending() == 0 && entries(&h.dir.path().join("adapters")) == 0 {
             break;
         }
         actix_web::rt::time::sleep(std::time::Duration::from_millis(5)).await;

@@ -2,6 +2,7 @@
 //! SQLite and PostgreSQL, for a few hundred concurrent requests of every kind.
 
 use super::*;
+use crate::store::Money;
 
 /// Sums of the usage objects clients received.
 #[derive(Debug, Default, Clone, Copy, PartialEq)]
@@ -36,7 +37,7 @@ fn check(totals: &Value, seen: &Seen, what: &str) {
 async fn the_bill_adds_up_to_what_clients_were_told_on_every_database() {
     let scratch = tempfile::tempdir().unwrap();
     for url in crate::store::test_urls(scratch.path()).await {
-        let h = Harness::on(tempfile::tempdir().unwrap(), &url, ApiSettings { max_upload_bytes: 1 << 20, max_running: 64 }).await;
+        let h = Harness::on(tempfile::tempdir().unwrap(), &url, settings()).await;
         let app = app!(h.state);
         let (a_id, a) = tenant(&app, &h.admin, json!({"name": "acme", "plan": "standard"})).await;
         let (b_id, b) = tenant(&app, &h.admin, json!({"name": "bravo", "plan": "enterprise", "weight": 2.0})).await;
@@ -97,11 +98,19 @@ async fn the_bill_adds_up_to_what_clients_were_told_on_every_database() {
             let line = report["tenants"].as_array().unwrap().iter().find(|l| l["tenant_id"] == id.as_str()).unwrap();
             check(line, &seen[t], id);
         }
-        // Costs: each plan's prices per million tokens (micro-dollars), cached prompt discounted.
-        let price = |s: &Seen, p: [f64; 3]| ((s.prompt - s.cached) as f64 * p[0] + s.cached as f64 * p[1] + s.completion as f64 * p[2]) / 1e12;
-        let expected = price(&seen[0], [500_000.0, 125_000.0, 1_500_000.0]) + price(&seen[1], [400_000.0, 100_000.0, 1_200_000.0]);
-        let cost = report["totals"]["cost"].as_f64().unwrap();
-        assert!((cost - expected).abs() < 1e-9, "{cost} vs {expected}");
+        // Costs, exact: each plan's prices per million tokens (micro-dollars), cached prompt
+        // discounted.
+        let price = |s: &Seen, p: [i64; 3]| {
+            [(s.prompt - s.cached, p[0]), (s.cached, p[1]), (s.completion, p[2])]
+                .into_iter()
+                .fold(Money::ZERO, |m, (t, p)| m.checked_add(Money::of(t, p)).unwrap())
+        };
+        let (a_cost, b_cost) = (price(&seen[0], [500_000, 125_000, 1_500_000]), price(&seen[1], [400_000, 100_000, 1_200_000]));
+        assert_eq!(report["totals"]["cost"], a_cost.checked_add(b_cost).unwrap().dollars(), "{url}");
+        for (id, cost) in [(&a_id, a_cost), (&b_id, b_cost)] {
+            let line = report["tenants"].as_array().unwrap().iter().find(|l| l["tenant_id"] == id.as_str()).unwrap();
+            assert_eq!(line["cost"], cost.dollars());
+        }
         assert!(report["lines"].as_array().unwrap().iter().any(|l| l["adapter"] == "support@1"));
 
         // The CSV ends with the same totals.

@@ -290,7 +290,17 @@ async fn metrics_openapi_and_health() {
         let (s, _) = call(&app, "POST", "/v1/completions", Some(&key), Some(json!({"model": MODEL, "prompt": "x", "max_tokens": 3, "ignore_eos": true}))).await;
         assert_eq!(s, StatusCode::OK);
     }
-    let (status, text) = call(&app, "GET", "/metrics", None, None).await;
+    // Metrics name every tenant: they need an operator key with the metrics (or admin) scope.
+    let (status, body) = call(&app, "GET", "/metrics", None, None).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert!(!body.to_string().contains("acme"), "{body}");
+    assert_eq!(call(&app, "GET", "/metrics", Some(&key), None).await.0, StatusCode::FORBIDDEN, "a tenant's key");
+    let (status, minted) = call(&app, "POST", "/admin/keys", Some(&h.admin), Some(json!({"scopes": ["metrics"]}))).await;
+    assert_eq!(status, StatusCode::CREATED, "{minted}");
+    let scraper = minted["key"].as_str().unwrap().to_string();
+    assert_eq!(call(&app, "GET", "/admin/tenants", Some(&scraper), None).await.0, StatusCode::FORBIDDEN, "a metrics key is only that");
+    assert_eq!(call(&app, "GET", "/metrics", Some(&h.admin), None).await.0, StatusCode::OK);
+    let (status, text) = call(&app, "GET", "/metrics", Some(&scraper), None).await;
     assert_eq!(status, StatusCode::OK);
     let text = text.as_str().unwrap();
     for needle in [
@@ -301,6 +311,7 @@ async fn metrics_openapi_and_health() {
         "loraplex_e2e_request_latency_seconds_bucket{le=\"+Inf\"} 3",
         "loraplex_queue_time_seconds_count 3",
         "loraplex_pool_pages{worker=\"0\",kind=\"kv\"}",
+        "loraplex_worker_healthy{worker=\"0\"} 1",
         "loraplex_prefix_cache_hit_rate",
         "loraplex_adapter_loads_total{from=\"disk\"}",
         "vllm:num_requests_waiting 0",
@@ -329,7 +340,7 @@ async fn a_failure_mid_stream_arrives_as_an_error_event_and_is_recorded() {
     let app = app!(h.state);
     let (tenant_id, key) = tenant(&app, &h.admin, json!({"name": "acme"})).await;
     let res = long_stream(&app, &key).await;
-    assert!(h.state.serving.inject_fault(0, "drill"));
+    assert!(h.runtime.inject_fault(0, "drill", 0).await);
     let events = sse_events(&read_body(res).await);
     let error = events.iter().find(|e| e.get("error").is_some()).expect("an error event");
     assert_eq!(error["error"]["code"], "unavailable");

@@ -24,15 +24,22 @@ pub const MODEL: &str = "loraplex-tiny";
 /// A server's state over a fresh tiny model, runtime and database.
 pub struct Harness {
     pub state: AppState,
+    /// The runtime behind `state.serving`, for failure drills.
+    pub runtime: Arc<Runtime<CpuBackend>>,
     pub admin: String,
     pub dir: tempfile::TempDir,
+}
+
+/// The settings tests run with: the server's defaults, small uploads.
+pub fn settings() -> ApiSettings {
+    ApiSettings { max_upload_bytes: 1 << 20, max_running: 64, ..ApiSettings::new("test-instance") }
 }
 
 impl Harness {
     pub async fn new() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("db.sqlite").display());
-        Self::on(dir, &url, ApiSettings { max_upload_bytes: 1 << 20, max_running: 64 }).await
+        Self::on(dir, &url, settings()).await
     }
 
     pub async fn on(dir: tempfile::TempDir, url: &str, settings: ApiSettings) -> Self {
@@ -40,12 +47,13 @@ impl Harness {
         crate::synth::synthesize_model(&SynthOptions { out: model_dir.clone(), preset: Preset::Tiny, seed: 0 }).unwrap();
         let model = Arc::new(crate::model::load(Arc::new(CpuBackend::new()), &model_dir).unwrap());
         let tokenizer = Arc::new(Tokenizer::from_dir(&model_dir).unwrap());
-        let config = EngineConfig { pool_bytes: 32 << 20, max_running: settings.max_running, max_batch_tokens: 512, ..EngineConfig::default() };
-        let runtime = Runtime::start(vec![model], tokenizer.clone(), config).unwrap();
+        let config =
+            EngineConfig { pool_bytes: 32 << 20, max_running: settings.max_running, max_batch_tokens: 512, pinned_percent: 25, ..EngineConfig::default() };
+        let runtime = Arc::new(Runtime::start(vec![model], tokenizer.clone(), config).unwrap());
         let store = Store::connect(url).await.unwrap();
         let (_, admin) = store.create_key(None, &[Scope::Admin]).await.unwrap();
-        let state = AppState::new(store, Arc::new(runtime), tokenizer, MODEL, dir.path(), settings);
-        Self { state, admin, dir }
+        let state = AppState::new(store, runtime.clone(), tokenizer, MODEL, dir.path(), settings);
+        Self { state, runtime, admin, dir }
     }
 
     /// Adapters for the tiny model, written under the test's directory.

@@ -27,7 +27,7 @@ fn setup(pages: usize, host_cache_bytes: u64) -> (CpuBackend, DevicePool<CpuBack
     let mem = DevicePool { buffer, layout, pages: PagePool::new(pages) };
     let config = LoaderConfig { host_cache_bytes, threads: 2, limits: AdapterLimits::default() };
     let loader = AdapterLoader::new(&config, shape(), layout.page_elems()).unwrap();
-    (backend, mem, AdapterResidency::new(loader, 4))
+    (backend, mem, AdapterResidency::new(loader, 4, pages))
 }
 
 fn reference(name: &str) -> AdapterRef {
@@ -108,13 +108,48 @@ fn pinned_and_held_adapters_are_not_evicted() {
         assert_eq!(settle(&backend, &mut mem, &mut res, name), Residency::Resident);
     }
     let pin = res.pin("a1_r8_qv").unwrap();
-    assert!(res.hold("a3_r4_rslora"));
+    let operator = Holder { id: "".into(), max_pages: usize::MAX };
+    assert_eq!(res.hold("a3_r4_rslora", &operator), Ok(true));
     let used = mem.pages.stats().adapter;
     assert!(mem.pages.lease(24 - used + 1).is_none(), "no pinned page may be taken");
     assert!(res.status("a1_r8_qv") == Residency::Resident && res.status("a3_r4_rslora") == Residency::Resident);
     drop(pin);
-    assert!(res.release("a3_r4_rslora"));
+    assert!(!res.release("a3_r4_rslora", "someone else"), "only its holder lets a pin go");
+    assert!(res.release("a3_r4_rslora", ""));
     assert!(mem.pages.lease(24).is_some(), "both are reclaimable once let go");
+}
+
+#[test]
+fn pins_belong_to_their_holders_and_are_capped_per_holder_and_for_the_pool() {
+    let (backend, mut mem, mut res) = setup(64, 1 << 30);
+    res.max_held_pages = 0;
+    for name in ["a1_r8_qv", "a3_r4_rslora"] {
+        res.request(&reference(name));
+        assert_eq!(settle(&backend, &mut mem, &mut res, name), Residency::Resident);
+    }
+    let pages = |res: &AdapterResidency, key: &str| res.pin(key).unwrap().1.num_pages();
+    let (p1, p3) = (pages(&res, "a1_r8_qv"), pages(&res, "a3_r4_rslora"));
+    let tenant = |id: &str, max_pages| Holder { id: id.into(), max_pages };
+    // With no share of the pool for pins, nothing can be held.
+    assert_eq!(res.hold("a1_r8_qv", &tenant("t1", 100)), Err(HoldError::PoolShare { pages: p1, used: 0, max: 0 }));
+    res.max_held_pages = p1 + p3;
+    assert_eq!(res.hold("a1_r8_qv", &tenant("t1", p1)), Ok(true));
+    assert_eq!(res.hold("a1_r8_qv", &tenant("t1", p1)), Ok(true), "holding twice is one hold");
+    // The holder's own cap counts every adapter it holds.
+    assert_eq!(res.hold("a3_r4_rslora", &tenant("t1", p1)), Err(HoldError::HolderCap { pages: p3, used: p1, max: p1 }));
+    // Another holder of the same adapter is charged for it too, but the pool only once.
+    assert_eq!(res.hold("a1_r8_qv", &tenant("t2", p1)), Ok(true));
+    assert_eq!(res.held_pages(), p1);
+    assert_eq!(res.hold("a3_r4_rslora", &tenant("op", usize::MAX)), Ok(true));
+    assert_eq!(res.held_pages(), p1 + p3);
+    // t2 letting go leaves t1's pin in place; t1's release drops the last one.
+    assert!(res.release("a1_r8_qv", "t2"));
+    assert!(!res.release("a1_r8_qv", "t2"));
+    assert_eq!(res.held_pages_of("t1"), p1);
+    assert!(res.release("a1_r8_qv", "t1"));
+    assert_eq!(res.held_pages(), p3);
+    // Not resident: nothing to hold yet.
+    assert_eq!(res.hold("a2_r16_all", &tenant("t1", 1000)), Ok(false));
 }
 
 #[test]
