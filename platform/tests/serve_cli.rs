@@ -1,51 +1,14 @@
 //! `loraplex serve` on the embedded defaults: first start prints the admin key once, the
 //! server answers health and the admin API, and a restart keeps the database.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
-struct Server {
-    child: Child,
-    addr: String,
-    admin: Option<String>,
-    /// What the server prints after its address, read as it comes.
-    rest: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use loraplex::bench::server::Server;
 
 fn start(data: &std::path::Path, extra: &[&str]) -> Server {
-    let child = Command::new(env!("CARGO_BIN_EXE_loraplex"))
-        .args(["serve", "--port", "0", "--data-dir"])
-        .arg(data)
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    // Owned by the guard at once, so the process is reaped on every path.
-    let mut server = Server { child, addr: String::new(), admin: None, rest: Default::default() };
-    let stdout = server.child.stdout.take().unwrap();
-    let mut lines = BufReader::new(stdout).lines();
-    while let Some(line) = lines.next() {
-        let line = line.unwrap();
-        if let Some(key) = line.strip_prefix("admin key (shown once; keep it): ") {
-            server.admin = Some(key.to_string());
-        }
-        if let Some(addr) = line.strip_prefix("listening on http://") {
-            server.addr = addr.to_string();
-            let rest = server.rest.clone();
-            std::thread::spawn(move || lines.map_while(Result::ok).for_each(|l| rest.lock().unwrap().push(l)));
-            return server;
-        }
-    }
-    panic!("the server exited before printing its address");
+    Server::start(std::path::Path::new(env!("CARGO_BIN_EXE_loraplex")), data, extra).unwrap()
 }
 
 /// One HTTP/1.1 request; the status and the body.
@@ -117,7 +80,7 @@ fn shutdown_lets_running_requests_finish_and_records_them() {
     let mut server = server;
     assert!(server.child.wait().unwrap().success(), "a clean exit");
     std::thread::sleep(std::time::Duration::from_millis(50));
-    assert_eq!(server.rest.lock().unwrap().last().map(String::as_str), Some("stopped"));
+    assert_eq!(server.output.lock().unwrap().last().map(String::as_str), Some("stopped"));
 
     let again = start(data.path(), &["--admin-key", admin]);
     let (status, report) = http(&again.addr, "GET", "/admin/billing/report", Some(admin), "");

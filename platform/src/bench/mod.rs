@@ -2,9 +2,11 @@
 //! what it measured against limits measured on the same machine in the same run.
 
 pub mod engine;
+pub mod http;
 pub mod kernels;
 pub mod lora;
 pub mod runtime;
+pub mod server;
 
 use std::path::{Path, PathBuf};
 

@@ -1,0 +1,223 @@
+//! A small HTTP/1.1 client over `std::net::TcpStream`, for load generators and black-box tests
+//! that must control the connection itself: send part of a body and stall, hang up in the
+//! middle of a stream, time each server-sent event as it arrives. One request per connection
+//! (`Connection: close`); chunked and sized bodies are read.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// A response read to its end.
+#[derive(Debug, Clone)]
+pub struct Response {
+    pub status: u16,
+    /// Header names in lowercase.
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Response {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+
+    /// The body as JSON, or as a JSON string when it is not JSON.
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|_| Value::String(self.text()))
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// The `data:` payloads of a server-sent event stream (`[DONE]` as a string).
+    pub fn events(&self) -> Vec<Value> {
+        self.text()
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .map(|d| serde_json::from_str(d).unwrap_or_else(|_| Value::String(d.to_string())))
+            .collect()
+    }
+}
+
+/// A server's address and the defaults of its requests.
+#[derive(Debug, Clone)]
+pub struct Client {
+    pub addr: String,
+    /// How long a read may wait before the request fails.
+    pub timeout: Duration,
+}
+
+/// What to send.
+#[derive(Debug, Clone, Default)]
+pub struct Request<'a> {
+    pub method: &'a str,
+    pub path: &'a str,
+    pub key: Option<&'a str>,
+    pub content_type: Option<&'a str>,
+    pub body: &'a [u8],
+}
+
+impl<'a> Request<'a> {
+    pub fn new(method: &'a str, path: &'a str) -> Self {
+        Self { method, path, ..Self::default() }
+    }
+
+    pub fn key(self, key: &'a str) -> Self {
+        Self { key: Some(key), ..self }
+    }
+
+    pub fn body(self, content_type: &'a str, body: &'a [u8]) -> Self {
+        Self { content_type: Some(content_type), body, ..self }
+    }
+}
+
+/// Reads an HTTP response from `reader`: the status line and headers.
+fn read_head(reader: &mut impl BufRead) -> std::io::Result<(u16, Vec<(String, String)>)> {
+    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
+    let mut line = String::new();
+    if reader.read_line(&mut line)? == 0 {
+        return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the server closed the connection without answering"));
+    }
+    let status = line.split(' ').nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| bad("not an HTTP status line"))?;
+    let mut headers = Vec::new();
+    loop {
+        line.clear();
+        reader.read_line(&mut line)?;
+        let l = line.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        let (name, value) = l.split_once(':').ok_or_else(|| bad("a malformed header"))?;
+        headers.push((name.trim().to_ascii_lowercase(), value.trim().to_string()));
+    }
+    Ok((status, headers))
+}
+
+/// The body's bytes as they come, de-chunked: calls `on_data` with each piece; stops early
+/// when it returns false.
+fn read_body(reader: &mut impl BufRead, headers: &[(String, String)], mut on_data: impl FnMut(&[u8]) -> bool) -> std::io::Result<()> {
+    let chunked = headers.iter().any(|(n, v)| n == "transfer-encoding" && v.eq_ignore_ascii_case("chunked"));
+    if chunked {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if reader.read_line(&mut line)? == 0 {
+                return Ok(());
+            }
+            let size = usize::from_str_radix(line.trim().split(';').next().unwrap_or("0"), 16)
+                .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "a malformed chunk size"))?;
+            if size == 0 {
+                return Ok(());
+            }
+            let mut data = vec![0; size];
+            reader.read_exact(&mut data)?;
+            let mut crlf = [0; 2];
+            reader.read_exact(&mut crlf)?;
+            if !on_data(&data) {
+                return Ok(());
+            }
+        }
+    }
+    let length = headers.iter().find(|(n, _)| n == "content-length").and_then(|(_, v)| v.parse::<u64>().ok());
+    let mut buf = [0u8; 8192];
+    let mut left = length.unwrap_or(u64::MAX);
+    while left > 0 {
+        let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+        let n = reader.read(&mut buf[..want])?;
+        if n == 0 {
+            break;
+        }
+        left -= n as u64;
+        if !on_data(&buf[..n]) {
+            break;
+        }
+    }
+    Ok(())
+}
+
+impl Client {
+    pub fn new(addr: impl Into<String>) -> Self {
+        Self { addr: addr.into(), timeout: Duration::from_secs(120) }
+    }
+
+    /// A connection with the request's head written (and `Content-Length` set to the body's
+    /// full length) but no body yet: for callers that send the body themselves, or never.
+    pub fn open(&self, req: &Request<'_>) -> std::io::Result<TcpStream> {
+        let mut s = TcpStream::connect(&self.addr)?;
+        s.set_read_timeout(Some(self.timeout))?;
+        s.set_nodelay(true)?;
+        let auth = req.key.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
+        let ctype = req.content_type.map(|c| format!("Content-Type: {c}\r\n")).unwrap_or_default();
+        write!(s, "{} {} HTTP/1.1\r\nHost: loraplex\r\nConnection: close\r\n{auth}{ctype}Content-Length: {}\r\n\r\n", req.method, req.path, req.body.len())?;
+        Ok(s)
+    }
+
+    /// Sends a request and reads the whole response.
+    pub fn send(&self, req: &Request<'_>) -> std::io::Result<Response> {
+        let mut s = self.open(req)?;
+        s.write_all(req.body)?;
+        let mut reader = BufReader::new(s);
+        let (status, headers) = read_head(&mut reader)?;
+        let mut body = Vec::new();
+        read_body(&mut reader, &headers, |d| {
+            body.extend_from_slice(d);
+            true
+        })?;
+        Ok(Response { status, headers, body })
+    }
+
+    /// A JSON request (`body` `None`: no body).
+    pub fn json(&self, method: &str, path: &str, key: Option<&str>, body: Option<&Value>) -> std::io::Result<Response> {
+        let bytes = body.map(|b| b.to_string()).unwrap_or_default();
+        let mut req = Request { method, path, key, ..Request::default() };
+        if body.is_some() {
+            req = req.body("application/json", bytes.as_bytes());
+        }
+        self.send(&req)
+    }
+
+    /// Sends a request whose answer is a stream of server-sent events, calling `on_event` with
+    /// each `data:` payload and the moment it arrived; returning false from it hangs up there.
+    /// Returns the status and the headers.
+    pub fn stream(&self, req: &Request<'_>, mut on_event: impl FnMut(&str, Instant) -> bool) -> std::io::Result<(u16, Vec<(String, String)>)> {
+        let mut s = self.open(req)?;
+        s.write_all(req.body)?;
+        let mut reader = BufReader::new(s);
+        let (status, headers) = read_head(&mut reader)?;
+        let mut pending = Vec::new();
+        read_body(&mut reader, &headers, |d| {
+            pending.extend_from_slice(d);
+            let now = Instant::now();
+            while let Some(end) = pending.windows(2).position(|w| w == b"\n\n") {
+                let event: Vec<u8> = pending.drain(..end + 2).collect();
+                let text = String::from_utf8_lossy(&event[..end]);
+                if let Some(data) = text.strip_prefix("data: ")
+                    && !on_event(data, now)
+                {
+                    return false;
+                }
+            }
+            true
+        })?;
+        Ok((status, headers))
+    }
+}
+
+/// A `multipart/form-data` body of `(name, bytes)` fields: its content type and bytes.
+pub fn multipart(fields: &[(&str, &[u8])]) -> (String, Vec<u8>) {
+    const BOUNDARY: &str = "loraplex-form-boundary-7f3a";
+    let mut out = Vec::new();
+    for (name, bytes) in fields {
+        out.extend_from_slice(
+            format!("--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"{name}\"; filename=\"{name}\"\r\nContent-Type: application/octet-stream\r\n\r\n")
+                .as_bytes(),
+        );
+        out.extend_from_slice(bytes);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(format!("--{BOUNDARY}--\r\n").as_bytes());
+    (format!("multipart/form-data; boundary={BOUNDARY}"), out)
+}
