@@ -67,16 +67,41 @@ fn shutdown_lets_running_requests_finish_and_records_them() {
     let admin = "operator-key-0123456789";
     let server = start(data.path(), &["--admin-key", admin]);
     let key = tenant_key(&server.addr, admin, "acme");
-    let addr = server.addr.clone();
     let body = r#"{"model": "loraplex-tiny", "prompt": "x", "max_tokens": 300, "ignore_eos": true, "stream": true}"#;
-    let stream = std::thread::spawn(move || http(&addr, "POST", "/v1/completions", Some(&key), body));
-    std::thread::sleep(std::time::Duration::from_millis(100));
+    // The signal comes once the stream has its first token, and before its last: the request
+    // is running when the server is told to stop.
+    let (first, signalled) = (std::sync::mpsc::channel::<()>(), std::sync::mpsc::channel::<()>());
+    let client = server.client();
+    let stream = std::thread::spawn(move || {
+        let (mut tokens, mut after_signal, mut done) = (0, 0, false);
+        let req = loraplex::bench::http::Request::new("POST", "/v1/completions").key(&key).body("application/json", body.as_bytes());
+        let (status, _) = client
+            .stream(&req, |data, _| {
+                if data == "[DONE]" {
+                    done = true;
+                } else if data.contains("\"text\":") {
+                    tokens += 1;
+                    if tokens == 1 {
+                        first.0.send(()).unwrap();
+                        signalled.1.recv().unwrap();
+                    } else {
+                        after_signal += 1;
+                    }
+                }
+                true
+            })
+            .unwrap();
+        (status, tokens, after_signal, done)
+    });
+    first.1.recv().unwrap();
     let pid = server.child.id().to_string();
     assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
-    let (status, events) = stream.join().unwrap();
+    signalled.0.send(()).unwrap();
+    let (status, tokens, after_signal, done) = stream.join().unwrap();
     assert_eq!(status, 200);
-    assert!(events.contains("data: [DONE]"), "the stream ran to its end: {events}");
-    assert_eq!(events.matches("\"text\":").count(), 300);
+    assert!(done, "the stream ran to its end");
+    assert_eq!(tokens, 300);
+    assert!(after_signal > 200, "most of the tokens came after the signal: {after_signal}");
     let mut server = server;
     assert!(server.child.wait().unwrap().success(), "a clean exit");
     std::thread::sleep(std::time::Duration::from_millis(50));

@@ -74,7 +74,12 @@ fn prompts(prompt: &Value) -> Result<Vec<Prompt>, ApiError> {
     let ids = |items: &[Value]| -> Result<Prompt, ApiError> {
         items
             .iter()
-            .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(|| ApiError::Invalid(format!("token id {v} is not a valid token id"))))
+            .map(|v| {
+                v.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(|| {
+                    let shown: String = v.to_string().chars().take(24).collect();
+                    ApiError::Invalid(format!("token id {shown} is not a valid token id"))
+                })
+            })
             .collect::<Result<_, _>>()
             .map(Prompt::Ids)
     };

@@ -155,6 +155,21 @@ impl Client {
         Ok(s)
     }
 
+    /// Writes `bytes` as they are (a hand-made request) and reads the response.
+    pub fn raw(&self, bytes: &[u8]) -> std::io::Result<Response> {
+        let mut s = TcpStream::connect(&self.addr)?;
+        s.set_read_timeout(Some(self.timeout))?;
+        s.write_all(bytes)?;
+        let mut reader = BufReader::new(s);
+        let (status, headers) = read_head(&mut reader)?;
+        let mut body = Vec::new();
+        read_body(&mut reader, &headers, |d| {
+            body.extend_from_slice(d);
+            true
+        })?;
+        Ok(Response { status, headers, body })
+    }
+
     /// Sends a request and reads the whole response.
     pub fn send(&self, req: &Request<'_>) -> std::io::Result<Response> {
         let mut s = self.open(req)?;

@@ -650,3 +650,6 @@ impl<B: Backend> StepMemory<Sequence> for EngineMemory<'_, B> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

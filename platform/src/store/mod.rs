@@ -303,7 +303,12 @@ impl Store {
         }
         self.retrying(|| async {
             let mut tx = self.write_tx().await?;
-            let sql = concat!("SELECT ", tenant_columns!(), " FROM tenants WHERE id = $1 AND deleted_at IS NULL");
+            // The row is locked from the read to the write (on SQLite the transaction holds the
+            // write lock already), so concurrent patches of other fields are never lost.
+            let sql = match self.kind {
+                DbKind::Sqlite => concat!("SELECT ", tenant_columns!(), " FROM tenants WHERE id = $1 AND deleted_at IS NULL"),
+                DbKind::Postgres => concat!("SELECT ", tenant_columns!(), " FROM tenants WHERE id = $1 AND deleted_at IS NULL FOR UPDATE"),
+            };
             let mut t: Tenant = sqlx::query_as(sql).bind(id).fetch_optional(&mut *tx).await?.ok_or(StoreError::NotFound("tenant"))?;
             patch.apply(&mut t);
             validate_weight(t.weight)?;

@@ -13,7 +13,7 @@
 mod adapters;
 #[cfg(test)]
 mod tests;
-mod tokenizer;
+pub(crate) mod tokenizer;
 mod weights;
 
 use std::io;

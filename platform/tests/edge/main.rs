@@ -1,0 +1,11 @@
+//! The adversarial suite: the real `loraplex serve` binary, driven over HTTP the way a hostile
+//! tenant would, on SQLite and (when a server is available) PostgreSQL. Each module is a table
+//! of cases; a run reports every case that broke.
+
+mod auth;
+mod bodies;
+mod common;
+mod crash;
+mod limits;
+mod races;
+mod uploads;
