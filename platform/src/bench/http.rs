@@ -138,6 +138,18 @@ fn read_body(reader: &mut impl BufRead, headers: &[(String, String)], mut on_dat
     Ok(())
 }
 
+/// The whole response on `s`.
+fn read_response(s: TcpStream) -> std::io::Result<Response> {
+    let mut reader = BufReader::new(s);
+    let (status, headers) = read_head(&mut reader)?;
+    let mut body = Vec::new();
+    read_body(&mut reader, &headers, |d| {
+        body.extend_from_slice(d);
+        true
+    })?;
+    Ok(Response { status, headers, body })
+}
+
 impl Client {
     pub fn new(addr: impl Into<String>) -> Self {
         Self { addr: addr.into(), timeout: Duration::from_secs(120) }
@@ -160,28 +172,14 @@ impl Client {
         let mut s = TcpStream::connect(&self.addr)?;
         s.set_read_timeout(Some(self.timeout))?;
         s.write_all(bytes)?;
-        let mut reader = BufReader::new(s);
-        let (status, headers) = read_head(&mut reader)?;
-        let mut body = Vec::new();
-        read_body(&mut reader, &headers, |d| {
-            body.extend_from_slice(d);
-            true
-        })?;
-        Ok(Response { status, headers, body })
+        read_response(s)
     }
 
     /// Sends a request and reads the whole response.
     pub fn send(&self, req: &Request<'_>) -> std::io::Result<Response> {
         let mut s = self.open(req)?;
         s.write_all(req.body)?;
-        let mut reader = BufReader::new(s);
-        let (status, headers) = read_head(&mut reader)?;
-        let mut body = Vec::new();
-        read_body(&mut reader, &headers, |d| {
-            body.extend_from_slice(d);
-            true
-        })?;
-        Ok(Response { status, headers, body })
+        read_response(s)
     }
 
     /// A JSON request (`body` `None`: no body).

@@ -166,11 +166,14 @@ async fn the_ledger_commits_in_groups_and_the_report_adds_up() {
         // Every row a line of the JSON report has, with the same values; dates as YYYY-MM-DD.
         let first = csv.lines().nth(1).unwrap();
         let l = &r.lines[0];
+        assert!(["acme", "globex"].contains(&l.tenant.as_str()) && ["standard", "free"].contains(&l.plan.as_str()), "{l:?}");
         assert_eq!(
             first,
             format!(
-                "{},acme,standard,{},{},{},{},{},{},{},{}",
+                "{},{},{},{},{},{},{},{},{},{},{}",
                 l.tenant_id,
+                l.tenant,
+                l.plan,
                 l.adapter,
                 date(l.day),
                 l.totals.requests,

@@ -2,33 +2,12 @@
 
 use super::*;
 
-const BOUNDARY: &str = "loraplex-test-boundary";
-
-/// A multipart form of (field, bytes).
-fn form(fields: &[(&str, &[u8])]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for (name, bytes) in fields {
-        out.extend_from_slice(
-            format!("--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"{name}\"; filename=\"{name}\"\r\nContent-Type: application/octet-stream\r\n\r\n")
-                .as_bytes(),
-        );
-        out.extend_from_slice(bytes);
-        out.extend_from_slice(b"\r\n");
-    }
-    out.extend_from_slice(format!("--{BOUNDARY}--\r\n").as_bytes());
-    out
-}
-
 pub async fn upload<S>(app: &S, key: &str, fields: &[(&str, &[u8])]) -> (StatusCode, Value)
 where
     S: actix_web::dev::Service<actix_http::Request, Response = actix_web::dev::ServiceResponse, Error = actix_web::Error>,
 {
-    let req = TestRequest::post()
-        .uri("/v1/adapters")
-        .insert_header(bearer(key))
-        .insert_header(("content-type", format!("multipart/form-data; boundary={BOUNDARY}")))
-        .set_payload(form(fields))
-        .to_request();
+    let (content_type, body) = crate::bench::http::multipart(fields);
+    let req = TestRequest::post().uri("/v1/adapters").insert_header(bearer(key)).insert_header(("content-type", content_type)).set_payload(body).to_request();
     let res = call_service(app, req).await;
     let status = res.status();
     let body = read_body(res).await;
