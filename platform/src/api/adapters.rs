@@ -369,6 +369,7 @@ struct Checked {
 
 async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     let owner = owner(&req, &state).await?;
+    let _permit = admit_tenant_request(&state, &owner)?;
     let _slot = state.uploads.enter(&owner.key_id, state.settings.max_uploads_per_key)?;
     let mut form = Multipart::new(req.headers(), payload);
     let scratch_root = state.data_dir.join("uploads");
@@ -528,9 +529,9 @@ fn residency_name(r: &Residency) -> String {
     }
 }
 
-/// A tenant's load and unload count against its request limits, so that a storm of them
-/// is bounded like any other traffic.
-fn admit_pin_request(state: &AppState, owner: &Owner) -> Result<Option<super::limits::Permit>, ApiError> {
+/// A tenant's uploads, loads and unloads count against its request limits (requests per minute,
+/// concurrency), so that a storm of them is bounded like any other traffic.
+fn admit_tenant_request(state: &AppState, owner: &Owner) -> Result<Option<super::limits::Permit>, ApiError> {
     let Some(tenant) = &owner.tenant else { return Ok(None) };
     let mut permit = state.limiter.admit(&tenant.id, &tenant.limits()).inspect_err(|_| state.metrics.limited(&tenant.name))?;
     permit.reserve(0)?;
@@ -550,7 +551,7 @@ fn hold_error(e: HoldError) -> ApiError {
 /// cap.
 async fn load(req: HttpRequest, state: web::Data<AppState>, name: web::Path<String>) -> Result<HttpResponse, ApiError> {
     let owner = owner(&req, &state).await?;
-    let _permit = admit_pin_request(&state, &owner)?;
+    let _permit = admit_tenant_request(&state, &owner)?;
     let record = state.store.visible_adapter(&owner.id, &name).await?.ok_or_else(|| not_found(&name))?;
     let _guard = state.blobs.enter(&record.id).ok_or_else(|| not_found(&name))?;
     let adapter = AdapterRef::validated(record.id.as_str(), state.data_dir.join(&record.blob));
@@ -580,7 +581,7 @@ async fn load(req: HttpRequest, state: web::Data<AppState>, name: web::Path<Stri
 /// adapter) stay.
 async fn unload(req: HttpRequest, state: web::Data<AppState>, name: web::Path<String>) -> Result<HttpResponse, ApiError> {
     let owner = owner(&req, &state).await?;
-    let _permit = admit_pin_request(&state, &owner)?;
+    let _permit = admit_tenant_request(&state, &owner)?;
     let record = state.store.visible_adapter(&owner.id, &name).await?.ok_or_else(|| not_found(&name))?;
     let mut released = false;
     for v in state.store.adapter_versions(&record.owner, &record.name).await? {

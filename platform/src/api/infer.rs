@@ -50,6 +50,21 @@ pub async fn caller(req: &HttpRequest, state: &AppState, scope: Scope) -> Result
     Ok(Caller { key, tenant, plan })
 }
 
+/// A caller admitted against its tenant's concurrency and requests-per-minute limits, before its
+/// body is read: a tenant cannot hold more bodies in flight (stalled, say) than it may run
+/// requests. A request refused before its tokens are reserved gives its place back.
+pub struct Admitted {
+    pub caller: Caller,
+    pub permit: Permit,
+}
+
+/// [`caller`] with the inference scope, then admission against the tenant's limits.
+pub async fn admitted(req: &HttpRequest, state: &AppState) -> Result<Admitted, ApiError> {
+    let caller = caller(req, state, Scope::Inference).await?;
+    let permit = state.limiter.admit(&caller.tenant.id, &caller.tenant.limits()).inspect_err(|_| state.metrics.limited(&caller.tenant.name))?;
+    Ok(Admitted { caller, permit })
+}
+
 /// What a request's `model` (or LoRAX `adapter_id`) names.
 #[derive(Debug, Clone)]
 pub enum Target {
@@ -118,7 +133,8 @@ pub struct Job {
 
 /// Checks, admits and queues a job, and starts the task that drives it. Errors here are the
 /// response's status.
-pub async fn start(state: &AppState, caller: Caller, spec: JobSpec) -> Result<Job, ApiError> {
+pub async fn start(state: &AppState, admitted: Admitted, spec: JobSpec) -> Result<Job, ApiError> {
+    let Admitted { caller, mut permit } = admitted;
     let started = Instant::now();
     let started_at = now_ms();
     // What was sent, cheaply.
@@ -127,7 +143,6 @@ pub async fn start(state: &AppState, caller: Caller, spec: JobSpec) -> Result<Jo
     // Admission, before any expensive work.
     let units = (spec.prompts.len() as u32).saturating_mul(spec.knobs.samples());
     let slot = state.admission.admit(&caller.tenant.id, caller.tenant.weight, units).inspect_err(|_| state.metrics.limited(&caller.tenant.name))?;
-    let mut permit = state.limiter.admit(&caller.tenant.id, &caller.tenant.limits()).inspect_err(|_| state.metrics.limited(&caller.tenant.name))?;
     let guard = match &spec.target {
         Target::Base => None,
         Target::Adapter(a) => Some(state.blobs.enter(&a.id).ok_or_else(|| ApiError::NotFound(format!("model `{}`", a.name)))?),

@@ -13,7 +13,6 @@ use super::validate::{DefaultMax, Knobs, Prompt};
 use super::{ApiError, AppState, json_body};
 use crate::request::FinishReason;
 use crate::runtime::{TokenOut, Usage};
-use crate::store::Scope;
 
 pub fn routes(cfg: &mut web::ServiceConfig) {
     cfg.route("/generate", web::post().to(generate)).route("/generate_stream", web::post().to(generate_stream));
@@ -81,8 +80,8 @@ struct Prepared {
     eos: Vec<u32>,
 }
 
-async fn prepare(req: &HttpRequest, state: &AppState, payload: web::Payload) -> Result<(infer::Caller, Prepared), ApiError> {
-    let caller = infer::caller(req, state, Scope::Inference).await?;
+async fn prepare(req: &HttpRequest, state: &AppState, payload: web::Payload) -> Result<(infer::Admitted, Prepared), ApiError> {
+    let caller = infer::admitted(req, state).await?;
     let body: GenerateRequest = json_body(state, payload).await?;
     let p = body.parameters;
     let _ = (&p.api_token, body.stream);
@@ -132,7 +131,7 @@ async fn prepare(req: &HttpRequest, state: &AppState, payload: web::Payload) -> 
     };
     knobs.check()?;
     let adapter_id = p.adapter_id.clone().unwrap_or_default();
-    let target = if adapter_id.is_empty() { Target::Base } else { infer::resolve(state, &caller.tenant.id, &adapter_id).await? };
+    let target = if adapter_id.is_empty() { Target::Base } else { infer::resolve(state, &caller.caller.tenant.id, &adapter_id).await? };
     let eos = state.tokenizer.eos_token_ids().to_vec();
     let full_text = p.return_full_text.then(|| body.inputs.clone());
     let spec = JobSpec {

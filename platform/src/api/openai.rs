@@ -6,7 +6,7 @@ use actix_web::{HttpRequest, HttpResponse, web};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::infer::{self, Caller, Job, JobEvent, JobSpec, sse, usage_json};
+use super::infer::{self, Admitted, Job, JobEvent, JobSpec, sse, usage_json};
 use super::peer::Peer;
 use super::validate::{self, DefaultMax, Knobs, Prompt};
 use super::{ApiError, AppState, json_body};
@@ -184,7 +184,7 @@ fn parse_completion(b: CompletionRequest) -> Result<Parsed, ApiError> {
 }
 
 async fn completions(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
-    let caller = infer::caller(&req, &state, Scope::Inference).await?;
+    let caller = infer::admitted(&req, &state).await?;
     let parsed = parse_completion(json_body(&state, payload).await?)?;
     run(&state, caller, parsed, "completions", &Peer::of(&req)).await
 }
@@ -249,13 +249,13 @@ fn parse_chat(b: ChatRequest) -> Result<Parsed, ApiError> {
 }
 
 async fn chat_completions(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
-    let caller = infer::caller(&req, &state, Scope::Inference).await?;
+    let caller = infer::admitted(&req, &state).await?;
     let parsed = parse_chat(json_body(&state, payload).await?)?;
     run(&state, caller, parsed, "chat_completions", &Peer::of(&req)).await
 }
 
-async fn run(state: &AppState, caller: Caller, p: Parsed, endpoint: &'static str, peer: &Peer) -> Result<HttpResponse, ApiError> {
-    let target = infer::resolve(state, &caller.tenant.id, &p.model).await?;
+async fn run(state: &AppState, caller: Admitted, p: Parsed, endpoint: &'static str, peer: &Peer) -> Result<HttpResponse, ApiError> {
+    let target = infer::resolve(state, &caller.caller.tenant.id, &p.model).await?;
     let shape = Shape {
         id: infer::response_id(if p.chat { "chatcmpl" } else { "cmpl" }),
         model: p.model,

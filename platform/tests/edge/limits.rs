@@ -56,6 +56,24 @@ fn rate_limits_admission_and_pins_refuse_with_the_right_status() {
         cases.ok("retry in a second", retry(&res) == Some(1), format!("{:?}", res.header("retry-after")));
         cases.ok("the first stream ran to its end", running.join().unwrap() >= 300, "");
 
+        // A tenant cannot hold more bodies in flight than it may run requests: stalled bodies
+        // take its concurrency, and a body cut off gives the place back.
+        let (_, staller) = env.tenant("staller", json!({"max_concurrent": 2, "requests_per_min": 100}));
+        let body = json!({"model": MODEL, "prompt": "x", "max_tokens": 1}).to_string();
+        let req = Request::new("POST", "/v1/completions").key(&staller).body("application/json", body.as_bytes());
+        let stalls: Vec<_> = (0..2).map(|_| env.http.open(&req).unwrap()).collect();
+        std::thread::sleep(Duration::from_millis(300));
+        cases.check("a third request while two bodies stall", &env.complete(&staller, MODEL, 1), 429, "concurrent");
+        drop(stalls);
+        env.wait_for("the stalled bodies to give their places back", 10, || env.complete(&staller, MODEL, 1).status == 200);
+        cases.ok("places given back", true, "");
+        // Uploads count against the requests per minute too.
+        let (_, uploader) = env.tenant("uploader", json!({"requests_per_min": 2}));
+        let one = adapter_files(1, 61).remove(0);
+        cases.check("upload 1 of 2 in a minute", &env.upload(&uploader, "u1", &one.0, &one.1), 201, "");
+        cases.check("upload 2 of 2 in a minute", &env.upload(&uploader, "u2", &one.0, &one.1), 201, "");
+        cases.check("upload 3 in a minute", &env.upload(&uploader, "u3", &one.0, &one.1), 429, "per minute");
+
         // Admission: at most 3 sequences of one tenant, 4 on the server.
         let (_, a) = env.tenant("hog", json!({}));
         let (_, b) = env.tenant("small", json!({}));
@@ -118,10 +136,10 @@ fn pins_never_take_the_share_of_the_pool_requests_need() {
     cases.check("no share of the pool for pins", &res, 503, "the server allows");
     cases.ok("with Retry-After", res.header("retry-after").is_some(), "");
     cases.check("the adapter still serves", &env.complete(&key, "a", 2), 200, "choices");
-    // A pin storm counts against the tenant's requests per minute.
+    // A pin storm counts against the tenant's requests per minute (the upload is the first).
     let (_, storm) = env.tenant("storm", json!({"requests_per_min": 4}));
     assert_eq!(env.upload(&storm, "b", &files[0].0, &files[0].1).status, 201);
-    for i in 0..4 {
+    for i in 0..3 {
         let res = env.call(Some(&storm), "POST", "/v1/adapters/b/unload", None);
         cases.check(&format!("unload {i}"), &res, 200, "released");
     }
