@@ -189,6 +189,11 @@ fn quotas_hold_and_a_restart_keeps_live_adapters_and_removes_orphans() {
         std::fs::write(env.data().join("adapters/blob_orphan/adapter_config.json"), "{}").unwrap();
         std::fs::create_dir_all(env.data().join("uploads/up_left")).unwrap();
         let live: Vec<String> = env.query("SELECT blob FROM adapters WHERE deleted_at IS NULL").into_iter().map(|r| r[0].clone()).collect();
+        // Loads read what was validated at upload, never the PEFT config again: with its config
+        // garbled, an adapter still loads after the restart.
+        for blob in &live {
+            std::fs::write(env.data().join(blob).join("adapter_config.json"), "{garbled").unwrap();
+        }
         env.crash_and_restart();
         for blob in &live {
             cases.ok(&format!("{blob} kept"), env.data().join(blob).join("loraplex_adapter.json").is_file(), blob);
