@@ -1,6 +1,15 @@
-//! `GET /openapi.json`: an OpenAPI 3 description of every route.
+//! `GET /openapi.json`: an OpenAPI 3.0 description of every route: what each accepts (the
+//! handlers' serde structs, with the bounds the server checks) and everything it can answer
+//! (success bodies and content types, the errors, `Retry-After`). The schemas are in
+//! [`schemas`]; `.ci/schemathesis` fuzzes the server against this document.
 
 use serde_json::{Map, Value, json};
+
+mod schemas;
+#[cfg(test)]
+mod tests;
+
+use schemas::r;
 
 /// (method, path, summary, the key scope it needs).
 pub const ROUTES: &[(&str, &str, &str, &str)] = &[
@@ -32,63 +41,356 @@ pub const ROUTES: &[(&str, &str, &str, &str)] = &[
     ("get", "/admin/billing/report", "Every tenant's bill: ?from=&to=&format=json|csv.", "admin"),
 ];
 
-fn error_response(description: &str) -> Value {
-    json!({"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}})
+/// The error statuses a client can see, with the name of their entry in
+/// `components.responses` and what they mean. (499, a request cancelled because its client
+/// went away, is never seen by a client.)
+const ERRORS: &[(u16, &str, &str)] = &[
+    (400, "BadRequest", "Malformed or invalid request: bad JSON, unknown fields, values out of range, an unsupported option."),
+    (401, "Unauthorized", "Missing, unknown or revoked key."),
+    (403, "Forbidden", "The key does not have the scope this route needs."),
+    (404, "NotFound", "Unknown (or another tenant's) resource or model."),
+    (408, "RequestTimeout", "The request body stalled."),
+    (409, "Conflict", "The name is taken (by another tenant; for an adapter, by the base model)."),
+    (413, "PayloadTooLarge", "The body, or one of its parts, is too large."),
+    (429, "TooManyRequests", "A tenant limit or quota (requests, tokens, concurrency, uploads, pins, adapters); retry after Retry-After seconds."),
+    (503, "ServiceUnavailable", "The server is full, shutting down, or its database or workers cannot take the request now; retry after Retry-After seconds."),
+];
+
+/// What the inference routes can answer besides success.
+const INFERENCE_ERRORS: &[u16] = &[400, 401, 403, 404, 408, 413, 429, 503];
+
+/// What an operation takes and answers, besides its path parameters.
+struct Shape {
+    query: Vec<Value>,
+    body: Option<Value>,
+    /// Success statuses and their responses.
+    ok: Vec<(&'static str, Value)>,
+    errors: &'static [u16],
+}
+
+impl Shape {
+    fn new(ok: Vec<(&'static str, Value)>, errors: &'static [u16]) -> Self {
+        Self { query: Vec::new(), body: None, ok, errors }
+    }
+
+    fn body(mut self, body: Value) -> Self {
+        self.body = Some(body);
+        self
+    }
+
+    fn query(mut self, query: Vec<Value>) -> Self {
+        self.query = query;
+        self
+    }
+}
+
+/// A response with a JSON body of schema `schema`.
+fn json_ok(description: &str, schema: Value) -> Value {
+    json!({"description": description, "content": {"application/json": {"schema": schema}}})
+}
+
+/// A response of an inference route: JSON, or with `stream: true` server-sent events.
+fn json_or_stream(json_schema: &str, event_schema: &str) -> Value {
+    json!({
+        "description": "The completion; with `stream: true`, server-sent events of chunks, ended by `data: [DONE]` (a failure mid-stream arrives as an Error event).",
+        "content": {
+            "application/json": {"schema": r(json_schema)},
+            "text/event-stream": {"schema": r(event_schema)},
+        },
+    })
+}
+
+/// A JSON request body, with named examples.
+fn json_body(schema: &str, examples: &[(&str, Value)]) -> Value {
+    let examples: Map<String, Value> = examples.iter().map(|(name, value)| (name.to_string(), json!({"value": value}))).collect();
+    json!({"required": true, "content": {"application/json": {"schema": r(schema), "examples": examples}}})
+}
+
+fn header(description: &str) -> Value {
+    json!({"description": description, "required": true, "schema": {"type": "string"}})
+}
+
+/// The headers of a LoRAX response; `done`: also those known once generation has ended.
+fn lorax_headers(done: bool) -> Value {
+    let mut h = json!({
+        "x-adapter-id": header("The adapter, or the base model's name."),
+        "x-compute-type": header("The device."),
+        "x-prompt-tokens": header("Prompt tokens."),
+    });
+    if done {
+        h["x-generated-tokens"] = header("Generated tokens.");
+        h["x-total-time"] = header("Milliseconds.");
+        h["x-queue-time"] = header("Milliseconds.");
+        h["x-time-per-token"] = header("Milliseconds.");
+    }
+    h
+}
+
+fn query(name: &str, description: &str, schema: Value) -> Value {
+    json!({"name": name, "in": "query", "required": false, "description": description, "schema": schema})
+}
+
+/// `from` and `to` of the usage and billing routes.
+fn period() -> Vec<Value> {
+    let bound = json!({"type": "string", "pattern": "^(-?[0-9]+|[0-9]{4}-[0-9]{2}-[0-9]{2})$"});
+    vec![
+        query("from", "Start (inclusive): Unix seconds or a YYYY-MM-DD date (its midnight, UTC). Default: the beginning.", bound.clone()),
+        query("to", "End (exclusive): Unix seconds or a YYYY-MM-DD date. Default: now.", bound),
+    ]
+}
+
+fn shape(method: &str, path: &str) -> Shape {
+    match (method, path) {
+        ("get", "/health") => Shape::new(vec![("200", json_ok("The process answers.", r("Health")))], &[]),
+        ("get", "/ready") => Shape::new(vec![("200", json_ok("At least one worker is healthy (`degraded`: not all).", r("Ready")))], &[503]),
+        ("get", "/metrics") => Shape::new(
+            vec![(
+                "200",
+                json!({"description": "Prometheus text exposition format 0.0.4.", "content": {"text/plain": {"schema": {"type": "string"}}}}),
+            )],
+            &[401, 403, 503],
+        ),
+        ("get", "/openapi.json") => {
+            Shape::new(vec![("200", json_ok("This document.", json!({"type": "object", "required": ["openapi", "info", "paths"]})))], &[])
+        }
+        ("post", "/v1/completions") => Shape::new(vec![("200", json_or_stream("Completion", "CompletionEvent"))], INFERENCE_ERRORS)
+            .body(json_body(
+                "CompletionRequest",
+                &[
+                    ("text", json!({"model": "loraplex-tiny", "prompt": "Hello", "max_tokens": 8})),
+                    (
+                        "sampled",
+                        json!({"model": "loraplex-tiny", "prompt": [[1, 2, 3], [4, 5]], "max_tokens": 4, "n": 2, "temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7, "stop": ["\n"], "logprobs": 2}),
+                    ),
+                    (
+                        "stream",
+                        json!({"model": "loraplex-tiny", "prompt": ["Hello", "World"], "max_tokens": 4, "n": 2, "logprobs": 1, "stream": true, "stream_options": {"include_usage": true}}),
+                    ),
+                ],
+            )),
+        ("post", "/v1/chat/completions") => Shape::new(vec![("200", json_or_stream("ChatCompletion", "ChatCompletionEvent"))], INFERENCE_ERRORS)
+            .body(json_body(
+                "ChatCompletionRequest",
+                &[
+                    ("chat", json!({"model": "loraplex-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})),
+                    (
+                        "parts",
+                        json!({
+                            "model": "loraplex-tiny",
+                            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                            "max_completion_tokens": 4,
+                            "n": 2,
+                            "logprobs": true,
+                            "top_logprobs": 2,
+                            "seed": 1,
+                            "temperature": 1.0,
+                        }),
+                    ),
+                    (
+                        "stream",
+                        json!({
+                            "model": "loraplex-tiny",
+                            "messages": [{"role": "user", "content": "Hi"}],
+                            "max_tokens": 4,
+                            "logprobs": true,
+                            "top_logprobs": 1,
+                            "stream": true,
+                            "stream_options": {"include_usage": true},
+                        }),
+                    ),
+                ],
+            )),
+        ("get", "/v1/models") => Shape::new(vec![("200", json_ok("The base model first, then the adapters.", r("ModelList")))], &[401, 403, 503]),
+        ("post", "/generate") => Shape::new(
+            vec![("200", json!({"description": "The generated text.", "headers": lorax_headers(true), "content": {"application/json": {"schema": r("Generated")}}}))],
+            INFERENCE_ERRORS,
+        )
+        .body(json_body(
+            "GenerateRequest",
+            &[
+                ("generate", json!({"inputs": "Hello", "parameters": {"max_new_tokens": 8}})),
+                (
+                    "details",
+                    json!({"inputs": "Hello", "parameters": {"max_new_tokens": 4, "details": true, "return_k_alternatives": 2, "return_full_text": true, "do_sample": true, "seed": 3}}),
+                ),
+            ],
+        )),
+        ("post", "/generate_stream") => Shape::new(
+            vec![(
+                "200",
+                json!({
+                    "description": "Server-sent events, one per token; the last has `generated_text` and `details`.",
+                    "headers": lorax_headers(false),
+                    "content": {"text/event-stream": {"schema": r("GenerateEvent")}},
+                }),
+            )],
+            INFERENCE_ERRORS,
+        )
+        .body(json_body(
+            "GenerateRequest",
+            &[("stream", json!({"inputs": "Hello", "parameters": {"max_new_tokens": 4, "details": true, "return_k_alternatives": 1, "stop": ["x"]}}))],
+        )),
+        ("get", "/v1/usage") => Shape::new(vec![("200", json_ok("The caller's usage and cost in the period.", r("UsageReport")))], &[400, 401, 403, 503])
+            .query({
+                let mut q = period();
+                q.push(query(
+                    "group_by",
+                    "Sum per day or per adapter; default: per tenant, plan, adapter and day.",
+                    json!({"type": "string", "enum": ["day", "adapter"]}),
+                ));
+                q
+            }),
+        ("post", "/v1/adapters") => {
+            Shape::new(vec![("201", json_ok("The new version.", r("Adapter")))], &[400, 401, 403, 408, 409, 413, 429, 503]).body(json!({
+                "required": true,
+                "content": {"multipart/form-data": {
+                    "schema": r("AdapterUpload"),
+                    "encoding": {"config": {"contentType": "application/json"}, "weights": {"contentType": "application/octet-stream"}},
+                }},
+            }))
+        }
+        ("get", "/v1/adapters") => Shape::new(vec![("200", json_ok("The caller's adapters and the published ones.", r("AdapterList")))], &[401, 403, 503]),
+        ("get", "/v1/adapters/{name}") => {
+            Shape::new(vec![("200", json_ok("The latest version, and every version.", r("AdapterDetail")))], &[400, 401, 403, 404, 503])
+        }
+        ("delete", "/v1/adapters/{name}") => Shape::new(vec![("200", json_ok("The versions deleted.", r("AdapterDeleted")))], &[400, 401, 403, 404, 503]),
+        ("post", "/v1/adapters/{name}/load") => Shape::new(
+            vec![
+                ("200", json_ok("Resident and held in every worker's pool.", r("AdapterLoad"))),
+                ("202", json_ok("Still on its way into some pool; it is held once placed.", r("AdapterLoad"))),
+            ],
+            &[400, 401, 403, 404, 429, 503],
+        ),
+        ("post", "/v1/adapters/{name}/unload") => {
+            Shape::new(vec![("200", json_ok("Whether a pin of the caller's was released.", r("AdapterUnload")))], &[400, 401, 403, 404, 429, 503])
+        }
+        ("post", "/admin/adapters/publish") => Shape::new(vec![("200", json_ok("Published (or private again).", r("Published")))], &[400, 401, 403, 404, 408, 413, 503])
+            .body(json_body("Publish", &[("publish", json!({"tenant_id": "ten_0123456789abcdef01234567", "name": "support", "public": true}))])),
+        ("post", "/admin/tenants") => Shape::new(vec![("201", json_ok("The new tenant.", r("Tenant")))], &[400, 401, 403, 408, 409, 413, 503])
+            .body(json_body("CreateTenant", &[("tenant", json!({"name": "acme", "plan": "standard", "limits": {"requests_per_min": 600}}))])),
+        ("get", "/admin/tenants") => Shape::new(vec![("200", json_ok("Every tenant.", r("TenantList")))], &[401, 403, 503]),
+        ("get", "/admin/tenants/{id}") => Shape::new(vec![("200", json_ok("The tenant.", r("Tenant")))], &[400, 401, 403, 404, 503]),
+        ("patch", "/admin/tenants/{id}") => {
+            let patch = json!({"schema": r("TenantPatch"), "example": {"weight": 2, "limits": {"requests_per_min": null}}});
+            Shape::new(vec![("200", json_ok("The tenant as changed.", r("Tenant")))], &[400, 401, 403, 404, 408, 413, 503])
+                .body(json!({"required": true, "content": {"application/merge-patch+json": patch.clone(), "application/json": patch}}))
+        }
+        ("delete", "/admin/tenants/{id}") => {
+            Shape::new(vec![("204", json!({"description": "Deleted; its keys are revoked, its usage stays billable."}))], &[400, 401, 403, 404, 503])
+        }
+        ("post", "/admin/tenants/{id}/keys") => Shape::new(vec![("201", json_ok("The key; `key` is its secret.", r("CreatedKey")))], &[400, 401, 403, 404, 408, 413, 503])
+            .body(json!({
+                "required": false,
+                "description": "Optional: without a body, the key has the inference and adapters scopes. A tenant's key cannot have admin or metrics.",
+                "content": {"application/json": {"schema": r("KeyRequest"), "example": {"scopes": ["inference"]}}},
+            })),
+        ("post", "/admin/keys") => Shape::new(vec![("201", json_ok("The key; `key` is its secret.", r("CreatedKey")))], &[400, 401, 403, 408, 413, 503]).body(json!({
+            "required": true,
+            "description": "The scopes: admin and/or metrics (others are a tenant's).",
+            "content": {"application/json": {"schema": r("KeyRequest"), "example": {"scopes": ["metrics"]}}},
+        })),
+        ("delete", "/admin/keys/{id}") => Shape::new(vec![("204", json!({"description": "Revoked."}))], &[400, 401, 403, 404, 503]),
+        ("get", "/admin/billing/report") => Shape::new(
+            vec![(
+                "200",
+                json!({
+                    "description": "Per tenant, plan, adapter and day, per tenant, and in total; as CSV, one row per line, then per tenant (adapter and date `*`), then the total (tenant `*`).",
+                    "content": {
+                        "application/json": {"schema": r("BillingReport")},
+                        "text/csv": {"schema": {"type": "string"}},
+                    },
+                }),
+            )],
+            &[400, 401, 403, 503],
+        )
+        .query({
+            let mut q = period();
+            q.push(query("format", "Default json.", json!({"type": "string", "enum": ["json", "csv"]})));
+            q.push(query("tenant_id", "Only this tenant.", json!({"type": "string"})));
+            q
+        }),
+        // A route of ROUTES without a shape here is caught by the tests.
+        _ => Shape::new(Vec::new(), &[]),
+    }
+}
+
+/// `components.responses`: one per error status.
+fn error_responses() -> Value {
+    let retry_after = json!({"Retry-After": {
+        "description": "Seconds to wait before retrying.",
+        "required": true,
+        "schema": {"type": "integer", "minimum": 0},
+    }});
+    let mut out = Map::new();
+    for &(status, name, description) in ERRORS {
+        let mut response = json_ok(description, r("Error"));
+        if status == 429 || status == 503 {
+            response["headers"] = retry_after.clone();
+        }
+        out.insert(name.into(), response);
+    }
+    Value::Object(out)
+}
+
+fn operation(method: &str, path: &str, summary: &str, scope: &str) -> Value {
+    let shape = shape(method, path);
+    let mut responses = Map::new();
+    for (status, response) in shape.ok {
+        responses.insert(status.into(), response);
+    }
+    for status in shape.errors {
+        if let Some(&(_, name, _)) = ERRORS.iter().find(|e| e.0 == *status) {
+            responses.insert(status.to_string(), json!({"$ref": format!("#/components/responses/{name}")}));
+        }
+    }
+    let mut parameters: Vec<Value> = path
+        .split('/')
+        .filter_map(|s| s.strip_prefix('{').and_then(|s| s.strip_suffix('}')))
+        .map(|name| json!({"name": name, "in": "path", "required": true, "schema": {"type": "string"}}))
+        .collect();
+    parameters.extend(shape.query);
+    let mut op = json!({
+        "summary": summary,
+        "operationId": format!("{method}_{}", path.trim_start_matches('/').replace(['/', '{', '}', '.'], "_")),
+        "tags": [if scope == "none" { "server" } else { scope }],
+        "responses": responses,
+    });
+    if !parameters.is_empty() {
+        op["parameters"] = parameters.into();
+    }
+    if let Some(body) = shape.body {
+        op["requestBody"] = body;
+    }
+    if scope == "none" {
+        op["security"] = json!([]);
+    } else {
+        op["security"] = json!([{"bearer": []}]);
+        op["x-scope"] = scope.into();
+    }
+    op
 }
 
 /// The document.
 pub fn document(version: &str) -> Value {
     let mut paths = Map::new();
     for &(method, path, summary, scope) in ROUTES {
-        let mut op = json!({
-            "summary": summary,
-            "operationId": format!("{method}_{}", path.trim_start_matches('/').replace(['/', '{', '}', '.'], "_")),
-            "responses": {
-                "200": {"description": "Success."},
-                "400": error_response("Malformed or invalid request."),
-                "401": error_response("Missing, unknown or revoked key."),
-                "404": error_response("Unknown (or another tenant's) resource."),
-                "429": error_response("A tenant limit; see Retry-After."),
-            },
-        });
-        if scope != "none" {
-            op["security"] = json!([{"bearer": []}]);
-            op["x-scope"] = scope.into();
-        }
-        if path.contains("{name}") {
-            op["parameters"] = json!([{"name": "name", "in": "path", "required": true, "schema": {"type": "string"}}]);
-        } else if path.contains("{id}") {
-            op["parameters"] = json!([{"name": "id", "in": "path", "required": true, "schema": {"type": "string"}}]);
-        }
-        if method == "post" && path != "/v1/adapters" && !path.ends_with("/load") && !path.ends_with("/unload") && !path.ends_with("/keys") {
-            op["requestBody"] = json!({"required": true, "content": {"application/json": {"schema": {"type": "object"}}}});
-        }
-        if path == "/v1/adapters" && method == "post" {
-            op["requestBody"] = json!({"required": true, "content": {"multipart/form-data": {"schema": {
-                "type": "object",
-                "required": ["name", "config", "weights"],
-                "properties": {
-                    "name": {"type": "string"},
-                    "config": {"type": "string", "format": "binary", "description": "adapter_config.json"},
-                    "weights": {"type": "string", "format": "binary", "description": "adapter_model.safetensors"},
-                },
-            }}}});
-        }
         let entry = paths.entry(path.to_string()).or_insert_with(|| json!({}));
-        entry[method] = op;
+        entry[method] = operation(method, path, summary, scope);
     }
     json!({
         "openapi": "3.0.3",
-        "info": {"title": "loraplex", "version": version, "description": "Multi-tenant LoRA serving: OpenAI- and LoRAX-compatible inference, adapters, tenants and billing."},
+        "info": {
+            "title": "loraplex",
+            "version": version,
+            "description": "Multi-tenant LoRA serving: OpenAI- and LoRAX-compatible inference, adapters, tenants and billing. \
+                Every route but /health, /ready and /openapi.json needs `Authorization: Bearer KEY` with the scope named by the operation's `x-scope` \
+                (tenant keys: inference, adapters; operator keys: admin, metrics). Errors have one shape everywhere: `{\"error\": {\"message\", \"type\", \"code\"}}`.",
+        },
         "paths": paths,
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "schemas": {"Error": {
-                "type": "object",
-                "properties": {"error": {"type": "object", "properties": {
-                    "message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": "string"},
-                }}},
-            }},
+            "schemas": schemas::schemas(),
+            "responses": error_responses(),
         },
     })
 }

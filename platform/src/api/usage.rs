@@ -21,7 +21,8 @@ fn day_of(date: &str) -> Option<i64> {
     let y: i64 = parts.next()?.parse().ok()?;
     let m: i64 = parts.next()?.parse().ok()?;
     let d: i64 = parts.next()?.parse().ok()?;
-    if !(1..=12).contains(&m) || !(1..=31).contains(&d) {
+    // Four-digit years, as the format says: the arithmetic below then never overflows.
+    if !(0..=9999).contains(&y) || !(1..=12).contains(&m) || !(1..=31).contains(&d) {
         return None;
     }
     let y = if m <= 2 { y - 1 } else { y };
@@ -174,6 +175,11 @@ mod tests {
         assert_eq!(day_of("2026-02-30"), None);
         assert_eq!(day_of("2026-13-01"), None);
         assert!(bound("from", Some("yesterday"), 0).is_err());
+        for huge in ["999999999999-01-01", "99999999999999999-01-01", "-5-01-01", "10000-01-01"] {
+            assert!(bound("from", Some(huge), 0).is_err(), "{huge}");
+        }
+        assert_eq!(day_of("9999-12-31"), Some(2_932_896));
+        assert!(bound("to", Some(&i64::MAX.to_string()), 0).is_err());
         assert_eq!(bound("from", Some("86400"), 0).unwrap(), 86_400_000);
     }
 }

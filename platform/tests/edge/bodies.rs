@@ -139,6 +139,14 @@ fn bad_bodies_get_a_clear_4xx_on_every_route_and_the_server_keeps_serving() {
         let big = format!("{{\"model\": \"{MODEL}\", \"prompt\": \"x\", \"max_tokens\": 1{}}}", "0".repeat(5000));
         cases.check("a number of 5000 digits", &raw("application/json", big.as_bytes()), 400, "invalid JSON");
         // A declared length the body never reaches is cut by the body timeout (see uploads).
+        for (query, needle) in [
+            ("from=999999999999-01-01", "YYYY-MM-DD"),
+            ("to=9223372036854775807", "out of range"),
+            ("from=2026-02-30", "YYYY-MM-DD"),
+            ("group_by=week", "group_by"),
+        ] {
+            cases.check(&format!("usage with {query}"), &env.call(Some(&key), "GET", &format!("/v1/usage?{query}"), None), 400, needle);
+        }
         cases.check("an unknown route", &env.call(Some(&key), "POST", "/v1/nothing", None), 404, "not found");
         cases.check("a wrong method", &env.call(Some(&key), "GET", "/v1/completions", None), 404, "not found");
         // Still serving, on every route.

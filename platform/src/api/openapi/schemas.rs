@@ -1,0 +1,745 @@
+//! `components.schemas` of the document: the request bodies as the handlers' serde structs read
+//! them, and the response bodies as the handlers write them.
+//!
+//! Conventions, from serde: an `Option` field also accepts `null` (`nullable`); a field with
+//! `#[serde(default)]` may be left out but is not nullable; `deny_unknown_fields` is
+//! `additionalProperties: false`. Counts the server reads as `u32` are bounded to its range.
+//! Request bounds the server checks after parsing (n, logprobs, stop strings, sampling ranges)
+//! are written where OpenAPI can say them; values outside them are answered with 400.
+
+use serde_json::{Map, Value, json};
+
+use crate::api::validate::{CHAT_ROLES, MAX_MESSAGES, MAX_PROMPTS, MAX_STOP_BYTES, MAX_STOPS};
+use crate::request::MAX_SAMPLES;
+use crate::sampling::MAX_LOGPROBS;
+use crate::store::MAX_WEIGHT;
+
+/// A reference to a schema of this document.
+pub fn r(name: &str) -> Value {
+    json!({"$ref": format!("#/components/schemas/{name}")})
+}
+
+/// `schema` that also accepts `null`.
+fn nullable(mut schema: Value) -> Value {
+    if schema.get("$ref").is_some() {
+        // Siblings of `$ref` are ignored in OpenAPI 3.0.
+        return json!({"allOf": [schema], "nullable": true});
+    }
+    schema["nullable"] = true.into();
+    if let Some(values) = schema.get_mut("enum").and_then(Value::as_array_mut) {
+        values.push(Value::Null);
+    }
+    schema
+}
+
+fn described(mut schema: Value, description: &str) -> Value {
+    schema["description"] = description.into();
+    schema
+}
+
+/// An integer in `[min, max]`.
+fn uint(min: u64, max: u64) -> Value {
+    json!({"type": "integer", "minimum": min, "maximum": max})
+}
+
+/// An unsigned 32-bit count, at least `min`.
+fn u32_from(min: u64) -> Value {
+    uint(min, u32::MAX.into())
+}
+
+fn int64() -> Value {
+    json!({"type": "integer", "format": "int64", "minimum": i64::MIN, "maximum": i64::MAX})
+}
+
+/// A count the server keeps as a non-negative `i64`.
+fn count() -> Value {
+    json!({"type": "integer", "format": "int64", "minimum": 0, "maximum": i64::MAX})
+}
+
+fn string() -> Value {
+    json!({"type": "string"})
+}
+
+fn boolean() -> Value {
+    json!({"type": "boolean"})
+}
+
+fn number() -> Value {
+    json!({"type": "number"})
+}
+
+fn array(items: Value) -> Value {
+    json!({"type": "array", "items": items})
+}
+
+fn constant(value: &str) -> Value {
+    json!({"type": "string", "enum": [value]})
+}
+
+/// An object with these properties, all of them required.
+fn record(properties: Value) -> Value {
+    let required: Vec<Value> = properties.as_object().map(|p| p.keys().cloned().map(Value::from).collect()).unwrap_or_default();
+    json!({"type": "object", "required": required, "properties": properties})
+}
+
+/// `object` with one more required property.
+fn with(mut object: Value, name: &str, schema: Value) -> Value {
+    if let Some(required) = object["required"].as_array_mut() {
+        required.push(name.into());
+    }
+    object["properties"][name] = schema;
+    object
+}
+
+/// A request object: these properties, `required` of them needed, no others.
+fn strict(required: &[&str], properties: Value) -> Value {
+    let mut v = json!({"type": "object", "additionalProperties": false, "properties": properties});
+    if !required.is_empty() {
+        // OpenAPI 3.0 wants a `required` list to have an item.
+        v["required"] = required.into();
+    }
+    v
+}
+
+/// A field the server accepts for compatibility only while it asks for nothing: `null`, or
+/// absent; anything else is refused with 400.
+fn only_null(what: &str) -> Value {
+    json!({"nullable": true, "enum": [null], "description": format!("Not supported ({what}): only null is accepted.")})
+}
+
+/// A 32-bit float in `[min, max]`. The server reads JSON numbers as `f32`: a positive bound is
+/// the smallest positive `f32` (anything smaller reads as 0), and past `f32::MAX` is infinity.
+fn float(min: f32, max: f32) -> Value {
+    json!({"type": "number", "format": "float", "minimum": min, "maximum": max})
+}
+
+/// The smallest positive `f32`.
+const TINY: f32 = f32::from_bits(1);
+
+fn temperature() -> Value {
+    nullable(described(float(0.0, f32::MAX), "0 is greedy decoding."))
+}
+
+fn top_p() -> Value {
+    nullable(float(TINY, 1.0))
+}
+
+fn min_p() -> Value {
+    nullable(float(0.0, 1.0))
+}
+
+fn penalty() -> Value {
+    nullable(float(-2.0, 2.0))
+}
+
+fn repetition_penalty() -> Value {
+    nullable(described(float(TINY, f32::MAX), "1 is off."))
+}
+
+fn top_k() -> Value {
+    nullable(json!({"type": "integer", "minimum": -1, "maximum": i32::MAX, "description": "-1 or 0: off."}))
+}
+
+fn n() -> Value {
+    nullable(described(uint(1, MAX_SAMPLES.into()), "Samples per prompt."))
+}
+
+fn logprobs_count() -> Value {
+    nullable(uint(0, MAX_LOGPROBS as u64))
+}
+
+fn stop_string() -> Value {
+    json!({"type": "string", "minLength": 1, "maxLength": MAX_STOP_BYTES, "description": format!("At most {MAX_STOP_BYTES} bytes of UTF-8.")})
+}
+
+fn token_id() -> Value {
+    json!({"type": "integer", "minimum": 0, "maximum": u32::MAX, "description": "A token id of the model's vocabulary."})
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared
+
+fn error() -> Value {
+    let codes = [
+        "missing_api_key",
+        "invalid_api_key",
+        "insufficient_scope",
+        "not_found",
+        "invalid_request",
+        "conflict",
+        "payload_too_large",
+        "rate_limit_exceeded",
+        "quota_exceeded",
+        "server_overloaded",
+        "unavailable",
+        "request_timeout",
+        "cancelled",
+        "internal_error",
+    ];
+    let types = ["authentication_error", "permission_error", "not_found_error", "invalid_request_error", "rate_limit_error", "server_error"];
+    record(json!({"error": record(json!({
+        "message": string(),
+        "type": {"type": "string", "enum": types},
+        "code": {"type": "string", "enum": codes},
+    }))}))
+}
+
+fn usage() -> Value {
+    record(json!({
+        "prompt_tokens": count(),
+        "completion_tokens": count(),
+        "total_tokens": count(),
+        "prompt_tokens_details": described(record(json!({"cached_tokens": count()})), "Prompt tokens served from the prefix cache."),
+    }))
+}
+
+fn finish_reason() -> Value {
+    json!({"type": "string", "enum": ["stop", "length", null], "nullable": true})
+}
+
+// ---------------------------------------------------------------------------------------------
+// OpenAI
+
+fn stop() -> Value {
+    json!({"anyOf": [
+        nullable(stop_string()),
+        json!({"type": "array", "maxItems": MAX_STOPS, "items": stop_string()}),
+    ], "description": format!("A stop string or a list of at most {MAX_STOPS}.")})
+}
+
+fn stream_options() -> Value {
+    nullable(json!({
+        "type": "object",
+        "additionalProperties": false,
+        "properties": {"include_usage": boolean()},
+        "description": "Only with `stream: true`. `include_usage` adds a last chunk with the usage.",
+    }))
+}
+
+fn prompt() -> Value {
+    let text = json!({"type": "string", "minLength": 1});
+    let ids = json!({"type": "array", "minItems": 1, "items": token_id()});
+    json!({
+        "anyOf": [
+            text.clone(),
+            json!({"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": text}),
+            ids.clone(),
+            json!({"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": ids}),
+        ],
+        "description": format!("A string, a list of strings, a list of token ids, or a list of lists of token ids (at most {MAX_PROMPTS} prompts)."),
+    })
+}
+
+fn completion_request() -> Value {
+    strict(
+        &["model", "prompt"],
+        json!({
+            "model": described(string(), "The base model, an adapter the key's tenant may use, or `name@version`."),
+            "prompt": r("Prompt"),
+            "max_tokens": nullable(described(u32_from(1), "Default 16.")),
+            "temperature": temperature(),
+            "top_p": top_p(),
+            "n": n(),
+            "stop": r("Stop"),
+            "seed": nullable(int64()),
+            "presence_penalty": penalty(),
+            "frequency_penalty": penalty(),
+            "logprobs": logprobs_count(),
+            "stream": nullable(boolean()),
+            "stream_options": stream_options(),
+            "user": nullable(string()),
+            "top_k": top_k(),
+            "min_p": min_p(),
+            "repetition_penalty": repetition_penalty(),
+            "ignore_eos": nullable(boolean()),
+            "echo": nullable(json!({"type": "boolean", "enum": [false], "description": "Not supported: only false is accepted."})),
+            "best_of": nullable(described(u32_from(0), "Accepted only when equal to `n`.")),
+            "suffix": only_null("no insertion mode"),
+            "logit_bias": nullable(json!({"type": "object", "maxProperties": 0, "description": "Not supported: only an empty object is accepted."})),
+        }),
+    )
+}
+
+fn chat_message() -> Value {
+    let part = json!({
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": constant("text"), "text": string()},
+    });
+    json!({
+        "type": "object",
+        "required": ["role"],
+        "properties": {
+            "role": {"type": "string", "enum": CHAT_ROLES},
+            "content": {"anyOf": [nullable(string()), array(part)], "description": "Text, or a list of text parts (concatenated); null or absent is empty."},
+        },
+    })
+}
+
+fn chat_request() -> Value {
+    strict(
+        &["model", "messages"],
+        json!({
+            "model": described(string(), "The base model, an adapter the key's tenant may use, or `name@version`."),
+            "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": r("ChatMessage")},
+            "max_tokens": nullable(u32_from(1)),
+            "max_completion_tokens": nullable(described(u32_from(1), "Default: the rest of the context. If `max_tokens` is given too, they must be equal.")),
+            "temperature": temperature(),
+            "top_p": top_p(),
+            "n": n(),
+            "stop": r("Stop"),
+            "seed": nullable(int64()),
+            "presence_penalty": penalty(),
+            "frequency_penalty": penalty(),
+            "logprobs": nullable(boolean()),
+            "top_logprobs": nullable(described(uint(0, MAX_LOGPROBS as u64), "Needs `logprobs: true`.")),
+            "stream": nullable(boolean()),
+            "stream_options": stream_options(),
+            "user": nullable(string()),
+            "top_k": top_k(),
+            "min_p": min_p(),
+            "repetition_penalty": repetition_penalty(),
+            "ignore_eos": nullable(boolean()),
+            "logit_bias": nullable(json!({"type": "object", "maxProperties": 0, "description": "Not supported: only an empty object is accepted."})),
+            "tools": nullable(json!({"type": "array", "maxItems": 0, "items": {}, "description": "Not supported: only an empty list is accepted."})),
+            "tool_choice": nullable(json!({"type": "string", "enum": ["none"], "description": "Not supported: only \"none\" is accepted."})),
+            "response_format": nullable(json!({
+                "type": "object",
+                "required": ["type"],
+                "properties": {"type": constant("text")},
+                "description": "Only {\"type\": \"text\"} is accepted.",
+            })),
+        }),
+    )
+}
+
+fn completion_logprobs() -> Value {
+    nullable(record(json!({
+        "tokens": array(string()),
+        "token_logprobs": array(nullable(number())),
+        "top_logprobs": array(json!({"type": "object", "additionalProperties": nullable(number())})),
+        "text_offset": array(count()),
+    })))
+}
+
+fn chat_logprob() -> Value {
+    record(json!({"token": string(), "logprob": nullable(number()), "bytes": array(json!({"type": "integer", "minimum": 0, "maximum": 255}))}))
+}
+
+fn chat_logprobs() -> Value {
+    let entry = with(chat_logprob(), "top_logprobs", array(chat_logprob()));
+    nullable(record(json!({"content": array(entry)})))
+}
+
+/// The fields every completion object and chunk has.
+fn completion_object(object: &str, choice: Value) -> Value {
+    record(json!({
+        "id": string(),
+        "object": constant(object),
+        "created": described(count(), "Unix seconds."),
+        "model": string(),
+        "choices": array(choice),
+    }))
+}
+
+fn completion() -> Value {
+    let choice = record(json!({"index": count(), "text": string(), "logprobs": completion_logprobs(), "finish_reason": finish_reason()}));
+    with(completion_object("text_completion", choice), "usage", r("Usage"))
+}
+
+fn chat_completion() -> Value {
+    let message = record(json!({"role": constant("assistant"), "content": string()}));
+    let choice = record(json!({"index": count(), "message": message, "logprobs": chat_logprobs(), "finish_reason": finish_reason()}));
+    with(completion_object("chat.completion", choice), "usage", r("Usage"))
+}
+
+/// A chunk of a stream: `usage` is there (null until the last chunk) with `include_usage`.
+fn chunk(object: &str, choice: Value) -> Value {
+    let mut v = completion_object(object, choice);
+    v["properties"]["usage"] = nullable(r("Usage"));
+    v
+}
+
+fn completion_chunk() -> Value {
+    chunk("text_completion", record(json!({"index": count(), "text": string(), "logprobs": completion_logprobs(), "finish_reason": finish_reason()})))
+}
+
+fn chat_completion_chunk() -> Value {
+    let delta = json!({"type": "object", "required": ["content"], "properties": {"role": constant("assistant"), "content": string()}});
+    chunk("chat.completion.chunk", record(json!({"index": count(), "delta": delta, "logprobs": chat_logprobs(), "finish_reason": finish_reason()})))
+}
+
+/// One server-sent event whose `data` is a JSON value of one of `schemas` (or `[DONE]`). What
+/// the JSON is, is said with JSON Schema's `contentMediaType` and `contentSchema`, which
+/// OpenAPI 3.0 only allows as extensions (`x-`); `.ci/schemathesis` reads them.
+fn event(schemas: &[&str], done: bool) -> Value {
+    let json_data = json!({
+        "type": "string",
+        "description": format!("JSON: {}.", schemas.join(" or ")),
+        "x-contentMediaType": "application/json",
+        "x-contentSchema": {"anyOf": schemas.iter().map(|s| r(s)).collect::<Vec<_>>()},
+    });
+    let data = if done { json!({"anyOf": [constant("[DONE]"), json_data]}) } else { json_data };
+    json!({
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": data, "event": string()},
+        "description": "One server-sent event (`data: JSON`); a failure ends the stream with an Error event.",
+    })
+}
+
+fn model() -> Value {
+    json!({
+        "type": "object",
+        "required": ["id", "object", "created", "owned_by", "root", "parent"],
+        "properties": {
+            "id": string(),
+            "object": constant("model"),
+            "created": described(count(), "Unix seconds."),
+            "owned_by": string(),
+            "root": described(string(), "The base model's name, or the adapter's `name@version`."),
+            "parent": described(nullable(string()), "null for the base model, else the base model's name."),
+            "max_model_len": described(count(), "The base model's context, in tokens."),
+            "version": count(),
+            "rank": count(),
+        },
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// LoRAX
+
+fn generate_request() -> Value {
+    strict(
+        &["inputs"],
+        json!({
+            "inputs": {"type": "string", "minLength": 1},
+            "parameters": r("GenerateParameters"),
+            "stream": described(nullable(boolean()), "Accepted and ignored: /generate_stream streams, /generate does not."),
+        }),
+    )
+}
+
+fn generate_parameters() -> Value {
+    strict(
+        &[],
+        json!({
+            "adapter_id": described(nullable(string()), "An adapter the key's tenant may use, or `name@version`; absent or empty: the base model."),
+            "adapter_source": nullable(json!({"type": "string", "enum": ["local", "hub"]})),
+            "merged_adapters": only_null("name one adapter in `adapter_id`"),
+            "api_token": nullable(string()),
+            "do_sample": boolean(),
+            "max_new_tokens": nullable(described(u32_from(1), "Default 20.")),
+            "ignore_eos_token": boolean(),
+            "repetition_penalty": repetition_penalty(),
+            "return_full_text": boolean(),
+            "stop": {"type": "array", "maxItems": MAX_STOPS, "items": stop_string()},
+            "seed": nullable(json!({"type": "integer", "minimum": 0, "maximum": u64::MAX})),
+            "temperature": temperature(),
+            "top_k": nullable(u32_from(0)),
+            "top_p": top_p(),
+            "truncate": nullable(described(u32_from(1), "Keep only the last this many prompt tokens.")),
+            "typical_p": only_null("use top_p, top_k or min_p"),
+            "best_of": nullable(uint(0, 1)),
+            "watermark": {"type": "boolean", "enum": [false], "description": "Not supported: only false is accepted."},
+            "details": boolean(),
+            "decoder_input_details": {"type": "boolean", "enum": [false], "description": "Not supported: only false is accepted."},
+            "return_k_alternatives": logprobs_count(),
+            "response_format": only_null("no constrained decoding"),
+        }),
+    )
+}
+
+fn lorax_token() -> Value {
+    let alternative = record(json!({"id": token_id(), "text": string(), "logprob": nullable(number())}));
+    json!({
+        "type": "object",
+        "required": ["id", "text", "logprob", "special", "skipped"],
+        "properties": {
+            "id": token_id(),
+            "text": string(),
+            "logprob": nullable(number()),
+            "special": boolean(),
+            "skipped": boolean(),
+            "alternative_tokens": array(alternative),
+        },
+    })
+}
+
+fn lorax_finish() -> Value {
+    json!({"type": "string", "enum": ["length", "eos_token", "stop_sequence"]})
+}
+
+fn generated() -> Value {
+    let details = record(json!({
+        "finish_reason": lorax_finish(),
+        "prompt_tokens": count(),
+        "generated_tokens": count(),
+        "skipped_tokens": count(),
+        "seed": nullable(json!({"type": "integer", "minimum": 0, "maximum": u64::MAX})),
+        "prefill": array(json!({})),
+        "tokens": array(r("LoraxToken")),
+    }));
+    json!({
+        "type": "object",
+        "required": ["generated_text"],
+        "properties": {"generated_text": string(), "details": described(details, "With `parameters.details`.")},
+    })
+}
+
+fn stream_token() -> Value {
+    let details = nullable(record(json!({
+        "finish_reason": lorax_finish(),
+        "prompt_tokens": count(),
+        "generated_tokens": count(),
+        "seed": nullable(json!({"type": "integer", "minimum": 0, "maximum": u64::MAX})),
+    })));
+    record(json!({
+        "token": r("LoraxToken"),
+        "generated_text": described(nullable(string()), "The whole text, on the last event only."),
+        "details": described(details, "On the last event only."),
+    }))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tenants, keys, adapters
+
+fn tenant_name() -> Value {
+    json!({"type": "string", "minLength": 1, "maxLength": 64, "pattern": "^[A-Za-z0-9_-][A-Za-z0-9._-]*$", "description": "Letters, digits, '-', '_' and '.', not starting with '.'."})
+}
+
+fn weight() -> Value {
+    json!({"type": "number", "minimum": 0, "exclusiveMinimum": true, "maximum": MAX_WEIGHT, "description": "The tenant's share of the server against others'. Default 1."})
+}
+
+fn plan() -> Value {
+    json!({"type": "string", "enum": ["free", "standard", "enterprise"], "description": "A price plan. Default standard."})
+}
+
+const LIMITS: [&str; 6] = ["requests_per_min", "tokens_per_min", "max_concurrent", "max_adapters", "max_adapter_bytes", "max_pinned_pages"];
+
+fn tenant_limits() -> Value {
+    let properties: Map<String, Value> = LIMITS.iter().map(|l| (l.to_string(), nullable(count()))).collect();
+    json!({
+        "type": "object",
+        "additionalProperties": false,
+        "properties": properties,
+        "description": "Per-tenant limits; null or absent is unlimited (for max_pinned_pages: the server's default share). In a patch, absent leaves a limit as it is and null clears it.",
+    })
+}
+
+fn create_tenant() -> Value {
+    strict(&["name"], json!({"name": tenant_name(), "weight": weight(), "plan": plan(), "limits": r("TenantLimits")}))
+}
+
+fn tenant_patch() -> Value {
+    let mut v = strict(&[], json!({"weight": weight(), "plan": plan(), "limits": r("TenantLimits")}));
+    v["description"] = "A JSON merge patch (RFC 7396): absent fields stay; `weight`, `plan` and `limits` cannot be null.".into();
+    v
+}
+
+fn tenant() -> Value {
+    let mut properties = json!({
+        "id": string(),
+        "name": string(),
+        "weight": number(),
+        "plan": string(),
+        "created_at": described(count(), "Unix milliseconds."),
+    });
+    for l in LIMITS {
+        properties[l] = nullable(count());
+    }
+    record(properties)
+}
+
+fn scope() -> Value {
+    json!({"type": "string", "enum": ["inference", "adapters", "admin", "metrics"]})
+}
+
+fn key_request() -> Value {
+    strict(
+        &[],
+        json!({"scopes": {
+            "type": "array",
+            "minItems": 1,
+            "items": r("Scope"),
+            "description": "A tenant's key: inference and/or adapters (the default). An operator's key: admin and/or metrics.",
+        }}),
+    )
+}
+
+fn created_key() -> Value {
+    record(json!({
+        "id": string(),
+        "key": described(string(), "The secret, shown only here."),
+        "prefix": string(),
+        "scopes": described(string(), "Its scopes, comma-separated."),
+        "tenant_id": described(nullable(string()), "null for an operator's key."),
+    }))
+}
+
+fn adapter() -> Value {
+    record(json!({
+        "id": string(),
+        "name": string(),
+        "version": count(),
+        "owner": described(nullable(string()), "The owning tenant's id; null for the operator's adapters."),
+        "public": boolean(),
+        "rank": count(),
+        "targets": array(string()),
+        "bytes": count(),
+        "content_hash": string(),
+        "created_at": described(count(), "Unix milliseconds."),
+    }))
+}
+
+fn adapter_upload() -> Value {
+    json!({
+        "type": "object",
+        "required": ["name", "config", "weights"],
+        "properties": {
+            "name": described(tenant_name(), "The adapter's name; a known name gets a new version."),
+            "config": {"type": "string", "format": "binary", "maxLength": 1 << 20, "description": "adapter_config.json (at most 1 MiB)."},
+            "weights": {"type": "string", "format": "binary", "description": "adapter_model.safetensors (at most --max-upload-mb)."},
+        },
+    })
+}
+
+fn publish() -> Value {
+    strict(
+        &["name"],
+        json!({
+            "tenant_id": described(nullable(string()), "The owning tenant; absent or null for the operator's own adapters."),
+            "name": string(),
+            "public": described(boolean(), "Default true; false makes it private again."),
+        }),
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Usage and billing
+
+fn totals() -> Value {
+    record(json!({
+        "requests": count(),
+        "prompt_tokens": count(),
+        "cached_prompt_tokens": count(),
+        "completion_tokens": count(),
+        "total_tokens": count(),
+        "cost": {"type": "string", "pattern": "^-?[0-9]+\\.[0-9]{6,12}$", "description": "Dollars, exact, as a decimal string."},
+    }))
+}
+
+fn with_totals(extra: Value) -> Value {
+    json!({"allOf": [r("Totals"), record(extra)]})
+}
+
+fn date() -> Value {
+    json!({"type": "string", "pattern": "^-?[0-9]+-[0-9]{2}-[0-9]{2}$", "description": "YYYY-MM-DD (UTC)."})
+}
+
+fn billing_line() -> Value {
+    with_totals(
+        json!({"tenant_id": string(), "tenant": string(), "plan": string(), "adapter": described(string(), "`name@version`, or empty for the base model."), "date": date()}),
+    )
+}
+
+fn usage_line() -> Value {
+    json!({
+        "allOf": [r("Totals"), {
+            "type": "object",
+            "properties": {"tenant_id": string(), "tenant": string(), "plan": string(), "adapter": string(), "date": date()},
+        }],
+        "description": "Without group_by: a billing line (tenant, plan, adapter, date); by day: date; by adapter: adapter.",
+    })
+}
+
+fn usage_report() -> Value {
+    record(json!({
+        "object": constant("usage"),
+        "tenant_id": string(),
+        "from": described(int64(), "Unix seconds."),
+        "to": described(int64(), "Unix seconds."),
+        "group_by": nullable(json!({"type": "string", "enum": ["day", "adapter"]})),
+        "data": array(r("UsageLine")),
+        "totals": r("Totals"),
+    }))
+}
+
+fn billing_report() -> Value {
+    record(json!({
+        "from": described(int64(), "Unix seconds."),
+        "to": described(int64(), "Unix seconds."),
+        "lines": array(r("BillingLine")),
+        "tenants": array(with_totals(json!({"tenant_id": string(), "tenant": string()}))),
+        "totals": r("Totals"),
+    }))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Operations of the server itself
+
+fn ready() -> Value {
+    let worker = record(json!({"worker": count(), "healthy": boolean(), "reason": nullable(string())}));
+    record(json!({"status": {"type": "string", "enum": ["ready", "degraded"]}, "workers": array(worker)}))
+}
+
+/// Every schema, by name.
+pub fn schemas() -> Value {
+    let all: Vec<(&str, Value)> = vec![
+        ("Error", error()),
+        ("Usage", usage()),
+        ("Stop", stop()),
+        ("Prompt", prompt()),
+        ("CompletionRequest", completion_request()),
+        ("ChatMessage", chat_message()),
+        ("ChatCompletionRequest", chat_request()),
+        ("Completion", completion()),
+        ("ChatCompletion", chat_completion()),
+        ("CompletionChunk", completion_chunk()),
+        ("ChatCompletionChunk", chat_completion_chunk()),
+        ("CompletionEvent", event(&["CompletionChunk", "Error"], true)),
+        ("ChatCompletionEvent", event(&["ChatCompletionChunk", "Error"], true)),
+        ("Model", model()),
+        ("ModelList", record(json!({"object": constant("list"), "data": array(r("Model"))}))),
+        ("GenerateRequest", generate_request()),
+        ("GenerateParameters", generate_parameters()),
+        ("LoraxToken", lorax_token()),
+        ("Generated", generated()),
+        ("GenerateStreamToken", stream_token()),
+        ("GenerateEvent", event(&["GenerateStreamToken", "Error"], false)),
+        ("TenantLimits", tenant_limits()),
+        ("CreateTenant", create_tenant()),
+        ("TenantPatch", tenant_patch()),
+        ("Tenant", tenant()),
+        ("TenantList", record(json!({"data": array(r("Tenant"))}))),
+        ("Scope", scope()),
+        ("KeyRequest", key_request()),
+        ("CreatedKey", created_key()),
+        ("Adapter", adapter()),
+        ("AdapterDetail", json!({"allOf": [r("Adapter"), record(json!({"versions": array(r("Adapter"))}))]})),
+        ("AdapterList", record(json!({"object": constant("list"), "data": array(r("Adapter"))}))),
+        ("AdapterUpload", adapter_upload()),
+        ("AdapterDeleted", record(json!({"name": string(), "deleted_versions": array(count())}))),
+        (
+            "AdapterLoad",
+            record(json!({
+                "name": string(),
+                "version": count(),
+                "workers": described(array(string()), "Per worker: absent, loading, staged, resident or failed: why."),
+                "held": boolean(),
+            })),
+        ),
+        ("AdapterUnload", record(json!({"name": string(), "released": boolean()}))),
+        ("Publish", publish()),
+        ("Published", record(json!({"name": string(), "tenant_id": described(string(), "Empty for the operator's adapters."), "public": boolean()}))),
+        ("Totals", totals()),
+        ("BillingLine", billing_line()),
+        ("UsageLine", usage_line()),
+        ("UsageReport", usage_report()),
+        ("BillingReport", billing_report()),
+        ("Health", record(json!({"status": constant("ok")}))),
+        ("Ready", ready()),
+    ];
+    Value::Object(all.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+}
