@@ -82,6 +82,11 @@ pub trait Memory {
 
     /// A human-readable name of the device ("cpu", "cuda:0 (NVIDIA H200)").
     fn device_name(&self) -> String;
+    /// How fast this backend's attention runs compared with its matmuls, in FLOP/s (1: as
+    /// fast). Schedulers that bound a step's cost weigh a token's attention by it.
+    fn attention_efficiency(&self) -> f64 {
+        1.0
+    }
     /// A zero-filled f32 buffer of `len` elements.
     fn zeros(&self, len: usize) -> Result<Self::Buffer>;
     fn upload_f32(&self, data: &[f32]) -> Result<Self::Buffer>;

@@ -64,6 +64,29 @@ pub struct EngineArgs {
     /// Do not keep computed prompt blocks for reuse by later requests.
     #[arg(long, env = "LORAPLEX_NO_PREFIX_CACHE")]
     pub no_prefix_cache: bool,
+    /// What attending to one cached token costs relative to a token's other work, in the step's
+    /// budget of `--max-batch-tokens` (0: count tokens only). Default: from the model's shapes
+    /// and the backend's attention speed, so a chunk of a long prompt takes as much of a step
+    /// as it takes time.
+    #[arg(long, env = "LORAPLEX_ATTENTION_COST", value_parser = non_negative)]
+    pub attention_cost: Option<f64>,
+    /// How much longer a tenant's prompt work may make a step that also serves a tenant ahead
+    /// of it in the fair order, as a fraction of a step's fixed time (`inf`: no limit). Keeps a
+    /// light tenant's decodes from waiting on a heavy tenant's long prompts.
+    #[arg(long, env = "LORAPLEX_SHARED_SLOWDOWN", default_value_t = 0.5, value_parser = non_negative)]
+    pub shared_slowdown: f64,
+    /// A step's fixed time in units of a token's cost (default: measured from the steps run).
+    #[arg(long, env = "LORAPLEX_STEP_OVERHEAD", value_parser = non_negative)]
+    pub step_overhead: Option<f64>,
+}
+
+/// A number that is not negative (or NaN); `inf` is allowed.
+fn non_negative(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v >= 0.0 => Ok(v),
+        Ok(_) => Err("must not be negative".to_string()),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 impl EngineArgs {
@@ -80,6 +103,9 @@ impl EngineArgs {
             },
             prefix_cache: !self.no_prefix_cache,
             pinned_percent: 0,
+            attention_cost: self.attention_cost,
+            shared_slowdown: self.shared_slowdown.is_finite().then_some(self.shared_slowdown),
+            step_overhead: self.step_overhead,
         }
     }
 }
@@ -395,6 +421,10 @@ pub enum BenchCommand {
     /// The CUDA kernels (needs a GPU): SGMV/BGMV and paged attention against the copy bandwidth
     /// and against PyTorch baselines.
     Kernels(BenchKernelsArgs),
+    /// The HTTP server under an abusive tenant: a steady tenant's latency alone, then while
+    /// another sends each abusive pattern at its limits.
+    #[command(name = "noisy-neighbor")]
+    NoisyNeighbor(BenchNoisyArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -440,11 +470,12 @@ pub struct BenchRuntimeArgs {
     /// their own).
     #[arg(long, default_value_t = 1024)]
     pub pool_mb: usize,
-    /// Fairness: tenant B's requests and the time between them.
+    /// Fairness: tenant B's requests, and its offered load as a fraction of the capacity the
+    /// run measures first (fairness-shaped requests, the server kept full).
     #[arg(long, default_value_t = 100)]
     pub b_requests: usize,
-    #[arg(long, default_value_t = 500)]
-    pub b_interval_ms: u64,
+    #[arg(long, default_value_t = 0.15)]
+    pub b_fraction: f64,
     /// Fairness: tenant A sends this many requests for each of B's.
     #[arg(long, default_value_t = 25)]
     pub a_factor: usize,
@@ -477,6 +508,75 @@ pub struct BenchRuntimeArgs {
     pub out: PathBuf,
     #[arg(long, env = "LORAPLEX_THREADS")]
     pub threads: Option<usize>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchNoisyArgs {
+    /// Synthesized model size to serve (ignored with --model).
+    #[arg(long, value_enum, default_value_t = Preset::Bench)]
+    pub preset: Preset,
+    /// Serve this model directory instead of a synthesized one.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Abusive patterns to run, in order: huge-prompts, stop-lists, adapter-configs,
+    /// pin-storms, disconnects, stalled-bodies, or all.
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    pub patterns: Vec<String>,
+    /// Tenant B's offered load, as a fraction of the capacity the run measures.
+    #[arg(long, default_value_t = 0.15)]
+    pub b_fraction: f64,
+    /// Tenant B's requests per phase.
+    #[arg(long, default_value_t = 100)]
+    pub b_requests: usize,
+    /// How B sends its prompt: `text` (tokenized by the server) or `ids` (token ids, which the
+    /// server does not tokenize).
+    #[arg(long, default_value = "text")]
+    pub b_prompt: String,
+    /// Tokens each of B's requests generates (streamed, end-of-sequence ignored).
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: u32,
+    /// How long the capacity is measured (after a warm-up of a fifth of it), in seconds.
+    #[arg(long, default_value_t = 15.0)]
+    pub capacity_seconds: f64,
+    /// Tenant A's requests per minute and tokens per minute allow this fraction of the
+    /// measured capacity.
+    #[arg(long, default_value_t = 0.5)]
+    pub a_share: f64,
+    /// Tenant A's `max_concurrent` limit, and how many connections it drives at once.
+    #[arg(long, default_value_t = 8)]
+    pub a_concurrent: u32,
+    /// After a refusal, tenant A waits this long before its next request (it ignores
+    /// Retry-After).
+    #[arg(long, default_value_t = 20)]
+    pub a_retry_ms: u64,
+    /// How long A abuses before B's first request of a phase, in milliseconds.
+    #[arg(long, default_value_t = 2000)]
+    pub a_warmup_ms: u64,
+    /// Stalled-bodies: connections A holds open with part of a body sent.
+    #[arg(long, default_value_t = 1000)]
+    pub stalled: usize,
+    /// Pin-storms: adapters A uploads and then loads and unloads in a loop (rank 16, all
+    /// seven projections).
+    #[arg(long, default_value_t = 16)]
+    pub pin_adapters: usize,
+    /// Server limits the run relies on (each passed to `serve` explicitly).
+    #[arg(long, default_value_t = 16)]
+    pub max_running: usize,
+    #[arg(long, default_value_t = 64)]
+    pub max_batch_tokens: usize,
+    /// More `serve` flags, as `--flag=value`; one given here replaces the bench's own value.
+    #[arg(long = "serve-arg", allow_hyphen_values = true)]
+    pub serve_args: Vec<String>,
+    /// One tenant B for the whole run, instead of a new one per phase: B's service counter
+    /// (and so its place in the fair order) then carries over from phase to phase.
+    #[arg(long)]
+    pub shared_b: bool,
+    /// Measure B alone again after the last pattern, as a check of the machine's drift.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub repeat_alone: bool,
+    /// Where the JSON report goes.
+    #[arg(long, default_value = "bench-noisy.json")]
+    pub out: PathBuf,
 }
 
 #[derive(Debug, Clone, Args)]

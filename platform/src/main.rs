@@ -16,6 +16,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Lora(args) } => loraplex::bench::lora::run(args),
         Command::Bench { which: BenchCommand::Runtime(args) } => loraplex::bench::runtime::run(args),
         Command::Bench { which: BenchCommand::Kernels(args) } => loraplex::bench::kernels::run(args),
+        Command::Bench { which: BenchCommand::NoisyNeighbor(args) } => loraplex::bench::noisy::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -8,7 +8,7 @@
 //! rename, and only then recorded, in the same transaction that checks and consumes the owner's
 //! quota: a failed upload leaves nothing behind, and no row ever points at missing or unchecked
 //! files. A body that stalls is cut with 408 and its scratch files removed; each key may run a
-//! few uploads at once. Validation and file I/O run on the blocking pool. A deleted version's
+//! few uploads at once. Validation and file I/O run on the background pool (low CPU priority). A deleted version's
 //! files stay until the last request using it has finished.
 
 use std::collections::{HashMap, HashSet};
@@ -223,14 +223,14 @@ pub(super) fn remove_dir(dir: &Path) {
     }
 }
 
-/// Removes the directories of deleted versions, on the blocking pool.
+/// Removes the directories of deleted versions, on the background pool.
 async fn remove_dirs(state: &AppState, dirs: Vec<PathBuf>) {
     if dirs.is_empty() {
         return;
     }
     // Refused only when the pool is saturated; then a thread of its own does it.
     if let Err(ApiError::Overloaded { .. }) = state
-        .blocking
+        .background
         .run({
             let dirs = dirs.clone();
             move || dirs.iter().for_each(|d| remove_dir(d))
@@ -319,11 +319,11 @@ async fn read_small(state: &AppState, field: &mut actix_multipart::Field, what: 
 /// Bytes of `weights` gathered before each write to disk.
 const WRITE_CHUNK: usize = 1 << 20;
 
-/// Streams the `weights` field into `path` (written on the blocking pool, a megabyte at a
+/// Streams the `weights` field into `path` (written on the background pool, a megabyte at a
 /// time), refusing more than `limit` bytes; returns its size.
 async fn write_weights(state: &AppState, field: &mut actix_multipart::Field, path: PathBuf, limit: u64) -> Result<u64, ApiError> {
     let io = |e: std::io::Error| ApiError::Internal(format!("writing the upload: {e}"));
-    let mut file = Some(state.blocking.run(move || std::fs::File::create(path)).await?.map_err(io)?);
+    let mut file = Some(state.background.run(move || std::fs::File::create(path)).await?.map_err(io)?);
     let mut size = 0u64;
     let mut buffer = Vec::with_capacity(WRITE_CHUNK);
     loop {
@@ -341,7 +341,7 @@ async fn write_weights(state: &AppState, field: &mut actix_multipart::Field, pat
             let (mut f, data) = (file.take().ok_or_else(|| ApiError::Internal("the upload file is gone".into()))?, std::mem::take(&mut buffer));
             file = Some(
                 state
-                    .blocking
+                    .background
                     .run(move || {
                         use std::io::Write;
                         f.write_all(&data).map(|()| f)
@@ -355,7 +355,7 @@ async fn write_weights(state: &AppState, field: &mut actix_multipart::Field, pat
         }
     }
     if let Some(f) = file {
-        state.blocking.run(move || f.sync_all()).await?.map_err(io)?;
+        state.background.run(move || f.sync_all()).await?.map_err(io)?;
     }
     Ok(size)
 }
@@ -376,7 +376,7 @@ async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
     let dir = scratch_root.join(crate::store::random_id("up"));
     let created = dir.clone();
     state
-        .blocking
+        .background
         .run(move || std::fs::create_dir_all(&scratch_root).and_then(|()| std::fs::create_dir(&created)))
         .await?
         .map_err(|e| ApiError::Internal(format!("creating the upload directory: {e}")))?;
@@ -427,7 +427,7 @@ async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
     adapter_limits.max_file_bytes = adapter_limits.max_file_bytes.min(max_weights);
     let check_dir = dir.clone();
     let checked = state
-        .blocking
+        .background
         .run(move || -> Result<Checked, String> {
             std::fs::write(check_dir.join("adapter_config.json"), &config).map_err(|e| format!("writing the upload: {e}"))?;
             let (adapter, manifest) = LoraAdapter::load_with_manifest(&check_dir, &shape, &adapter_limits).map_err(|e| e.to_string())?;
@@ -447,7 +447,7 @@ async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
     let target = state.data_dir.join(&blob);
     let (from, to, root) = (dir.clone(), target.clone(), state.data_dir.join("adapters"));
     state
-        .blocking
+        .background
         .run(move || std::fs::create_dir_all(&root).and_then(|()| std::fs::rename(&from, &to)))
         .await?
         .map_err(|e| ApiError::Internal(format!("moving the upload into place: {e}")))?;

@@ -88,7 +88,7 @@ async fn delete_tenant(req: HttpRequest, state: web::Data<AppState>, id: web::Pa
         gone.extend(state.blobs.retire(&a.id, state.data_dir.join(&a.blob)));
     }
     if !gone.is_empty() {
-        state.blocking.run(move || gone.iter().for_each(|d| super::adapters::remove_dir(d))).await?;
+        state.background.run(move || gone.iter().for_each(|d| super::adapters::remove_dir(d))).await?;
     }
     Ok(HttpResponse::NoContent().finish())
 }

@@ -5,19 +5,30 @@
 //!
 //! A job whose request goes away still runs to its end (blocking work cannot be interrupted),
 //! holding its slot meanwhile, so the bound holds whatever clients do.
+//!
+//! Two pools: the one every request's preparation goes through (tokenizing, templates), and a
+//! background one of its own threads at the lowest CPU priority for work no request is waiting
+//! on to start generating: validating uploaded adapters and writing their files. On a busy
+//! machine the background pool only gets the CPU the device workers leave, so one tenant's
+//! uploads never slow another tenant's generation.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::Semaphore;
 
 use super::ApiError;
+
+/// A job for a background thread.
+type Task = Box<dyn FnOnce() + Send>;
 
 #[derive(Debug)]
 pub struct BlockingPool {
     slots: Arc<Semaphore>,
     waiting: AtomicUsize,
     queue: usize,
+    /// Threads of the pool's own (the background pool); `None`: tokio's blocking threads.
+    threads: Option<Mutex<std::sync::mpsc::Sender<Task>>>,
 }
 
 /// Takes back a place in the queue when the waiter stops waiting (got a slot, or went away).
@@ -31,7 +42,32 @@ impl Drop for Waiting<'_> {
 
 impl BlockingPool {
     pub fn new(threads: usize, queue: usize) -> Self {
-        Self { slots: Arc::new(Semaphore::new(threads.max(1))), waiting: AtomicUsize::new(0), queue }
+        Self { slots: Arc::new(Semaphore::new(threads.max(1))), waiting: AtomicUsize::new(0), queue, threads: None }
+    }
+
+    /// A pool of `threads` threads of its own at the lowest CPU priority the system gives an
+    /// unprivileged thread.
+    pub fn background(threads: usize, queue: usize) -> std::io::Result<Self> {
+        let (tx, rx) = std::sync::mpsc::channel::<Task>();
+        let rx = Arc::new(Mutex::new(rx));
+        for i in 0..threads.max(1) {
+            let rx = rx.clone();
+            std::thread::Builder::new().name(format!("background-{i}")).spawn(move || {
+                // Lowering one's own priority needs no privilege; where it is refused the work
+                // still runs, at normal priority.
+                let _ = thread_priority::set_current_thread_priority(thread_priority::ThreadPriority::Min);
+                loop {
+                    let task = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                    match task {
+                        Ok(task) => task(),
+                        Err(_) => return,
+                    }
+                }
+            })?;
+        }
+        let mut pool = Self::new(threads, queue);
+        pool.threads = Some(Mutex::new(tx));
+        Ok(pool)
     }
 
     /// Runs `job` on a blocking thread once a slot is free; 503 if too many jobs wait already.
@@ -43,12 +79,26 @@ impl BlockingPool {
         let waiting = Waiting(&self.waiting);
         let slot = self.slots.clone().acquire_owned().await.map_err(|_| ApiError::Unavailable("the server is shutting down".into()))?;
         drop(waiting);
-        tokio::task::spawn_blocking(move || {
+        let Some(threads) = &self.threads else {
+            return tokio::task::spawn_blocking(move || {
+                let _slot = slot;
+                job()
+            })
+            .await
+            .map_err(|e| ApiError::Internal(format!("a blocking job failed: {e}")));
+        };
+        let (done, result) = tokio::sync::oneshot::channel();
+        let task: Task = Box::new(move || {
             let _slot = slot;
-            job()
-        })
-        .await
-        .map_err(|e| ApiError::Internal(format!("a blocking job failed: {e}")))
+            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+            let _ = done.send(out);
+        });
+        threads.lock().unwrap_or_else(|e| e.into_inner()).send(task).map_err(|_| ApiError::Unavailable("the background threads have stopped".into()))?;
+        match result.await {
+            Ok(Ok(out)) => Ok(out),
+            Ok(Err(_)) => Err(ApiError::Internal("a background job panicked".into())),
+            Err(_) => Err(ApiError::Unavailable("the background threads have stopped".into())),
+        }
     }
 
     /// Jobs waiting for a slot now.
@@ -101,5 +151,28 @@ mod tests {
         assert_eq!(peak.load(Ordering::SeqCst), 2);
         assert_eq!(pool.waiting(), 0);
         assert_eq!(pool.run(|| 7).await.unwrap(), 7);
+    }
+
+    #[tokio::test]
+    async fn the_background_pool_runs_on_its_own_low_priority_threads() {
+        let pool = BlockingPool::background(2, 8).unwrap();
+        let name = pool.run(|| std::thread::current().name().map(str::to_string)).await.unwrap();
+        assert!(name.is_some_and(|n| n.starts_with("background-")));
+        #[cfg(target_os = "linux")]
+        {
+            // The niceness of its threads is 19 on Linux: the lowest priority.
+            let stat = std::fs::read_to_string(format!("/proc/self/task/{}/stat", pool_tid(&pool).await)).unwrap();
+            let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+            let nice: i32 = after_name.split(' ').nth(16).unwrap().parse().unwrap();
+            assert_eq!(nice, 19, "{stat}");
+        }
+        assert!(matches!(pool.run(|| panic!("boom")).await, Err(ApiError::Internal(_))), "a panicking job is an error, not a lost thread");
+        assert_eq!(pool.run(|| 5).await.unwrap(), 5);
+    }
+
+    /// The Linux thread id of one of the pool's threads.
+    #[cfg(target_os = "linux")]
+    async fn pool_tid(pool: &BlockingPool) -> i64 {
+        pool.run(|| std::fs::read_link("/proc/thread-self").unwrap().file_name().unwrap().to_string_lossy().parse().unwrap()).await.unwrap()
     }
 }

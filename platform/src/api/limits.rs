@@ -45,15 +45,15 @@ pub struct Limiter {
     next_id: std::sync::atomic::AtomicU64,
 }
 
-/// An admitted request: holds a concurrency slot until dropped. A permit dropped before its
-/// tokens were reserved (the request was refused after all) gives its request back.
+/// An admitted request: holds a concurrency slot until dropped. It counts against the
+/// requests per minute whatever happens to it later: a request refused after it was read still
+/// cost its reading, parsing and tokenizing.
 #[derive(Debug)]
 pub struct Permit {
     limiter: Arc<Limiter>,
     tenant: String,
     limits: TenantLimits,
     id: u64,
-    reserved: bool,
 }
 
 fn seconds_until(t: Instant, now: Instant) -> u64 {
@@ -92,7 +92,7 @@ impl Limiter {
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         w.requests.push_back((now, id));
         w.concurrent += 1;
-        Ok(Permit { limiter: self.clone(), tenant: tenant.to_string(), limits: limits.clone(), id, reserved: false })
+        Ok(Permit { limiter: self.clone(), tenant: tenant.to_string(), limits: limits.clone(), id })
     }
 }
 
@@ -129,7 +129,6 @@ impl Permit {
             }
         }
         w.tokens.push_back((now, self.id, tokens));
-        self.reserved = true;
         Ok(())
     }
 
@@ -149,9 +148,6 @@ impl Drop for Permit {
         let mut all = self.limiter.lock();
         if let Some(w) = all.get_mut(&self.tenant) {
             w.concurrent = w.concurrent.saturating_sub(1);
-            if !self.reserved {
-                w.requests.retain(|&(_, id)| id != self.id);
-            }
         }
     }
 }
@@ -202,12 +198,11 @@ mod tests {
     }
 
     #[test]
-    fn a_request_refused_after_admission_gives_its_place_back() {
+    fn a_request_refused_after_admission_still_counts_against_the_minute() {
         let l = Limiter::new();
         let both = limits(Some(1), Some(100), None);
-        // Admitted, then refused for its tokens: it does not count against the minute.
-        assert!(admit(&l, "t", &both, 500).is_err());
-        let _p = admit(&l, "t", &both, 10).unwrap();
+        // Admitted, then refused for its tokens: it was read and counted, so it counts.
+        assert!(matches!(admit(&l, "t", &both, 500), Err(ApiError::Invalid(_))));
         assert!(matches!(admit(&l, "t", &both, 10), Err(ApiError::RateLimited { .. })));
     }
 }

@@ -89,7 +89,10 @@ pub struct AppState {
     pub jobs: Arc<Jobs>,
     pub settings: Arc<ApiSettings>,
     pub admission: Arc<Admission>,
+    /// Preparing requests: tokenizing, chat templates, large bodies.
     pub blocking: Arc<BlockingPool>,
+    /// Work no generation waits on, at low CPU priority: adapter validation and files.
+    pub background: Arc<BlockingPool>,
     pub uploads: Arc<adapters::Uploads>,
     /// What prompts may be, from the model's context and vocabulary.
     pub prompt_limits: validate::PromptLimits,
@@ -108,6 +111,10 @@ impl AppState {
             ledger: Ledger::start(store.clone()),
             admission: Admission::new(settings.admission),
             blocking: Arc::new(BlockingPool::new(settings.blocking_threads, settings.blocking_queue)),
+            background: Arc::new(BlockingPool::background(settings.blocking_threads, settings.blocking_queue).unwrap_or_else(|e| {
+                eprintln!("warning: the background threads could not start ({e}); adapter validation runs at normal priority");
+                BlockingPool::new(settings.blocking_threads, settings.blocking_queue)
+            })),
             uploads: Arc::new(adapters::Uploads::default()),
             prompt_limits: validate::PromptLimits { context, max_bytes },
             store,

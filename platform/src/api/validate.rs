@@ -196,12 +196,40 @@ pub fn check_prompts(prompts: &[Prompt], limits: &PromptLimits) -> Result<(), Ap
     Ok(())
 }
 
+/// Bytes per token of context a text may have before its head alone is tokenized first.
+const PROBE_BYTES_PER_TOKEN: usize = 4;
+/// Tokens a cut through a word can add to a head's count.
+const PROBE_SLACK: usize = 16;
+
+/// Tokenizes `text`, refusing it cheaply when it cannot fit `context`: a text longer than a
+/// few bytes per token of context has its head tokenized first, and when the head alone has
+/// more tokens than the context, the rest is never tokenized.
+fn encode_bounded(tokenizer: &crate::tokenizer::Tokenizer, text: &str, special: bool, context: usize) -> Result<Vec<u32>, ApiError> {
+    let fail = |e: crate::tokenizer::TokenizerError| invalid(format!("the prompt could not be tokenized: {e}"));
+    let probe = context.saturating_mul(PROBE_BYTES_PER_TOKEN);
+    if text.len() > probe {
+        let mut end = probe;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        let head = tokenizer.encode(&text[..end], special).map_err(fail)?;
+        if head.len() > context.saturating_add(PROBE_SLACK) {
+            return Err(invalid(format!(
+                "the prompt has more than {} tokens in its first {end} bytes; the model's context length is {context} tokens",
+                head.len() - PROBE_SLACK
+            )));
+        }
+    }
+    tokenizer.encode(text, special).map_err(fail)
+}
+
 /// The prompts as token ids: text is tokenized and chats rendered on the blocking pool.
 pub async fn tokenize(state: &AppState, prompts: Vec<Prompt>) -> Result<Vec<Vec<u32>>, ApiError> {
     if prompts.iter().all(|p| matches!(p, Prompt::Ids(_))) {
         return Ok(prompts.into_iter().map(|p| if let Prompt::Ids(ids) = p { ids } else { Vec::new() }).collect());
     }
     let tokenizer = state.tokenizer.clone();
+    let context = state.prompt_limits.context;
     state
         .blocking
         .run(move || {
@@ -209,9 +237,12 @@ pub async fn tokenize(state: &AppState, prompts: Vec<Prompt>) -> Result<Vec<Vec<
                 .into_iter()
                 .map(|p| match p {
                     Prompt::Ids(ids) => Ok(ids),
-                    Prompt::Text(s) => tokenizer.encode(&s, true).map_err(|e| invalid(format!("the prompt could not be tokenized: {e}"))),
+                    Prompt::Text(s) => encode_bounded(&tokenizer, &s, true, context),
                     Prompt::Chat(m) => {
-                        tokenizer.encode_chat(&m, true).map_err(|e| invalid(format!("the messages could not be rendered with the model's chat template: {e}")))
+                        let text = tokenizer
+                            .apply_chat_template(&m, true)
+                            .map_err(|e| invalid(format!("the messages could not be rendered with the model's chat template: {e}")))?;
+                        encode_bounded(&tokenizer, &text, false, context)
                     }
                 })
                 .collect::<Result<Vec<_>, _>>()

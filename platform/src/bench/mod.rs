@@ -5,6 +5,7 @@ pub mod engine;
 pub mod http;
 pub mod kernels;
 pub mod lora;
+pub mod noisy;
 pub mod runtime;
 pub mod server;
 
@@ -44,4 +45,15 @@ pub(crate) fn dims_of(c: &ModelConfig) -> ModelDims {
 pub(crate) fn prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
     // Deterministic, varied ids; ids below 5 are special tokens in synthesized vocabularies.
     (0..len).map(|i| (5 + (i * 7919 + salt * 104_729) % (vocab - 5)) as u32).collect()
+}
+
+/// The `q`-quantile by nearest rank.
+pub(crate) fn quantile(values: &[f64], q: f64) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
 }

@@ -1,8 +1,9 @@
 //! `loraplex bench runtime`: the serving runtime under four workloads, each through the
 //! library API (actors, scheduler, pool) as a server would drive it.
 //!
-//! - **fairness**: tenant A floods the server with ten times B's traffic while B sends a
-//!   steady stream; B's p99 time to first token against B's when alone.
+//! - **fairness**: tenant B sends a steady stream at a fraction of the capacity the run
+//!   measures first, alone and then while tenant A floods the server with many times B's
+//!   traffic; B's p99 time to first token against B's when alone.
 //! - **prefix**: requests sharing a long system prompt; time to first token when the prompt's
 //!   blocks are cached against when they are not.
 //! - **churn**: many adapters with Zipf popularity and a pool with room for a tenth of them;
@@ -24,7 +25,7 @@ use loraplex_kernels::cpu::CpuBackend;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use super::{dims_of, prompt};
+use super::{dims_of, prompt, quantile};
 use crate::config::BenchRuntimeArgs;
 use crate::engine::EngineConfig;
 use crate::memory::{AdapterRef, LoaderConfig};
@@ -82,17 +83,6 @@ fn finish(handle: RequestHandle) -> anyhow::Result<Output> {
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
-}
-
-/// The `q`-quantile by nearest rank.
-fn quantile(values: &[f64], q: f64) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    v[rank - 1]
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -174,6 +164,44 @@ pub fn fairness(setup: &Setup, opts: &FairnessOptions) -> anyhow::Result<Fairnes
         target: FAIRNESS_TARGET,
         b_all_completed: complete(&alone.b) && complete(&loaded.b),
     })
+}
+
+/// Requests per second the runtime completes of the fairness scenario's requests (its engine
+/// settings, prompt and new tokens) with the server kept full: twice `max_running` in flight,
+/// each completion replaced by a new request; the first `max_running` completions warm up and
+/// the next `requests` are timed.
+pub fn fairness_capacity(setup: &Setup, opts: &FairnessOptions, requests: usize) -> anyhow::Result<f64> {
+    ensure!(requests > 0, "the capacity needs requests to time");
+    let rt = setup.runtime(opts.engine.clone())?;
+    let tenant = Placement::tenant(TenantId::new("capacity"), 1.0);
+    let submit = |i: usize| -> anyhow::Result<RequestHandle> {
+        let req = setup.request(prompt(opts.prompt, setup.vocab(), 3_000_000 + i), opts.max_new_tokens, SamplingParams::greedy(), None)?;
+        Ok(rt.submit_detached(req, tenant.clone()))
+    };
+    let warm = opts.engine.max_running.max(1);
+    let mut in_flight = std::collections::VecDeque::new();
+    let mut next = 0;
+    while in_flight.len() < 2 * warm {
+        in_flight.push_back(submit(next)?);
+        next += 1;
+    }
+    let mut done = 0;
+    let mut start = Instant::now();
+    while done < warm + requests {
+        // Requests of one tenant and one shape complete in about the order they were sent.
+        finish(in_flight.pop_front().context("no request in flight")?)?;
+        done += 1;
+        if done == warm {
+            start = Instant::now();
+        }
+        in_flight.push_back(submit(next)?);
+        next += 1;
+    }
+    let rate = requests as f64 / start.elapsed().as_secs_f64();
+    // The requests still in flight are cancelled with their handles.
+    drop(in_flight);
+    rt.shutdown();
+    Ok(rate)
 }
 
 struct Phase {
@@ -519,6 +547,10 @@ pub fn preemption(setup: &Setup, opts: &PreemptionOptions) -> anyhow::Result<Pre
 struct Report {
     model: String,
     threads: usize,
+    /// Fairness: the requests per second measured with the server kept full, and the fraction
+    /// of it B offered.
+    fairness_capacity_per_s: Option<f64>,
+    fairness_b_fraction: f64,
     fairness: Option<FairnessResult>,
     prefix: Option<PrefixResult>,
     churn: Option<ChurnResult>,
@@ -538,21 +570,37 @@ pub fn run(args: &BenchRuntimeArgs) -> anyhow::Result<()> {
             bail!("unknown scenario {s:?}: choose from fairness, prefix, churn, preemption, all");
         }
     }
-    let mut report = Report { model: source, threads: rayon::current_num_threads(), fairness: None, prefix: None, churn: None, preemption: None };
+    ensure!(args.b_fraction > 0.0 && args.b_fraction <= 1.0, "--b-fraction must be in (0, 1]; given {}", args.b_fraction);
+    let mut report = Report {
+        model: source,
+        threads: rayon::current_num_threads(),
+        fairness_capacity_per_s: None,
+        fairness_b_fraction: args.b_fraction,
+        fairness: None,
+        prefix: None,
+        churn: None,
+        preemption: None,
+    };
     if want("fairness") {
-        eprintln!("fairness: tenant B alone, then with tenant A sending {}x as much ...", args.a_factor);
-        let opts = FairnessOptions {
+        let mut opts = FairnessOptions {
             engine: EngineConfig { max_running: args.fairness_max_running, max_batch_tokens: args.fairness_batch_tokens, ..engine.clone() },
             prompt: args.fairness_prompt,
             max_new_tokens: args.max_new_tokens,
             b_requests: args.b_requests,
-            b_interval: Duration::from_millis(args.b_interval_ms),
+            b_interval: Duration::ZERO,
             a_factor: args.a_factor,
         };
+        eprintln!("fairness: capacity with the server kept full ...");
+        let capacity = fairness_capacity(&setup, &opts, 4 * args.fairness_max_running.max(1))?;
+        opts.b_interval = Duration::from_secs_f64(1.0 / (capacity * args.b_fraction));
+        let b_interval_ms = ms(opts.b_interval);
+        println!("fairness: capacity {capacity:.2} req/s; B offers {:.0}% of it", args.b_fraction * 100.0);
+        report.fairness_capacity_per_s = Some(capacity);
+        eprintln!("fairness: tenant B alone, then with tenant A sending {}x as much ...", args.a_factor);
         let r = fairness(&setup, &opts)?;
         println!(
-            "fairness: {} running, {} tokens/step, {}-token prompts, {} new tokens; B 1 request / {} ms; A offered {:.1} req/s, the server completed {:.1} req/s: A sent {:.1}x its share",
-            r.max_running, r.max_batch_tokens, r.prompt, r.max_new_tokens, args.b_interval_ms, r.a_offered_per_s, r.served_per_s, r.a_over_share
+            "fairness: {} running, {} tokens/step, {}-token prompts, {} new tokens; B 1 request / {:.0} ms; A offered {:.1} req/s, the server completed {:.1} req/s: A sent {:.1}x its share",
+            r.max_running, r.max_batch_tokens, r.prompt, r.max_new_tokens, b_interval_ms, r.a_offered_per_s, r.served_per_s, r.a_over_share
         );
         println!(
             "fairness: B's time to first token alone p50 {:.1} ms p99 {:.1} ms; with A flooding p50 {:.1} ms p99 {:.1} ms (queued p50 {:.1} p99 {:.1}); A's p50 {:.1} ms",

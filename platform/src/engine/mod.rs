@@ -37,7 +37,7 @@ use sequence::Sequence;
 pub use sequence::{SeqId, SeqUsage, TokenEvent};
 
 /// Limits of the engine.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct EngineConfig {
     /// Tokens per KV block (page).
     pub block_size: usize,
@@ -55,6 +55,14 @@ pub struct EngineConfig {
     /// together; the rest is for requests, which are refused at admission if they could need
     /// more than it.
     pub pinned_percent: u32,
+    /// What attending to one cached token costs relative to a token's other work, for the
+    /// step's cost budget (see [`SchedulerConfig::cost`]); `None`: from the model's shapes and
+    /// how fast the backend's attention runs.
+    pub attention_cost: Option<f64>,
+    /// See [`SchedulerConfig::shared_slowdown`].
+    pub shared_slowdown: Option<f64>,
+    /// See [`SchedulerConfig::step_overhead`].
+    pub step_overhead: Option<f64>,
 }
 
 impl EngineConfig {
@@ -74,6 +82,9 @@ impl Default for EngineConfig {
             adapters: LoaderConfig::default(),
             prefix_cache: true,
             pinned_percent: 0,
+            attention_cost: None,
+            shared_slowdown: Some(0.5),
+            step_overhead: None,
         }
     }
 }
@@ -163,6 +174,8 @@ impl<B: Backend> Engine<B> {
             None => AdapterLoader::new(&config.adapters, model.base_shape(), mem.page_elems()).map_err(EngineError::Loader)?,
         };
         let pinnable = config.max_pinned_pages(mem.pages.stats().total);
+        let attention_cost =
+            config.attention_cost.unwrap_or_else(|| model.config().attention_flops_per_key() / model.backend().attention_efficiency().max(1e-3));
         let adapters = AdapterResidency::new(loader, model.config().num_layers, pinnable);
         Ok(Self {
             model,
@@ -170,7 +183,14 @@ impl<B: Backend> Engine<B> {
             mem,
             adapters,
             prefix: PrefixCache::new(),
-            sched: Scheduler::new(SchedulerConfig { max_batch_tokens: config.max_batch_tokens, max_running: config.max_running, ..SchedulerConfig::default() }),
+            sched: Scheduler::new(SchedulerConfig {
+                max_batch_tokens: config.max_batch_tokens,
+                max_running: config.max_running,
+                attention_cost,
+                shared_slowdown: config.shared_slowdown,
+                step_overhead: config.step_overhead,
+                ..SchedulerConfig::default()
+            }),
             config,
             next_id: 0,
             failures: Vec::new(),
@@ -319,7 +339,7 @@ impl<B: Backend> Engine<B> {
         if plan.chunks.is_empty() {
             return Ok(Vec::new());
         }
-        let plan = plan.chunks;
+        let (plan, cost, began) = (plan.chunks, plan.cost, std::time::Instant::now());
         let chunks: Vec<Chunk<'_>> = plan
             .iter()
             .filter_map(|&(id, n)| self.sched.get(id).map(|s| (s, n)))
@@ -345,6 +365,8 @@ impl<B: Backend> Engine<B> {
         }
         let mut chosen = chosen.into_iter();
         let host_logits = if argmax_only { Vec::new() } else { backend.download_f32(&logits)? };
+        // The step's results are on the host: it has run.
+        self.sched.observe_step(cost, began.elapsed().as_secs_f64());
         let mut rows = host_logits.chunks_exact(vocab);
         let mut events = Vec::with_capacity(host.logit_rows.len());
         for &(id, n) in &plan {

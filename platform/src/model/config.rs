@@ -123,6 +123,16 @@ struct RawConfig {
 }
 
 impl ModelConfig {
+    /// FLOPs of attending to one cached token (scores and values, every layer and head) over
+    /// the FLOPs of one token's projections and MLP: what a token deep in a long context costs
+    /// on top of one at its start, per token of context.
+    pub fn attention_flops_per_key(&self) -> f64 {
+        let (h, q, kv) = (self.hidden_size as f64, (self.num_heads * self.head_dim) as f64, (self.num_kv_heads * self.head_dim) as f64);
+        let linear = h * q + 2.0 * h * kv + q * h + 3.0 * h * self.intermediate_size as f64;
+        let attention = 2.0 * q;
+        if linear > 0.0 { attention / linear } else { 0.0 }
+    }
+
     /// Reads and checks `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
         let path = dir.join("config.json");

@@ -1,10 +1,13 @@
 //! Per-tenant queues served by virtual token counters (VTC).
 //!
-//! Every tenant has a counter: the tokens served to it divided by its weight. The next request
-//! comes from the backlogged tenant (one with queued requests) whose counter is smallest, so
-//! over any interval two backlogged tenants receive service in proportion to their weights,
-//! within a bound of a few requests' worth of tokens. A tenant that returns from idle is lifted
-//! to the smallest counter among the backlogged ones: idle time is not banked as credit.
+//! Every tenant has a counter: the service it received (the cost of its tokens, see
+//! [`super::SchedulerConfig::cost`]) divided by its weight. The next request comes from the
+//! backlogged tenant (one with queued requests) whose counter is smallest, so over any interval
+//! two backlogged tenants receive service in proportion to their weights, within a bound of a
+//! few requests' worth of tokens. A tenant that returns from idle is lifted to one step's
+//! worth of service below the smallest counter among the tenants with work, queued or running:
+//! idle time is not banked as credit beyond what lets an occasional short request go first, and
+//! a newcomer does not go ahead of tenants whose requests are all running for longer than that.
 //!
 //! Priority classes come first: a tenant's interactive requests are served before anyone's
 //! batch requests; within a class the counters decide.
@@ -63,7 +66,7 @@ pub(super) struct Job<S> {
 #[derive(Debug)]
 struct Tenant<S> {
     weight: f64,
-    /// Tokens served divided by the weight.
+    /// Service (cost) received divided by the weight.
     counter: f64,
     /// Queued requests per priority class, in order.
     queues: [VecDeque<Job<S>>; 2],
@@ -98,20 +101,22 @@ impl<S> FairQueues<S> {
         self.tenants.entry(id.clone()).or_insert_with(|| Tenant { weight: 1.0, counter: 0.0, queues: Default::default() })
     }
 
-    /// The smallest counter among backlogged tenants other than `except`.
-    fn min_backlogged(&self, except: &TenantId) -> Option<f64> {
-        self.tenants.iter().filter(|(id, t)| *id != except && t.backlogged()).map(|(_, t)| t.counter).min_by(f64::total_cmp)
+    /// The smallest counter among the tenants other than `except` with queued requests or
+    /// in `running`.
+    fn min_active(&self, except: &TenantId, running: &std::collections::HashSet<&TenantId>) -> Option<f64> {
+        self.tenants.iter().filter(|(id, t)| *id != except && (t.backlogged() || running.contains(id))).map(|(_, t)| t.counter).min_by(f64::total_cmp)
     }
 
     /// Queues a new request at the back of its tenant's class queue, lifting a tenant that was
-    /// idle to the smallest backlogged counter.
-    pub fn push_back(&mut self, job: Job<S>) {
-        let lift = self.min_backlogged(&job.tenant);
+    /// idle (nothing queued, nothing in `running`) to `credit` of service below the smallest
+    /// counter of the tenants with work.
+    pub fn push_back<'a>(&mut self, job: Job<S>, running: impl Iterator<Item = &'a TenantId>, credit: f64) {
+        let running: std::collections::HashSet<&TenantId> = running.collect();
+        let idle = !running.contains(&job.tenant) && self.tenants.get(&job.tenant).is_none_or(|t| !t.backlogged());
+        let lift = if idle { self.min_active(&job.tenant, &running) } else { None };
         let t = self.tenant(&job.tenant);
-        if !t.backlogged()
-            && let Some(min) = lift
-        {
-            t.counter = t.counter.max(min);
+        if let Some(min) = lift {
+            t.counter = t.counter.max(min - credit.max(0.0) / t.weight);
         }
         let class = job.priority.index();
         t.queues[class].push_back(job);
@@ -124,10 +129,10 @@ impl<S> FairQueues<S> {
         self.tenant(&job.tenant).queues[class].push_front(job);
     }
 
-    /// Adds `tokens` of service to a tenant's counter.
-    pub fn charge(&mut self, tenant: &TenantId, tokens: usize) {
+    /// Adds `cost` of service to a tenant's counter.
+    pub fn charge(&mut self, tenant: &TenantId, cost: f64) {
         let t = self.tenant(tenant);
-        t.counter += tokens as f64 / t.weight;
+        t.counter += cost / t.weight;
     }
 
     /// Every tenant seen.

@@ -19,6 +19,7 @@
 mod fair;
 #[cfg(test)]
 mod tests;
+mod timer;
 
 use std::collections::{HashMap, HashSet};
 
@@ -26,6 +27,7 @@ use crate::engine::SeqId;
 use crate::request::SeqError;
 use fair::{FairQueues, Job};
 pub use fair::{Priority, TenantId};
+use timer::StepTimer;
 
 /// Tokens of a job not computed yet.
 fn pending<S: Schedulable>(job: &Job<S>) -> usize {
@@ -72,19 +74,65 @@ pub trait StepMemory<S> {
 }
 
 /// Limits of a step.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SchedulerConfig {
-    /// Most tokens one step computes (prefill chunks plus decodes).
+    /// Most tokens one step computes (prefill chunks plus decodes), and its budget of cost: a
+    /// token costs 1 plus `attention_cost` for every token it attends to, so a chunk of a long
+    /// prompt deep into its context takes as much of a step as it takes time.
     pub max_batch_tokens: usize,
     /// Most sequences running at once.
     pub max_running: usize,
     /// How many queued requests, next in line, have their adapters prefetched.
     pub prefetch_ahead: usize,
+    /// The cost of attending to one cached token, relative to a token's other work (0: count
+    /// tokens only).
+    pub attention_cost: f64,
+    /// How much longer the prompt work of a tenant may make a step that also serves a tenant
+    /// ahead of it in the fair order (fewer counter, or as many and fewer sequences running),
+    /// as a fraction of a step's fixed time (`None`: no such limit). A light tenant's decodes
+    /// are then not padded with a heavy tenant's long prompts; the heavy tenant's prompts take
+    /// more, shorter steps while the light tenant has work, and whole steps when it has none.
+    pub shared_slowdown: Option<f64>,
+    /// A step's fixed time (what a step takes whatever it carries) in units of cost; `None`:
+    /// measured from the steps run (a quarter of `max_batch_tokens` until then).
+    pub step_overhead: Option<f64>,
 }
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
-        Self { max_batch_tokens: 2048, max_running: 256, prefetch_ahead: 16 }
+        Self { max_batch_tokens: 2048, max_running: 256, prefetch_ahead: 16, attention_cost: 0.0, shared_slowdown: None, step_overhead: None }
+    }
+}
+
+impl SchedulerConfig {
+    /// The cost of computing tokens `start .. start + n` of a sequence: each is 1, plus
+    /// `attention_cost` for each token it attends to (the ones before it and itself).
+    pub fn cost(&self, start: usize, n: usize) -> f64 {
+        let (s, n) = (start as f64, n as f64);
+        n + self.attention_cost.max(0.0) * (n * s + n * (n + 1.0) / 2.0)
+    }
+
+    /// The most tokens (at most `pending`) of a sequence with `start` tokens computed whose
+    /// [`cost`](Self::cost) fits `budget`.
+    pub fn fit(&self, start: usize, pending: usize, budget: f64) -> usize {
+        if pending == 0 || budget < self.cost(start, 1) {
+            return 0;
+        }
+        if budget >= self.cost(start, pending) {
+            return pending;
+        }
+        // cost(n) = w/2 n² + (1 + w (start + 1/2)) n: the positive root, then exact steps.
+        let w = self.attention_cost.max(0.0);
+        let b = 1.0 + w * (start as f64 + 0.5);
+        let guess = if w == 0.0 { budget / b } else { (-b + (b * b + 2.0 * w * budget).sqrt()) / w };
+        let mut n = (guess.floor().max(1.0) as usize).min(pending);
+        while n > 1 && self.cost(start, n) > budget {
+            n -= 1;
+        }
+        while n < pending && self.cost(start, n + 1) <= budget {
+            n += 1;
+        }
+        n
     }
 }
 
@@ -129,11 +177,13 @@ pub struct StepPlan<S> {
     pub preempted: Vec<SeqId>,
     /// Queued sequences that can never run, with the reason.
     pub failed: Vec<(S, SeqError)>,
+    /// What the chunks cost (see [`SchedulerConfig::cost`]).
+    pub cost: f64,
 }
 
 impl<S> Default for StepPlan<S> {
     fn default() -> Self {
-        Self { chunks: Vec::new(), preempted: Vec::new(), failed: Vec::new() }
+        Self { chunks: Vec::new(), preempted: Vec::new(), failed: Vec::new(), cost: 0.0 }
     }
 }
 
@@ -145,15 +195,28 @@ pub struct Scheduler<S> {
     /// Running sequences, kept in service order: priority, then arrival.
     running: Vec<Job<S>>,
     next_arrival: u64,
+    timer: StepTimer,
 }
 
 impl<S: Schedulable> Scheduler<S> {
     pub fn new(config: SchedulerConfig) -> Self {
-        Self { config, queues: FairQueues::default(), running: Vec::new(), next_arrival: 0 }
+        Self { config, queues: FairQueues::default(), running: Vec::new(), next_arrival: 0, timer: StepTimer::default() }
     }
 
     pub fn config(&self) -> &SchedulerConfig {
         &self.config
+    }
+
+    /// Tells the scheduler how long a step of `cost` took to run.
+    pub fn observe_step(&mut self, cost: f64, seconds: f64) {
+        self.timer.observe(cost, seconds);
+    }
+
+    /// A step's fixed time in units of cost: configured, or measured (see
+    /// [`SchedulerConfig::step_overhead`]).
+    pub fn step_overhead(&self) -> f64 {
+        let max = self.config.max_batch_tokens.max(1) as f64;
+        self.config.step_overhead.or_else(|| self.timer.overhead()).unwrap_or(max / 4.0).clamp(1.0, max)
     }
 
     /// Queues a new sequence behind its tenant's earlier ones.
@@ -162,7 +225,9 @@ impl<S: Schedulable> Scheduler<S> {
         self.queues.set_weight(&placement.tenant, weight);
         let arrival = self.next_arrival;
         self.next_arrival += 1;
-        self.queues.push_back(Job { seq, tenant: placement.tenant, priority: placement.priority, arrival, charged: 0 });
+        let job = Job { seq, tenant: placement.tenant, priority: placement.priority, arrival, charged: 0 };
+        // A tenant back from idle gets at most one step of credit.
+        self.queues.push_back(job, self.running.iter().map(|j| &j.tenant), self.config.max_batch_tokens as f64);
     }
 
     pub fn has_work(&self) -> bool {
@@ -236,31 +301,52 @@ impl<S: Schedulable> Scheduler<S> {
     /// (preempting when the pool is short). The rest of the budget goes to prompt work (chunks of
     /// running prefills, and new sequences) in fair order: class, then tenant counter, then
     /// arrival. So a tenant that just arrived is not stuck behind the long prompts of one that
-    /// floods the server.
+    /// floods the server. The prompt work of a tenant behind another one in the step takes at
+    /// most [`SchedulerConfig::shared_slowdown`] of the step's fixed time.
     pub fn schedule(&mut self, mem: &mut impl StepMemory<S>) -> StepPlan<S> {
         let mut plan = StepPlan::default();
-        let mut budget = self.config.max_batch_tokens;
+        let max = self.config.max_batch_tokens;
+        let mut tokens = max;
+        let mut decode_cost = 0.0;
         self.running.sort_by_key(|j| (j.priority, j.arrival));
         let slot = self.rebalance(mem, &mut plan);
         let mut done: HashSet<SeqId> = HashSet::new();
+        // Each tenant in the step, with its place in the fair order when it first came in.
+        let mut step = InStep::new(self.config.shared_slowdown.map_or(f64::INFINITY, |f| f.max(0.0) * self.step_overhead()));
+        let in_service = self.in_service();
         let decoding: Vec<SeqId> = self.running.iter().filter(|j| pending(j) == 1).map(|j| j.seq.id()).collect();
         for id in decoding {
-            if budget == 0 {
+            if tokens == 0 {
                 break;
             }
+            let at = self.get(id).map_or(0, |s| s.computed());
+            let rank = self.tenant_of(id).map(|t| (t.clone(), self.rank(t, &in_service)));
             if self.give(id, 1, mem, &mut plan, &mut done) {
-                budget -= 1;
+                tokens -= 1;
+                decode_cost += self.config.cost(at, 1);
+                if let Some((t, r)) = rank {
+                    step.join(t, r);
+                }
             }
         }
+        // Prompt work gets what the decodes left of the step's cost, and never less than a
+        // quarter of it: long-context decodes slow new prompts down but do not stop them.
+        let mut budget = (max as f64 - decode_cost).max(max as f64 / 4.0).min(tokens as f64);
+        plan.cost = decode_cost;
         let mut admitting = true;
         if let Some(job) = slot {
             // The slot made free for it is not given to anyone else this step.
+            let rank = (job.tenant.clone(), self.rank(&job.tenant, &in_service));
             match self.start(job, budget, mem, &mut plan, &mut done) {
-                Some(n) => budget -= n,
+                Some(cost) => {
+                    budget -= cost;
+                    plan.cost += cost;
+                    step.join(rank.0, rank.1);
+                }
                 None => admitting = false,
             }
         }
-        while budget > 0 {
+        while budget >= 1.0 {
             let in_service = self.in_service();
             let best_running = self
                 .running
@@ -280,19 +366,43 @@ impl<S: Schedulable> Scheduler<S> {
                     self.queues.push_front(q);
                 }
                 let Some((_, id)) = best_running else { break };
-                let n = self.get(id).map_or(0, |s| s.num_tokens() - s.computed()).min(budget);
+                let Some(tenant) = self.tenant_of(id).cloned() else { break };
+                let rank = self.rank(&tenant, &in_service);
+                let Some((at, pending)) = self.get(id).map(|s| (s.computed(), s.num_tokens() - s.computed())) else { break };
+                let allowed = step.allowance(&tenant, rank, budget, self.config.cost(at, 1));
+                let n = self.config.fit(at, pending, allowed);
+                if n == 0 {
+                    // Its next token costs more than it may take now: it goes on next step.
+                    done.insert(id);
+                    continue;
+                }
                 if self.give(id, n, mem, &mut plan, &mut done) {
-                    budget -= n;
+                    let cost = self.config.cost(at, n);
+                    budget -= cost;
+                    plan.cost += cost;
+                    step.spend(tenant, rank, cost);
                 }
             } else if let Some(job) = queued {
-                match self.start(job, budget, mem, &mut plan, &mut done) {
-                    Some(n) => budget -= n,
+                let tenant = job.tenant.clone();
+                let rank = self.rank(&tenant, &in_service);
+                let allowed = step.allowance(&tenant, rank, budget, self.config.cost(job.seq.computed(), 1));
+                match self.start(job, allowed, mem, &mut plan, &mut done) {
+                    Some(cost) => {
+                        budget -= cost;
+                        plan.cost += cost;
+                        step.spend(tenant, rank, cost);
+                    }
                     None => admitting = false,
                 }
             }
         }
         self.prefetch(mem);
         plan
+    }
+
+    /// A tenant's place in the fair order: its counter, then its sequences running.
+    fn rank(&self, tenant: &TenantId, in_service: &HashMap<TenantId, usize>) -> (f64, usize) {
+        (self.queues.counter(tenant).unwrap_or(0.0), in_service.get(tenant).copied().unwrap_or(0))
     }
 
     /// The fair order of prompt work: class, tenant counter, then (on equal counters, as when
@@ -345,9 +455,10 @@ impl<S: Schedulable> Scheduler<S> {
         true
     }
 
-    /// Starts a queued sequence with as much of its prompt as the budget allows; the tokens
-    /// taken, or `None` (the job back at the front of its queue) when the pool is short.
-    fn start(&mut self, mut job: Job<S>, budget: usize, mem: &mut impl StepMemory<S>, plan: &mut StepPlan<S>, done: &mut HashSet<SeqId>) -> Option<usize> {
+    /// Starts a queued sequence with as much of its prompt as the budget (of cost) allows; the
+    /// cost taken, or `None` (the job back at the front of its queue) when the pool is short or
+    /// the budget cannot pay for its next token.
+    fn start(&mut self, mut job: Job<S>, budget: f64, mem: &mut impl StepMemory<S>, plan: &mut StepPlan<S>, done: &mut HashSet<SeqId>) -> Option<f64> {
         match mem.start(&mut job.seq, self.running.is_empty()) {
             Ok(true) => {}
             Ok(false) => {
@@ -356,13 +467,14 @@ impl<S: Schedulable> Scheduler<S> {
             }
             Err(why) => {
                 plan.failed.push((job.seq, why));
-                return Some(0);
+                return Some(0.0);
             }
         }
         // Tokens found cached are not charged.
         job.charged = job.charged.max(job.seq.computed());
-        let n = pending(&job).min(budget);
-        let target = job.seq.computed() + n;
+        let at = job.seq.computed();
+        let n = self.config.fit(at, pending(&job), budget);
+        let target = at + n;
         if n == 0 || !mem.grow(&mut job.seq, target) {
             mem.release(&mut job.seq);
             self.queues.push_front(job);
@@ -373,7 +485,7 @@ impl<S: Schedulable> Scheduler<S> {
         self.charge(self.running.len() - 1, n);
         plan.chunks.push((id, n));
         done.insert(id);
-        Some(n)
+        Some(self.config.cost(at, n))
     }
 
     fn preempt(&mut self, i: usize, mem: &mut impl StepMemory<S>, plan: &mut StepPlan<S>) {
@@ -383,12 +495,13 @@ impl<S: Schedulable> Scheduler<S> {
         self.queues.push_front(job);
     }
 
-    /// Charges running sequence `i`'s tenant for `n` more tokens, except those it computed
-    /// before a preemption.
+    /// Charges running sequence `i`'s tenant for the cost of `n` more tokens, except those it
+    /// computed before a preemption.
     fn charge(&mut self, i: usize, n: usize) {
         let job = &mut self.running[i];
         let end = job.seq.computed() + n;
-        let fresh = end.saturating_sub(job.charged);
+        let from = job.charged.max(job.seq.computed()).min(end);
+        let fresh = self.config.cost(from, end - from);
         job.charged = job.charged.max(end);
         let tenant = job.tenant.clone();
         self.queues.charge(&tenant, fresh);
@@ -470,5 +583,50 @@ impl<S: Schedulable> Scheduler<S> {
         for job in self.queues.in_pick_order().into_iter().take(self.config.prefetch_ahead) {
             mem.prefetch(&job.seq);
         }
+    }
+}
+
+/// The tenants a step serves so far, and what it gave to the prompt work of tenants behind
+/// another one in it.
+struct InStep {
+    /// Each tenant in the step, with its rank (counter, sequences running) when it came in.
+    tenants: HashMap<TenantId, (f64, usize)>,
+    /// The most cost the prompt work of tenants behind another one may take.
+    shared: f64,
+    /// What they took so far.
+    spent: f64,
+}
+
+impl InStep {
+    fn new(shared: f64) -> Self {
+        Self { tenants: HashMap::new(), shared, spent: 0.0 }
+    }
+
+    fn join(&mut self, tenant: TenantId, rank: (f64, usize)) {
+        self.tenants.entry(tenant).or_insert(rank);
+    }
+
+    /// Whether another tenant in the step is ahead of `tenant` in the fair order.
+    fn behind(&self, tenant: &TenantId, rank: (f64, usize)) -> bool {
+        let rank = self.tenants.get(tenant).copied().unwrap_or(rank);
+        self.tenants.iter().any(|(t, r)| t != tenant && (r.0 < rank.0 || (r.0 == rank.0 && r.1 < rank.1)))
+    }
+
+    /// The cost `tenant`'s prompt work may take out of `budget`: all of it, or, behind another
+    /// tenant, what is left of the shared allowance (the first such chunk of a step may always
+    /// take one token, costing `one`, so that no prompt stops for good).
+    fn allowance(&self, tenant: &TenantId, rank: (f64, usize), budget: f64, one: f64) -> f64 {
+        if !self.shared.is_finite() || !self.behind(tenant, rank) {
+            return budget;
+        }
+        let left = if self.spent == 0.0 { self.shared.max(one) } else { self.shared - self.spent };
+        left.min(budget).max(0.0)
+    }
+
+    fn spend(&mut self, tenant: TenantId, rank: (f64, usize), cost: f64) {
+        if self.shared.is_finite() && self.behind(&tenant, rank) {
+            self.spent += cost;
+        }
+        self.join(tenant, rank);
     }
 }

@@ -132,7 +132,7 @@ impl Sim {
 }
 
 fn config(max_batch_tokens: usize, max_running: usize) -> SchedulerConfig {
-    SchedulerConfig { max_batch_tokens, max_running, prefetch_ahead: 4 }
+    SchedulerConfig { max_batch_tokens, max_running, prefetch_ahead: 4, attention_cost: 0.0, ..SchedulerConfig::default() }
 }
 
 #[test]
@@ -181,7 +181,7 @@ fn a_light_tenant_is_not_starved_by_a_flood() {
 }
 
 #[test]
-fn a_returning_tenant_is_lifted_to_the_smallest_backlogged_counter() {
+fn a_returning_tenant_is_lifted_to_one_step_below_the_smallest_backlogged_counter() {
     let mut sim = Sim::new(config(64, 2), Mem::new(10_000, 16));
     sim.add("b", 1.0, Priority::Interactive, 8, 1, None);
     sim.step();
@@ -194,7 +194,7 @@ fn a_returning_tenant_is_lifted_to_the_smallest_backlogged_counter() {
     let a = sim.sched.counter(&TenantId::new("a")).unwrap();
     assert!(a > 100.0);
     sim.add("b", 1.0, Priority::Interactive, 8, 1, None);
-    assert_eq!(sim.sched.counter(&TenantId::new("b")), Some(a), "b's idle time is not banked");
+    assert_eq!(sim.sched.counter(&TenantId::new("b")), Some(a - 64.0), "b's idle time is not banked beyond one step");
 }
 
 #[test]
@@ -317,7 +317,7 @@ fn cancel_removes_a_sequence_wherever_it_is() {
 /// computed first: prompt work goes in counter order, after the decodes.
 #[test]
 fn a_new_tenants_prompt_goes_before_a_flooding_tenants_prefill() {
-    let config = SchedulerConfig { max_batch_tokens: 64, max_running: 16, prefetch_ahead: 0 };
+    let config = SchedulerConfig { max_batch_tokens: 64, max_running: 16, prefetch_ahead: 0, attention_cost: 0.0, ..SchedulerConfig::default() };
     let mut sim = Sim::new(config, Mem::new(1000, 16));
     let a: Vec<SeqId> = (0..4).map(|_| sim.add("a", 1.0, Priority::Interactive, 200, 4, None)).collect();
     sim.step();
@@ -337,7 +337,7 @@ fn a_new_tenants_prompt_goes_before_a_flooding_tenants_prefill() {
 /// is preempted while every tenant stays within its share.
 #[test]
 fn a_tenant_below_its_share_gets_a_running_slot() {
-    let config = SchedulerConfig { max_batch_tokens: 256, max_running: 4, prefetch_ahead: 0 };
+    let config = SchedulerConfig { max_batch_tokens: 256, max_running: 4, prefetch_ahead: 0, attention_cost: 0.0, ..SchedulerConfig::default() };
     let mut sim = Sim::new(config, Mem::new(1000, 16));
     let a: Vec<SeqId> = (0..6).map(|_| sim.add("a", 1.0, Priority::Interactive, 8, 50, None)).collect();
     for _ in 0..3 {
@@ -362,4 +362,119 @@ fn a_tenant_below_its_share_gets_a_running_slot() {
     }
     assert_eq!(sim.finished.len(), 9);
     assert!(sim.generated.values().all(|&g| g == 50));
+}
+
+#[test]
+fn the_cost_of_a_chunk_grows_with_its_context_and_fit_finds_the_largest_that_fits() {
+    let flat = config(64, 8);
+    assert_eq!(flat.cost(1000, 10), 10.0);
+    assert_eq!(flat.fit(1000, 100, 64.0), 64);
+    let c = SchedulerConfig { attention_cost: 0.01, ..config(64, 8) };
+    // 10 tokens at positions 1000..1010 attend to 1001..=1010 tokens each.
+    assert!((c.cost(1000, 10) - (10.0 + 0.01 * 10055.0)).abs() < 1e-9);
+    for (start, pending, budget) in [(0, 500, 64.0), (1000, 500, 64.0), (4000, 500, 64.0), (4000, 3, 64.0), (100_000, 50, 64.0), (0, 1, 0.5)] {
+        let n = c.fit(start, pending, budget);
+        assert!(n <= pending);
+        if n > 0 {
+            assert!(c.cost(start, n) <= budget, "{start} {n}");
+        }
+        if n < pending {
+            assert!(c.cost(start, n + 1) > budget, "{start} {n}: one more would have fit");
+        }
+    }
+    assert_eq!(c.fit(100_000, 50, 64.0), 0, "its first token alone costs more than the budget");
+}
+
+#[test]
+fn a_long_prompt_deep_in_its_context_gets_small_chunks_and_others_keep_their_steps() {
+    // Attending to 100 tokens costs as much as a token's other work.
+    let mut sim = Sim::new(SchedulerConfig { attention_cost: 0.01, ..config(64, 8) }, Mem::new(100_000, 16));
+    let long = sim.add("a", 1.0, Priority::Interactive, 4000, 4, None);
+    let mut steps = 0;
+    while sim.sched.get(long).is_none_or(|s| s.computed < 3000) {
+        let plan = sim.step();
+        steps += 1;
+        let cost: f64 = plan.chunks.iter().map(|&(_, n)| n as f64).sum();
+        assert!(cost <= 64.0);
+        assert!(steps < 2000);
+    }
+    // Deep in the context each chunk is a few tokens: its cost, not its tokens, fills a step.
+    let before = sim.sched.get(long).unwrap().computed;
+    let b = sim.add("b", 1.0, Priority::Interactive, 20, 2, None);
+    let plan = sim.step();
+    let chunk = |id| plan.chunks.iter().find(|&&(s, _)| s == id).map(|&(_, n)| n);
+    assert_eq!(chunk(b), Some(20), "the newcomer's whole prompt goes in the next step");
+    let a = chunk(long).unwrap_or(0);
+    let cfg = sim.sched.config().clone();
+    assert!(cfg.cost(0, 20) + cfg.cost(before, a) <= 64.0 + 1e-9, "{a} tokens of the long prompt");
+    assert!(a < 20, "the long prompt's chunk shrank to what its context costs: {a}");
+}
+
+#[test]
+fn a_newcomer_is_lifted_to_the_counters_of_tenants_whose_work_is_all_running() {
+    let mut sim = Sim::new(config(64, 8), Mem::new(10_000, 16));
+    // Tenant a runs alone for a while: its counter grows, and nothing of it is queued.
+    for _ in 0..4 {
+        sim.add("a", 1.0, Priority::Interactive, 16, 200, None);
+    }
+    for _ in 0..50 {
+        sim.step();
+    }
+    assert_eq!(sim.sched.waiting_len(), 0);
+    let a = sim.sched.counter(&TenantId::new("a")).unwrap();
+    assert!(a > 100.0);
+    sim.add("b", 1.0, Priority::Interactive, 16, 4, None);
+    let b = sim.sched.counter(&TenantId::new("b")).unwrap();
+    assert_eq!(b, a - 64.0, "the newcomer starts one step of service behind the tenant running, not at 0");
+}
+
+/// While a light tenant has work in a step, a heavy tenant's prompt chunks in it take only the
+/// shared allowance (half the step's fixed time here: 8 of 64) whenever the heavy tenant is
+/// ahead in service; when the light tenant is done, they take whole steps again.
+#[test]
+fn a_heavy_tenants_prompt_chunks_shrink_while_a_lighter_tenant_is_in_the_step() {
+    let shared = SchedulerConfig { shared_slowdown: Some(0.5), step_overhead: Some(16.0), ..config(64, 16) };
+    let mut sim = Sim::new(shared, Mem::new(100_000, 16));
+    let long = sim.add("a", 1.0, Priority::Interactive, 3000, 4, None);
+    for _ in 0..5 {
+        assert_eq!(sim.step().chunks, [(long, 64)], "alone, a's prompt takes whole steps");
+    }
+    let b = sim.add("b", 1.0, Priority::Interactive, 20, 10, None);
+    let plan = sim.step();
+    assert_eq!(plan.chunks, [(b, 20), (long, 8)], "b's prompt first, then a's allowance");
+    assert_eq!(plan.cost, 28.0);
+    for _ in 0..9 {
+        let plan = sim.step();
+        assert_eq!(plan.chunks, [(b, 1), (long, 8)], "b decodes; a's chunks stay small");
+    }
+    assert!(sim.finished.contains(&b));
+    assert_eq!(sim.step().chunks, [(long, 64)], "b is done: whole steps again");
+}
+
+/// The allowance never stops a prompt for good: the first chunk behind another tenant may take
+/// one token even when that one token costs more than the allowance.
+#[test]
+fn a_prompt_behind_another_tenant_still_moves_a_token_a_step() {
+    let c = SchedulerConfig { attention_cost: 0.01, shared_slowdown: Some(0.0), step_overhead: Some(16.0), ..config(64, 16) };
+    let mut sim = Sim::new(c, Mem::new(100_000, 16));
+    let long = sim.add("a", 1.0, Priority::Interactive, 3000, 4, None);
+    for _ in 0..3 {
+        sim.step();
+    }
+    let b = sim.add("b", 1.0, Priority::Interactive, 4, 50, None);
+    assert!(sim.step().chunks.contains(&(long, 1)));
+    sim.step();
+    for _ in 0..20 {
+        let plan = sim.step();
+        assert!(plan.chunks.contains(&(b, 1)));
+        assert!(plan.chunks.contains(&(long, 1)), "{:?}", plan.chunks);
+    }
+    // Without a limit, a's chunks fill what b's decodes leave.
+    let c = SchedulerConfig { attention_cost: 0.0, shared_slowdown: None, ..config(64, 16) };
+    let mut sim = Sim::new(c, Mem::new(100_000, 16));
+    let long = sim.add("a", 1.0, Priority::Interactive, 3000, 4, None);
+    sim.step();
+    let b = sim.add("b", 1.0, Priority::Interactive, 4, 50, None);
+    sim.step();
+    assert_eq!(sim.step().chunks, [(b, 1), (long, 63)]);
 }
