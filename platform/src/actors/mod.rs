@@ -191,6 +191,9 @@ pub struct WorkerStats {
     pub steps: u64,
     pub generated_tokens: u64,
     pub preemptions: u64,
+    /// A step's fixed time in units of a token's cost (measured from its steps, or configured);
+    /// 0 without an engine.
+    pub step_fixed_cost: f64,
     /// Times the worker was rebuilt after a failed step.
     pub restarts: u64,
     pub pool: PoolStats,

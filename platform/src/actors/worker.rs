@@ -355,11 +355,11 @@ impl<B: Backend> Handler<GetStats> for Worker<B> {
     type Result = Vec<WorkerStats>;
 
     fn handle(&mut self, _: GetStats, _ctx: &mut Self::Context) -> Self::Result {
-        let (running, waiting, pool, prefix, preemptions, host_adapter_bytes) = match &mut self.engine {
+        let (running, waiting, pool, prefix, preemptions, host_adapter_bytes, step_fixed_cost) = match &mut self.engine {
             Ok(e) => {
                 let (running, waiting) = e.load();
                 let host = e.adapters().loader().host_bytes();
-                (running, waiting, e.pool_stats(), e.prefix_stats(), e.preemptions(), host)
+                (running, waiting, e.pool_stats(), e.prefix_stats(), e.preemptions(), host, e.step_overhead())
             }
             Err(_) => Default::default(),
         };
@@ -373,6 +373,7 @@ impl<B: Backend> Handler<GetStats> for Worker<B> {
             steps: self.steps,
             generated_tokens: self.generated,
             preemptions: self.past_preemptions + preemptions,
+            step_fixed_cost,
             restarts: self.restarts,
             pool,
             prefix,

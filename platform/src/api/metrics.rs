@@ -203,6 +203,13 @@ impl Metrics {
         for w in s.workers {
             let _ = writeln!(o, "loraplex_worker_healthy{{worker=\"{}\"}} {}", w.worker, u8::from(w.unhealthy.is_none()));
         }
+        let _ = writeln!(
+            o,
+            "# HELP loraplex_step_fixed_cost A step's fixed time in units of a token's cost, measured from the worker's steps (or --step-overhead).\n# TYPE loraplex_step_fixed_cost gauge"
+        );
+        for w in s.workers {
+            let _ = writeln!(o, "loraplex_step_fixed_cost{{worker=\"{}\"}} {}", w.worker, w.step_fixed_cost);
+        }
         let _ = writeln!(o, "# HELP loraplex_pool_pages Page pool pages by kind, per worker.\n# TYPE loraplex_pool_pages gauge");
         for w in s.workers {
             let p = &w.pool;

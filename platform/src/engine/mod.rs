@@ -204,6 +204,12 @@ impl<B: Backend> Engine<B> {
         self.preemptions
     }
 
+    /// A step's fixed time in units of a token's cost, as the scheduler uses it (see
+    /// [`SchedulerConfig::step_overhead`]).
+    pub fn step_overhead(&self) -> f64 {
+        self.sched.step_overhead()
+    }
+
     pub fn pool_stats(&self) -> PoolStats {
         self.mem.pages.stats()
     }

@@ -96,11 +96,16 @@ pub struct SchedulerConfig {
     /// A step's fixed time (what a step takes whatever it carries) in units of cost; `None`:
     /// measured from the steps run (a quarter of `max_batch_tokens` until then).
     pub step_overhead: Option<f64>,
+    /// For how long (seconds of steps run) a tenant counts as present for
+    /// [`shared_slowdown`](Self::shared_slowdown) after its last work in a step: a light tenant
+    /// between two requests still keeps the steps short, so its next request does not wait for
+    /// a long one.
+    pub presence: f64,
 }
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
-        Self { max_batch_tokens: 2048, max_running: 256, prefetch_ahead: 16, attention_cost: 0.0, shared_slowdown: None, step_overhead: None }
+        Self { max_batch_tokens: 2048, max_running: 256, prefetch_ahead: 16, attention_cost: 0.0, shared_slowdown: None, step_overhead: None, presence: 1.0 }
     }
 }
 
@@ -196,11 +201,16 @@ pub struct Scheduler<S> {
     running: Vec<Job<S>>,
     next_arrival: u64,
     timer: StepTimer,
+    /// Seconds of steps run so far.
+    clock: f64,
+    /// When each tenant last had work in a step (on `clock`), for those seen within
+    /// `presence`.
+    seen: HashMap<TenantId, f64>,
 }
 
 impl<S: Schedulable> Scheduler<S> {
     pub fn new(config: SchedulerConfig) -> Self {
-        Self { config, queues: FairQueues::default(), running: Vec::new(), next_arrival: 0, timer: StepTimer::default() }
+        Self { config, queues: FairQueues::default(), running: Vec::new(), next_arrival: 0, timer: StepTimer::default(), clock: 0.0, seen: HashMap::new() }
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -210,6 +220,9 @@ impl<S: Schedulable> Scheduler<S> {
     /// Tells the scheduler how long a step of `cost` took to run.
     pub fn observe_step(&mut self, cost: f64, seconds: f64) {
         self.timer.observe(cost, seconds);
+        if seconds.is_finite() && seconds > 0.0 {
+            self.clock += seconds;
+        }
     }
 
     /// A step's fixed time in units of cost: configured, or measured (see
@@ -314,6 +327,14 @@ impl<S: Schedulable> Scheduler<S> {
         // Each tenant in the step, with its place in the fair order when it first came in.
         let mut step = InStep::new(self.config.shared_slowdown.map_or(f64::INFINITY, |f| f.max(0.0) * self.step_overhead()));
         let in_service = self.in_service();
+        // Tenants seen lately count as in the step, where they stood in the fair order.
+        let (clock, presence) = (self.clock, self.config.presence);
+        self.seen.retain(|_, at| clock - *at <= presence);
+        if step.shared.is_finite() {
+            for t in self.seen.keys() {
+                step.join(t.clone(), (self.queues.counter(t).unwrap_or(0.0), in_service.get(t).copied().unwrap_or(0)));
+            }
+        }
         let decoding: Vec<SeqId> = self.running.iter().filter(|j| pending(j) == 1).map(|j| j.seq.id()).collect();
         for id in decoding {
             if tokens == 0 {
@@ -334,13 +355,15 @@ impl<S: Schedulable> Scheduler<S> {
         let mut budget = (max as f64 - decode_cost).max(max as f64 / 4.0).min(tokens as f64);
         plan.cost = decode_cost;
         let mut admitting = true;
+        let mut prompt_given = false;
         if let Some(job) = slot {
             // The slot made free for it is not given to anyone else this step.
             let rank = (job.tenant.clone(), self.rank(&job.tenant, &in_service));
-            match self.start(job, budget, mem, &mut plan, &mut done) {
+            match self.start(job, (budget, f64::INFINITY), mem, &mut plan, &mut done) {
                 Some(cost) => {
                     budget -= cost;
                     plan.cost += cost;
+                    prompt_given = true;
                     step.join(rank.0, rank.1);
                 }
                 None => admitting = false,
@@ -369,8 +392,12 @@ impl<S: Schedulable> Scheduler<S> {
                 let Some(tenant) = self.tenant_of(id).cloned() else { break };
                 let rank = self.rank(&tenant, &in_service);
                 let Some((at, pending)) = self.get(id).map(|s| (s.computed(), s.num_tokens() - s.computed())) else { break };
-                let allowed = step.allowance(&tenant, rank, budget, self.config.cost(at, 1));
-                let n = self.config.fit(at, pending, allowed);
+                let (allowed, floor) = step.allowance(&tenant, rank, budget, self.config.cost(at, 1));
+                let mut n = self.config.fit(at, pending, allowed);
+                // The step's first prompt work always moves a token, however deep its context.
+                if n == 0 && (self.config.cost(at, 1) <= floor || (!prompt_given && floor > 0.0)) {
+                    n = 1;
+                }
                 if n == 0 {
                     // Its next token costs more than it may take now: it goes on next step.
                     done.insert(id);
@@ -380,21 +407,33 @@ impl<S: Schedulable> Scheduler<S> {
                     let cost = self.config.cost(at, n);
                     budget -= cost;
                     plan.cost += cost;
+                    prompt_given = true;
                     step.spend(tenant, rank, cost);
                 }
             } else if let Some(job) = queued {
                 let tenant = job.tenant.clone();
                 let rank = self.rank(&tenant, &in_service);
-                let allowed = step.allowance(&tenant, rank, budget, self.config.cost(job.seq.computed(), 1));
-                match self.start(job, allowed, mem, &mut plan, &mut done) {
+                let (allowed, floor) = step.allowance(&tenant, rank, budget, self.config.cost(job.seq.computed(), 1));
+                let floor = if !prompt_given && floor > 0.0 { f64::INFINITY } else { floor };
+                match self.start(job, (allowed, floor), mem, &mut plan, &mut done) {
                     Some(cost) => {
                         budget -= cost;
                         plan.cost += cost;
+                        prompt_given = true;
                         step.spend(tenant, rank, cost);
                     }
                     None => admitting = false,
                 }
             }
+        }
+        for &(id, _) in &plan.chunks {
+            if let Some(t) = self.tenant_of(id) {
+                self.seen.insert(t.clone(), clock);
+            }
+        }
+        if plan.chunks.is_empty() {
+            // No step runs, so the clock stands still: nobody absent may hold up the next one.
+            self.seen.clear();
         }
         self.prefetch(mem);
         plan
@@ -458,7 +497,14 @@ impl<S: Schedulable> Scheduler<S> {
     /// Starts a queued sequence with as much of its prompt as the budget (of cost) allows; the
     /// cost taken, or `None` (the job back at the front of its queue) when the pool is short or
     /// the budget cannot pay for its next token.
-    fn start(&mut self, mut job: Job<S>, budget: f64, mem: &mut impl StepMemory<S>, plan: &mut StepPlan<S>, done: &mut HashSet<SeqId>) -> Option<f64> {
+    fn start(
+        &mut self,
+        mut job: Job<S>,
+        (budget, floor): (f64, f64),
+        mem: &mut impl StepMemory<S>,
+        plan: &mut StepPlan<S>,
+        done: &mut HashSet<SeqId>,
+    ) -> Option<f64> {
         match mem.start(&mut job.seq, self.running.is_empty()) {
             Ok(true) => {}
             Ok(false) => {
@@ -473,7 +519,10 @@ impl<S: Schedulable> Scheduler<S> {
         // Tokens found cached are not charged.
         job.charged = job.charged.max(job.seq.computed());
         let at = job.seq.computed();
-        let n = self.config.fit(at, pending(&job), budget);
+        let mut n = self.config.fit(at, pending(&job), budget);
+        if n == 0 && pending(&job) > 0 && self.config.cost(at, 1) <= floor {
+            n = 1;
+        }
         let target = at + n;
         if n == 0 || !mem.grow(&mut job.seq, target) {
             mem.release(&mut job.seq);
@@ -615,12 +664,18 @@ impl InStep {
     /// The cost `tenant`'s prompt work may take out of `budget`: all of it, or, behind another
     /// tenant, what is left of the shared allowance (the first such chunk of a step may always
     /// take one token, costing `one`, so that no prompt stops for good).
-    fn allowance(&self, tenant: &TenantId, rank: (f64, usize), budget: f64, one: f64) -> f64 {
+    ///
+    /// Returns the allowance and the budget one token may take whatever the allowance (the
+    /// whole budget for the first such chunk, else 0): a new sequence's context, and so its
+    /// next token's cost, is only known once it starts (cached prompt blocks).
+    fn allowance(&self, tenant: &TenantId, rank: (f64, usize), budget: f64, one: f64) -> (f64, f64) {
         if !self.shared.is_finite() || !self.behind(tenant, rank) {
-            return budget;
+            return (budget, budget);
         }
-        let left = if self.spent == 0.0 { self.shared.max(one) } else { self.shared - self.spent };
-        left.min(budget).max(0.0)
+        if self.spent == 0.0 {
+            return (self.shared.max(one).min(budget).max(0.0), budget);
+        }
+        ((self.shared - self.spent).min(budget).max(0.0), 0.0)
     }
 
     fn spend(&mut self, tenant: TenantId, rank: (f64, usize), cost: f64) {
