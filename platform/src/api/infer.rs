@@ -52,7 +52,7 @@ pub async fn caller(req: &HttpRequest, state: &AppState, scope: Scope) -> Result
 
 /// A caller admitted against its tenant's concurrency and requests-per-minute limits, before its
 /// body is read: a tenant cannot hold more bodies in flight (stalled, say) than it may run
-/// requests. A request refused before its tokens are reserved gives its place back.
+/// requests. It keeps its place in the minute even if it is refused later.
 pub struct Admitted {
     pub caller: Caller,
     pub permit: Permit,
