@@ -233,31 +233,41 @@ fn prompt() -> Value {
 fn completion_request() -> Value {
     strict(
         &["model", "prompt"],
-        json!({
-            "model": described(string(), "The base model, an adapter the key's tenant may use, or `name@version`."),
+        generation_fields(json!({
             "prompt": r("Prompt"),
             "max_tokens": nullable(described(u32_from(1), "Default 16.")),
-            "temperature": temperature(),
-            "top_p": top_p(),
-            "n": n(),
-            "stop": r("Stop"),
-            "seed": nullable(int64()),
-            "presence_penalty": penalty(),
-            "frequency_penalty": penalty(),
             "logprobs": logprobs_count(),
-            "stream": nullable(boolean()),
-            "stream_options": stream_options(),
-            "user": nullable(string()),
-            "top_k": top_k(),
-            "min_p": min_p(),
-            "repetition_penalty": repetition_penalty(),
-            "ignore_eos": nullable(boolean()),
             "echo": nullable(json!({"type": "boolean", "enum": [false], "description": "Not supported: only false is accepted."})),
             "best_of": nullable(described(u32_from(0), "Accepted only when equal to `n`.")),
             "suffix": only_null("no insertion mode"),
-            "logit_bias": nullable(json!({"type": "object", "maxProperties": 0, "description": "Not supported: only an empty object is accepted."})),
-        }),
+        })),
     )
+}
+
+/// The fields both OpenAI generation requests take, with `specific`'s.
+fn generation_fields(specific: Value) -> Value {
+    let mut v = json!({
+        "model": described(string(), "The base model, an adapter the key's tenant may use, or `name@version`."),
+        "temperature": temperature(),
+        "top_p": top_p(),
+        "n": n(),
+        "stop": r("Stop"),
+        "seed": nullable(int64()),
+        "presence_penalty": penalty(),
+        "frequency_penalty": penalty(),
+        "stream": nullable(boolean()),
+        "stream_options": stream_options(),
+        "user": nullable(string()),
+        "top_k": top_k(),
+        "min_p": min_p(),
+        "repetition_penalty": repetition_penalty(),
+        "ignore_eos": nullable(boolean()),
+        "logit_bias": nullable(json!({"type": "object", "maxProperties": 0, "description": "Not supported: only an empty object is accepted."})),
+    });
+    if let (Some(all), Value::Object(more)) = (v.as_object_mut(), specific) {
+        all.extend(more);
+    }
+    v
 }
 
 fn chat_message() -> Value {
@@ -279,28 +289,12 @@ fn chat_message() -> Value {
 fn chat_request() -> Value {
     strict(
         &["model", "messages"],
-        json!({
-            "model": described(string(), "The base model, an adapter the key's tenant may use, or `name@version`."),
+        generation_fields(json!({
             "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": r("ChatMessage")},
             "max_tokens": nullable(u32_from(1)),
             "max_completion_tokens": nullable(described(u32_from(1), "Default: the rest of the context. If `max_tokens` is given too, they must be equal.")),
-            "temperature": temperature(),
-            "top_p": top_p(),
-            "n": n(),
-            "stop": r("Stop"),
-            "seed": nullable(int64()),
-            "presence_penalty": penalty(),
-            "frequency_penalty": penalty(),
             "logprobs": nullable(boolean()),
             "top_logprobs": nullable(described(uint(0, MAX_LOGPROBS as u64), "Needs `logprobs: true`.")),
-            "stream": nullable(boolean()),
-            "stream_options": stream_options(),
-            "user": nullable(string()),
-            "top_k": top_k(),
-            "min_p": min_p(),
-            "repetition_penalty": repetition_penalty(),
-            "ignore_eos": nullable(boolean()),
-            "logit_bias": nullable(json!({"type": "object", "maxProperties": 0, "description": "Not supported: only an empty object is accepted."})),
             "tools": nullable(json!({"type": "array", "maxItems": 0, "items": {}, "description": "Not supported: only an empty list is accepted."})),
             "tool_choice": nullable(json!({"type": "string", "enum": ["none"], "description": "Not supported: only \"none\" is accepted."})),
             "response_format": nullable(json!({
@@ -309,7 +303,7 @@ fn chat_request() -> Value {
                 "properties": {"type": constant("text")},
                 "description": "Only {\"type\": \"text\"} is accepted.",
             })),
-        }),
+        })),
     )
 }
 
