@@ -22,7 +22,7 @@ use loraplex_adapters::LoraAdapter;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::{ApiError, AppState, authorize, json_body};
+use super::{ApiError, AppState, authorize, json_body, principal};
 use crate::memory::{AdapterRef, Residency};
 use crate::runtime::{HoldError, Holder};
 use crate::store::{AdapterRecord, NewAdapter, Scope};
@@ -71,19 +71,16 @@ impl Owner {
 }
 
 async fn owner(req: &HttpRequest, state: &AppState) -> Result<Owner, ApiError> {
-    let header_key = authorize(req, state, Scope::Adapters).await;
-    let key = match header_key {
-        Ok(k) => k,
+    let found = match principal(req, state, Scope::Adapters).await {
+        Ok(p) => p,
         // The operator's key has only the admin scope.
-        Err(ApiError::Forbidden(_)) => authorize(req, state, Scope::Admin).await.map_err(|_| ApiError::Forbidden("adapters"))?,
+        Err(ApiError::Forbidden(_)) => principal(req, state, Scope::Admin).await.map_err(|_| ApiError::Forbidden("adapters"))?,
         Err(e) => return Err(e),
     };
-    match key.tenant_id {
-        Some(t) => {
-            let tenant = state.store.tenant(&t).await?.ok_or(ApiError::BadKey)?;
-            Ok(Owner { id: tenant.id.clone(), key_id: key.id, tenant: Some(tenant) })
-        }
-        None => Ok(Owner { id: String::new(), key_id: key.id, tenant: None }),
+    let key_id = found.key.id.clone();
+    match &found.tenant {
+        Some((tenant, _)) => Ok(Owner { id: tenant.id.clone(), key_id, tenant: Some(tenant.clone()) }),
+        None => Ok(Owner { id: String::new(), key_id, tenant: None }),
     }
 }
 

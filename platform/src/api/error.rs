@@ -159,7 +159,7 @@ impl From<StoreError> for ApiError {
             StoreError::Unavailable(_) => ApiError::Unavailable(e.to_string()),
             // Every connection busy, or the pool closing: capacity, not a fault.
             StoreError::Database(sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed) => ApiError::Unavailable(e.to_string()),
-            StoreError::Database(_) | StoreError::Migrate(_) | StoreError::Url(_) => ApiError::Internal(e.to_string()),
+            StoreError::Database(_) | StoreError::Migrate(_) | StoreError::Url(_) | StoreError::Inconsistent(_) => ApiError::Internal(e.to_string()),
         }
     }
 }

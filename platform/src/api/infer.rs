@@ -25,7 +25,7 @@ use super::limits::Permit;
 use super::metrics::Observation;
 use super::peer::Peer;
 use super::validate::{self, DefaultMax, Knobs, Prompt};
-use super::{ApiError, AppState, authorize};
+use super::{ApiError, AppState, principal};
 use crate::memory::AdapterRef;
 use crate::request::FinishReason;
 use crate::runtime::{Event, RequestHandle, RuntimeError, TokenOut, Usage};
@@ -41,13 +41,11 @@ pub struct Caller {
 
 /// The caller behind the request's key, which must be a tenant's key with `scope`.
 pub async fn caller(req: &HttpRequest, state: &AppState, scope: Scope) -> Result<Caller, ApiError> {
-    let key = authorize(req, state, scope).await?;
-    let Some(tenant_id) = key.tenant_id.clone() else {
+    let found = principal(req, state, scope).await?;
+    let Some((tenant, plan)) = found.tenant.clone() else {
         return Err(ApiError::Invalid("the operator's key manages tenants; inference and adapters need a tenant's key".into()));
     };
-    let tenant = state.store.tenant(&tenant_id).await?.ok_or(ApiError::BadKey)?;
-    let plan = state.store.plan(&tenant.plan).await?.ok_or_else(|| ApiError::Internal(format!("tenant {} has no plan {:?}", tenant.id, tenant.plan)))?;
-    Ok(Caller { key, tenant, plan })
+    Ok(Caller { key: found.key.clone(), tenant, plan })
 }
 
 /// A caller admitted against its tenant's concurrency and requests-per-minute limits, before its

@@ -31,7 +31,7 @@ pub use metrics::Metrics;
 pub use peer::on_connect;
 pub use serving::Serving;
 
-use crate::store::{ApiKey, Ledger, Scope, Store};
+use crate::store::{ApiKey, Ledger, Principal, Scope, Store};
 use crate::tokenizer::Tokenizer;
 
 /// Limits of the HTTP layer.
@@ -301,13 +301,18 @@ async fn openapi_json() -> HttpResponse {
 
 /// The live key behind the request's bearer token, which must carry `scope`.
 pub async fn authorize(req: &HttpRequest, state: &AppState, scope: Scope) -> Result<ApiKey, ApiError> {
+    Ok(principal(req, state, scope).await?.key.clone())
+}
+
+/// [`authorize`], with the key's tenant and plan (a lookup the store keeps for a moment).
+pub async fn principal(req: &HttpRequest, state: &AppState, scope: Scope) -> Result<std::sync::Arc<Principal>, ApiError> {
     let header = req.headers().get("authorization").and_then(|h| h.to_str().ok()).ok_or(ApiError::MissingKey)?;
     let secret = header.strip_prefix("Bearer ").map(str::trim).filter(|s| !s.is_empty()).ok_or(ApiError::MissingKey)?;
-    let key = state.store.authenticate(secret).await?.ok_or(ApiError::BadKey)?;
-    if !key.has(scope) {
+    let found = state.store.principal(secret).await?.ok_or(ApiError::BadKey)?;
+    if !found.key.has(scope) {
         return Err(ApiError::Forbidden(scope.as_str()));
     }
-    Ok(key)
+    Ok(found)
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 //! milliseconds. The migrations under `migrations/` are embedded in the binary and run at
 //! connect.
 
+mod auth;
 mod ledger;
 mod money;
 #[cfg(test)]
@@ -42,6 +43,7 @@ use sha2::{Digest, Sha256};
 use sqlx::AnyPool;
 use sqlx::any::AnyPoolOptions;
 
+pub use auth::Principal;
 pub use ledger::{BillingLine, BillingReport, DAY_MS, Ledger, TenantTotals, Totals, UsageRecord, date, outcome};
 pub use money::Money;
 
@@ -81,6 +83,9 @@ pub enum StoreError {
     /// through retries, the ledger writer gone); retrying later may succeed.
     #[error("the database is busy: {0}")]
     Unavailable(String),
+    /// Rows that the schema's constraints should have kept consistent are not.
+    #[error("inconsistent database: {0}")]
+    Inconsistent(String),
 }
 
 impl StoreError {
@@ -109,6 +114,7 @@ pub enum DbKind {
 pub struct Store {
     pool: AnyPool,
     kind: DbKind,
+    auth: std::sync::Arc<auth::AuthCache>,
 }
 
 /// Milliseconds since the Unix epoch.
@@ -165,7 +171,7 @@ impl Store {
             sqlx::query("PRAGMA journal_mode = WAL").execute(&pool).await?;
         }
         sqlx::migrate!("../migrations").run(&pool).await?;
-        Ok(Self { pool, kind })
+        Ok(Self { pool, kind, auth: std::sync::Arc::new(auth::AuthCache::new()) })
     }
 
     pub fn kind(&self) -> DbKind {
@@ -301,58 +307,64 @@ impl Store {
         {
             return Err(StoreError::Invalid { field: "plan", why: format!("no plan named {plan:?}") });
         }
-        self.retrying(|| async {
-            let mut tx = self.write_tx().await?;
-            // The row is locked from the read to the write (on SQLite the transaction holds the
-            // write lock already), so concurrent patches of other fields are never lost.
-            let sql = match self.kind {
-                DbKind::Sqlite => concat!("SELECT ", tenant_columns!(), " FROM tenants WHERE id = $1 AND deleted_at IS NULL"),
-                DbKind::Postgres => concat!("SELECT ", tenant_columns!(), " FROM tenants WHERE id = $1 AND deleted_at IS NULL FOR UPDATE"),
-            };
-            let mut t: Tenant = sqlx::query_as(sql).bind(id).fetch_optional(&mut *tx).await?.ok_or(StoreError::NotFound("tenant"))?;
-            patch.apply(&mut t);
-            validate_weight(t.weight)?;
-            t.limits().validate()?;
-            sqlx::query(
-                "UPDATE tenants SET weight = $1, plan = $2, requests_per_min = $3, tokens_per_min = $4, max_concurrent = $5, \
+        let patched = self
+            .retrying(|| async {
+                let mut tx = self.write_tx().await?;
+                // The row is locked from the read to the write (on SQLite the transaction holds the
+                // write lock already), so concurrent patches of other fields are never lost.
+                let sql = match self.kind {
+                    DbKind::Sqlite => concat!("SELECT ", tenant_columns!(), " FROM tenants WHERE id = $1 AND deleted_at IS NULL"),
+                    DbKind::Postgres => concat!("SELECT ", tenant_columns!(), " FROM tenants WHERE id = $1 AND deleted_at IS NULL FOR UPDATE"),
+                };
+                let mut t: Tenant = sqlx::query_as(sql).bind(id).fetch_optional(&mut *tx).await?.ok_or(StoreError::NotFound("tenant"))?;
+                patch.apply(&mut t);
+                validate_weight(t.weight)?;
+                t.limits().validate()?;
+                sqlx::query(
+                    "UPDATE tenants SET weight = $1, plan = $2, requests_per_min = $3, tokens_per_min = $4, max_concurrent = $5, \
                  max_adapters = $6, max_adapter_bytes = $7, max_pinned_pages = $8 WHERE id = $9 AND deleted_at IS NULL",
-            )
-            .bind(t.weight)
-            .bind(&t.plan)
-            .bind(t.requests_per_min)
-            .bind(t.tokens_per_min)
-            .bind(t.max_concurrent)
-            .bind(t.max_adapters)
-            .bind(t.max_adapter_bytes)
-            .bind(t.max_pinned_pages)
-            .bind(id)
-            .execute(&mut *tx)
-            .await?;
-            tx.commit().await?;
-            Ok(t)
-        })
-        .await
+                )
+                .bind(t.weight)
+                .bind(&t.plan)
+                .bind(t.requests_per_min)
+                .bind(t.tokens_per_min)
+                .bind(t.max_concurrent)
+                .bind(t.max_adapters)
+                .bind(t.max_adapter_bytes)
+                .bind(t.max_pinned_pages)
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await?;
+                Ok(t)
+            })
+            .await;
+        self.auth.changed();
+        patched
     }
 
     /// Deletes a tenant and revokes its keys, in one transaction. Its usage stays in the
     /// ledger. False if there was no such tenant.
     pub async fn delete_tenant(&self, id: &str) -> Result<Option<Vec<AdapterRecord>>, StoreError> {
-        self.retrying(|| async {
-            let now = now_ms();
-            let mut tx = self.write_tx().await?;
-            self.lock_owner(&mut tx, id).await?;
-            let n = sqlx::query("UPDATE tenants SET deleted_at = $1 WHERE id = $2 AND deleted_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
-            if n.rows_affected() == 0 {
-                return Ok(None);
-            }
-            sqlx::query("UPDATE api_keys SET revoked_at = $1 WHERE tenant_id = $2 AND revoked_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
-            let sql = concat!("SELECT ", adapter_columns!(), " FROM adapters WHERE owner = $1 AND deleted_at IS NULL");
-            let adapters: Vec<AdapterRecord> = sqlx::query_as(sql).bind(id).fetch_all(&mut *tx).await?;
-            sqlx::query("UPDATE adapters SET deleted_at = $1 WHERE owner = $2 AND deleted_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
-            tx.commit().await?;
-            Ok(Some(adapters))
-        })
-        .await
+        let deleted = self
+            .retrying(|| async {
+                let now = now_ms();
+                let mut tx = self.write_tx().await?;
+                self.lock_owner(&mut tx, id).await?;
+                let n = sqlx::query("UPDATE tenants SET deleted_at = $1 WHERE id = $2 AND deleted_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
+                if n.rows_affected() == 0 {
+                    return Ok(None);
+                }
+                sqlx::query("UPDATE api_keys SET revoked_at = $1 WHERE tenant_id = $2 AND revoked_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
+                let sql = concat!("SELECT ", adapter_columns!(), " FROM adapters WHERE owner = $1 AND deleted_at IS NULL");
+                let adapters: Vec<AdapterRecord> = sqlx::query_as(sql).bind(id).fetch_all(&mut *tx).await?;
+                sqlx::query("UPDATE adapters SET deleted_at = $1 WHERE owner = $2 AND deleted_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
+                tx.commit().await?;
+                Ok(Some(adapters))
+            })
+            .await;
+        self.auth.changed();
+        deleted
     }
 
     // -----------------------------------------------------------------------------------------
@@ -415,21 +427,27 @@ impl Store {
         Ok(keys.iter().any(|(scopes,)| scopes.split(',').any(|s| s == Scope::Admin.as_str())))
     }
 
-    /// The key a secret belongs to, if it is live (not revoked, its tenant not deleted).
+    /// The key a secret belongs to, if it is live (not revoked, its tenant not deleted), read
+    /// from the database ([`Store::principal`] is the cached lookup requests use).
     pub async fn authenticate(&self, secret: &str) -> Result<Option<ApiKey>, StoreError> {
+        self.key_by_hash(&hash_secret(secret)).await
+    }
+
+    async fn key_by_hash(&self, hash: &str) -> Result<Option<ApiKey>, StoreError> {
         Ok(sqlx::query_as(
             "SELECT k.id, k.tenant_id, k.prefix, k.scopes, k.created_at FROM api_keys k LEFT JOIN tenants t ON t.id = k.tenant_id \
              WHERE k.secret_hash = $1 AND k.revoked_at IS NULL AND (k.tenant_id IS NULL OR t.deleted_at IS NULL)",
         )
-        .bind(hash_secret(secret))
+        .bind(hash)
         .fetch_optional(&self.pool)
         .await?)
     }
 
     /// Revokes a key; false if it was unknown or already revoked.
     pub async fn revoke_key(&self, id: &str) -> Result<bool, StoreError> {
-        let n = sqlx::query("UPDATE api_keys SET revoked_at = $1 WHERE id = $2 AND revoked_at IS NULL").bind(now_ms()).bind(id).execute(&self.pool).await?;
-        Ok(n.rows_affected() > 0)
+        let n = sqlx::query("UPDATE api_keys SET revoked_at = $1 WHERE id = $2 AND revoked_at IS NULL").bind(now_ms()).bind(id).execute(&self.pool).await;
+        self.auth.changed();
+        Ok(n?.rows_affected() > 0)
     }
 
     // -----------------------------------------------------------------------------------------

@@ -339,3 +339,48 @@ async fn quotas_hold_under_concurrent_uploads_and_versions_stay_contiguous() {
         assert!(matches!(s.insert_adapter(&big, &quota).await, Err(StoreError::Quota(_))));
     }
 }
+
+#[tokio::test]
+async fn principals_are_remembered_for_a_moment_and_forgotten_at_every_change_made_here() {
+    for (s, _dir) in stores().await {
+        let kind = s.kind();
+        // Another process on the same database (a second replica) has a cache of its own.
+        let replica = Store { pool: s.pool.clone(), kind: s.kind, auth: std::sync::Arc::new(auth::AuthCache::new()) };
+        let acme = s.create_tenant(&tenant("acme")).await.unwrap();
+        let (key, secret) = s.create_key(Some(&acme.id), &[Scope::Inference]).await.unwrap();
+        let found = s.principal(&secret).await.unwrap().expect("a live key");
+        let (t, plan) = found.tenant.clone().expect("a tenant's key");
+        assert_eq!((found.key.id.as_str(), t.id.as_str(), plan.name.as_str()), (key.id.as_str(), acme.id.as_str(), "standard"), "{kind:?}");
+        let (admin, admin_secret) = s.create_key(None, &[Scope::Admin]).await.unwrap();
+        let op = s.principal(&admin_secret).await.unwrap().expect("an operator key");
+        assert_eq!((op.key.id.as_str(), op.tenant.is_none()), (admin.id.as_str(), true));
+
+        // A change made here is seen at once.
+        let weight = |w: f64| TenantPatch { weight: Some(w), ..Default::default() };
+        s.update_tenant(&acme.id, &TenantPatch { plan: Some("enterprise".into()), ..weight(3.0) }).await.unwrap();
+        let (t, plan) = s.principal(&secret).await.unwrap().unwrap().tenant.clone().unwrap();
+        assert_eq!((t.weight, plan.name.as_str()), (3.0, "enterprise"), "{kind:?}");
+        // One made elsewhere within the time to live.
+        replica.update_tenant(&acme.id, &weight(5.0)).await.unwrap();
+        assert_eq!(s.principal(&secret).await.unwrap().unwrap().tenant.as_ref().unwrap().0.weight, 3.0, "{kind:?}: remembered");
+        tokio::time::sleep(auth::TTL + std::time::Duration::from_millis(200)).await;
+        assert_eq!(s.principal(&secret).await.unwrap().unwrap().tenant.as_ref().unwrap().0.weight, 5.0, "{kind:?}: asked again after the time to live");
+
+        // Revoked and deleted keys stop working at once.
+        assert!(s.revoke_key(&key.id).await.unwrap());
+        assert_eq!(s.principal(&secret).await.unwrap(), None, "{kind:?}: revoked");
+        let (_, other) = s.create_key(Some(&acme.id), &[Scope::Inference]).await.unwrap();
+        assert!(s.principal(&other).await.unwrap().is_some());
+        s.delete_tenant(&acme.id).await.unwrap();
+        assert_eq!(s.principal(&other).await.unwrap(), None, "{kind:?}: a deleted tenant's key");
+
+        // Unknown secrets are not remembered.
+        s.auth.entries.run_pending_tasks();
+        let before = s.auth.entries.entry_count();
+        for i in 0..50 {
+            assert_eq!(s.principal(&format!("lpx_made_up_{i}")).await.unwrap(), None);
+        }
+        s.auth.entries.run_pending_tasks();
+        assert_eq!(s.auth.entries.entry_count(), before, "{kind:?}");
+    }
+}
