@@ -28,7 +28,7 @@ pub use blocking::BlockingPool;
 pub use error::ApiError;
 pub use limits::Limiter;
 pub use metrics::Metrics;
-pub use peer::on_connect;
+pub use peer::{on_connect, shed_refused_bodies};
 pub use serving::Serving;
 
 use crate::store::{ApiKey, Ledger, Principal, Scope, Store};

@@ -7,10 +7,22 @@
 //! a request can look at it: the peer has gone when a non-consuming read sees the end of the
 //! stream or an error. Peeking never takes bytes from the connection, so HTTP parsing is not
 //! affected.
+//!
+//! The same socket lets a refusal cost nothing in proportion to the body it refuses. A request
+//! refused before its body was read (no key, over a limit, a server full) leaves the rest of the
+//! body on its way; the HTTP layer would read and discard it so that the client can read the
+//! answer, which costs the server as much as accepting the body would. [`shed_refused_bodies`]
+//! instead stops reading the connection: the answer is still written and the connection closed,
+//! and the kernel drops whatever more the client sends (Linux keeps the answer readable for the
+//! client even as its writes of the body start to fail; common HTTP clients read it then).
 
 use std::time::Duration;
 
 use actix_web::HttpRequest;
+use actix_web::body::MessageBody;
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::{ConnectionType, header};
+use actix_web::middleware::Next;
 
 /// How often a waiting request looks at its connection.
 const POLL: Duration = Duration::from_millis(100);
@@ -55,6 +67,16 @@ impl Peer {
         }
     }
 
+    /// Stops reading the connection: what the client sends from now on is dropped, what it has
+    /// sent and the server has not read yet ends the request stream, and the connection closes
+    /// once the response is written. Writing is not affected.
+    pub fn stop_reading(&self) {
+        if let Some(socket) = &self.0 {
+            // Fails only if the connection is already gone, which is what was wanted.
+            let _ = socket.shutdown(std::net::Shutdown::Read);
+        }
+    }
+
     /// Completes when the client has gone; never, for a peer that cannot be watched.
     pub async fn closed(&self) {
         if self.0.is_none() {
@@ -67,4 +89,31 @@ impl Peer {
             tokio::time::sleep(POLL).await;
         }
     }
+}
+
+/// Bodies declared at least this large are not read to their end after an error response.
+pub const SHED_BODY_BYTES: u64 = 64 << 10;
+
+/// Middleware: an error response to a request with a large body (declared at least
+/// [`SHED_BODY_BYTES`], or chunked, whose size nobody knows ahead) closes its connection without
+/// reading the rest of the body; see the module's documentation. Smaller bodies are read to
+/// their end as usual, and keep their connection when they were read before the answer.
+pub async fn shed_refused_bodies(req: ServiceRequest, next: Next<impl MessageBody>) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let large = match req.headers().get(header::CONTENT_LENGTH) {
+        Some(v) => v.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()).is_none_or(|n| n >= SHED_BODY_BYTES),
+        None => req.headers().get(header::TRANSFER_ENCODING).is_some(),
+    };
+    let peer = if large { Some(Peer::of(req.request())) } else { None };
+    let mut res = next.call(req).await.inspect_err(|_| {
+        if let Some(peer) = &peer {
+            peer.stop_reading();
+        }
+    })?;
+    if let Some(peer) = peer
+        && (res.status().is_client_error() || res.status().is_server_error())
+    {
+        res.response_mut().head_mut().set_connection_type(ConnectionType::Close);
+        peer.stop_reading();
+    }
+    Ok(res)
 }

@@ -138,8 +138,18 @@ fn read_body(reader: &mut impl BufRead, headers: &[(String, String)], mut on_dat
     Ok(())
 }
 
+/// Writes a request's body. A server may answer before it has read the body (a refusal) and
+/// stop reading: the write then fails, and the answer is still there to read, as common HTTP
+/// clients do. Other failures are errors.
+fn write_body(s: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
+    match s.write_all(body) {
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset) => Ok(()),
+        other => other,
+    }
+}
+
 /// The whole response on `s`.
-fn read_response(s: TcpStream) -> std::io::Result<Response> {
+pub fn read_response(s: TcpStream) -> std::io::Result<Response> {
     let mut reader = BufReader::new(s);
     let (status, headers) = read_head(&mut reader)?;
     let mut body = Vec::new();
@@ -178,7 +188,7 @@ impl Client {
     /// Sends a request and reads the whole response.
     pub fn send(&self, req: &Request<'_>) -> std::io::Result<Response> {
         let mut s = self.open(req)?;
-        s.write_all(req.body)?;
+        write_body(&mut s, req.body)?;
         read_response(s)
     }
 
@@ -197,7 +207,7 @@ impl Client {
     /// Returns the status and the headers.
     pub fn stream(&self, req: &Request<'_>, mut on_event: impl FnMut(&str, Instant) -> bool) -> std::io::Result<(u16, Vec<(String, String)>)> {
         let mut s = self.open(req)?;
-        s.write_all(req.body)?;
+        write_body(&mut s, req.body)?;
         let mut reader = BufReader::new(s);
         let (status, headers) = read_head(&mut reader)?;
         let mut pending = Vec::new();

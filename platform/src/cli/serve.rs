@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use actix_web::middleware::from_fn;
 use actix_web::{App, HttpServer, web};
 use anyhow::{Context, bail};
 use loraplex_kernels::cpu::CpuBackend;
@@ -145,9 +146,10 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         }
         let state = AppState::new(store.clone(), serving, tokenizer, &model_name, &data_dir, settings);
         let app_state = state.clone();
-        let mut server = HttpServer::new(move || App::new().app_data(web::Data::new(app_state.clone())).configure(api::routes))
-            .on_connect(api::on_connect)
-            .shutdown_timeout(args.shutdown_timeout);
+        let mut server =
+            HttpServer::new(move || App::new().wrap(from_fn(api::shed_refused_bodies)).app_data(web::Data::new(app_state.clone())).configure(api::routes))
+                .on_connect(api::on_connect)
+                .shutdown_timeout(args.shutdown_timeout);
         if let Some(n) = args.http_workers {
             server = server.workers(n.max(1));
         }

@@ -1,7 +1,7 @@
 //! Request bodies a tenant can send: every malformed, oversized or out-of-range one gets a 4xx
 //! that names the problem, on every inference route alike, and the server keeps serving.
 
-use loraplex::bench::http::Request;
+use loraplex::bench::http::{Request, Response, read_response};
 use serde_json::{Value, json};
 
 use super::common::*;
@@ -163,4 +163,51 @@ fn bad_bodies_get_a_clear_4xx_on_every_route_and_the_server_keeps_serving() {
         cases.ok("refused requests leave no ledger rows", ledger[0][0] == "0", format!("{ledger:?}"));
         cases.finish(&format!("bodies on {}", env.kind()));
     }
+}
+
+/// Sends a request declaring a body of `declared` bytes and writes it until the server stops
+/// taking it: how many bytes it took, and its answer.
+fn push_body(env: &Env, key: Option<&str>, path: &str, declared: usize) -> (usize, Response) {
+    let body = vec![b' '; declared];
+    let mut req = Request::new("POST", path).body("application/json", &body);
+    req.key = key;
+    let mut s = env.http.open(&req).unwrap();
+    s.set_write_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
+    let mut written = 0;
+    for chunk in body.chunks(256 << 10) {
+        match std::io::Write::write_all(&mut s, chunk) {
+            Ok(()) => written += chunk.len(),
+            Err(_) => break,
+        }
+    }
+    (written, read_response(s).unwrap())
+}
+
+#[test]
+fn a_large_body_refused_before_it_is_read_is_not_read_and_its_answer_still_arrives() {
+    let db = Db::Sqlite;
+    let env = Env::start(&db, &[]);
+    let (_, key) = env.tenant("limited", json!({"requests_per_min": 1}));
+    let mut cases = Cases::default();
+    const DECLARED: usize = 64 << 20;
+    // The server reads no more than a refusal needs; what it leaves unread is dropped, and the
+    // client's writes fail long before the declared length.
+    let (written, res) = push_body(&env, None, "/v1/completions", DECLARED);
+    cases.check("no key", &res, 401, "Authorization");
+    cases.ok("no key: the body was not read", written < DECLARED, written);
+    cases.ok("no key: the connection closes", res.header("connection") == Some("close"), format!("{:?}", res.headers));
+    cases.check("the one request of the minute", &env.complete(&key, MODEL, 1), 200, "choices");
+    let (written, res) = push_body(&env, Some(&key), "/v1/completions", DECLARED);
+    cases.check("over the rate limit", &res, 429, "per minute");
+    cases.ok("over the rate limit: the body was not read", written < DECLARED, written);
+    cases.ok("over the rate limit: a Retry-After", res.header("retry-after").is_some(), format!("{:?}", res.headers));
+    let (_, other) = env.tenant("other", json!({}));
+    let (written, res) = push_body(&env, Some(&other), "/v1/completions", DECLARED);
+    cases.check("over the body cap", &res, 413, "larger than");
+    cases.ok("over the body cap: the rest was not read", written < DECLARED, written);
+    // A small body refused keeps its answer too.
+    let (_, res) = push_body(&env, None, "/v1/completions", 1000);
+    cases.check("no key, a small body", &res, 401, "Authorization");
+    cases.check("still serving", &env.complete(&other, MODEL, 2), 200, "choices");
+    cases.finish("refused bodies");
 }
