@@ -1,6 +1,11 @@
 //! Per-tenant admission limits: requests per minute, tokens per minute and concurrent
 //! requests, over a sliding one-minute window kept in memory.
 //!
+//! A minute's requests are also spread over the minute: a bucket of [`burst`] requests, refilled
+//! at the per-minute rate, must hold one for each request. Without it a tenant whose requests
+//! end quickly (refused after their bodies were read, say) would spend a minute's allowance in its
+//! first seconds, and the reading, parsing and tokenizing of all of them would land together.
+//!
 //! Tokens are reserved when a request is admitted (its prompt plus the most it may generate)
 //! and corrected to what it really used when it ends, so a burst of long requests cannot slip
 //! past the limit while they run.
@@ -14,6 +19,19 @@ use crate::store::TenantLimits;
 
 const WINDOW: Duration = Duration::from_secs(60);
 
+/// Seconds of the per-minute rate a burst may take at once.
+const BURST_SECONDS: f64 = 5.0;
+
+/// A burst may always take this many requests (or the whole minute's, when fewer).
+const MIN_BURST: f64 = 10.0;
+
+/// Requests a tenant allowed `per_min` requests per minute may send at once: five seconds' worth
+/// of them, at least ten (or the whole minute's when fewer).
+pub fn burst(per_min: i64) -> f64 {
+    let per_min = per_min.max(0) as f64;
+    (per_min * BURST_SECONDS / 60.0).max(per_min.min(MIN_BURST))
+}
+
 #[derive(Debug, Default)]
 struct Window {
     /// (admission time, permit id) of the requests of the last minute.
@@ -21,6 +39,9 @@ struct Window {
     /// (admission time, permit id, tokens) of the last minute.
     tokens: VecDeque<(Instant, u64, u64)>,
     concurrent: usize,
+    /// Requests the burst bucket holds, as of the instant; `None` until the first request (a
+    /// full bucket).
+    bucket: Option<(f64, Instant)>,
 }
 
 impl Window {
@@ -74,7 +95,10 @@ impl Limiter {
     /// or says when to retry. Its tokens are reserved later ([`Permit::reserve`]), once they
     /// are counted.
     pub fn admit(self: &Arc<Self>, tenant: &str, limits: &TenantLimits) -> Result<Permit, ApiError> {
-        let now = Instant::now();
+        self.admit_at(tenant, limits, Instant::now())
+    }
+
+    fn admit_at(self: &Arc<Self>, tenant: &str, limits: &TenantLimits, now: Instant) -> Result<Permit, ApiError> {
         let mut all = self.lock();
         let w = all.entry(tenant.to_string()).or_default();
         w.expire(now);
@@ -89,6 +113,26 @@ impl Limiter {
             let retry_after = w.requests.front().map_or(1, |&(t, _)| seconds_until(t, now)).max(1);
             return Err(ApiError::RateLimited { message: format!("too many requests: the limit is {max} per minute"), retry_after });
         }
+        let mut bucket = None;
+        if let Some(max) = limits.requests_per_min {
+            let (cap, rate) = (burst(max), max.max(0) as f64 / 60.0);
+            let (held, at) = w.bucket.unwrap_or((cap, now));
+            let held = (held + now.saturating_duration_since(at).as_secs_f64() * rate).min(cap);
+            if held < 1.0 {
+                // The minute's limit above refuses a tenant allowed none at all.
+                let retry_after = ((1.0 - held) / rate.max(1e-9)).ceil().clamp(1.0, 60.0) as u64;
+                return Err(ApiError::RateLimited {
+                    message: format!(
+                        "too many requests at once: the limit of {max} per minute allows {} at once, then one every {:.1} s",
+                        cap as u64,
+                        1.0 / rate
+                    ),
+                    retry_after,
+                });
+            }
+            bucket = Some((held - 1.0, now));
+        }
+        w.bucket = bucket;
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         w.requests.push_back((now, id));
         w.concurrent += 1;
@@ -204,5 +248,37 @@ mod tests {
         // Admitted, then refused for its tokens: it was read and counted, so it counts.
         assert!(matches!(admit(&l, "t", &both, 500), Err(ApiError::Invalid(_))));
         assert!(matches!(admit(&l, "t", &both, 10), Err(ApiError::RateLimited { .. })));
+    }
+
+    #[test]
+    fn a_minute_of_requests_is_spread_over_the_minute() {
+        assert_eq!((burst(3), burst(60), burst(600), burst(0)), (3.0, 10.0, 50.0, 0.0));
+        let l = Limiter::new();
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        // 120 a minute: 10 at once, then one every half second.
+        let rpm = limits(Some(120), None, None);
+        let held: Vec<Permit> = (0..10).map(|_| l.admit_at("t", &rpm, t0).unwrap()).collect();
+        match l.admit_at("t", &rpm, t0) {
+            Err(ApiError::RateLimited { retry_after, message }) => assert!(retry_after == 1 && message.contains("10 at once"), "{retry_after} {message}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(l.admit_at("t", &rpm, at(500)).is_ok());
+        assert!(l.admit_at("t", &rpm, at(500)).is_err());
+        drop(held);
+        // 600 a minute, asked for every 10 ms: the first five seconds get 100, not all 600, and
+        // the minute never more than 600.
+        let rpm = limits(Some(600), None, None);
+        let mut admitted = Vec::new();
+        for ms in (0..120_000).step_by(10) {
+            if let Ok(p) = l.admit_at("u", &rpm, at(ms)) {
+                admitted.push(ms);
+                drop(p);
+            }
+        }
+        let within = |from: u64, len: u64| admitted.iter().filter(|&&ms| ms >= from && ms < from + len).count();
+        assert!((99..=101).contains(&within(0, 5_000)), "{}", within(0, 5_000));
+        assert!((0..60_000).step_by(1_000).all(|from| within(from, 60_000) <= 600));
+        assert!(within(0, 60_000) >= 590, "{}", within(0, 60_000));
     }
 }
