@@ -525,8 +525,9 @@ pub struct BenchNoisyArgs {
     /// Tenant B's offered load, as a fraction of the capacity the run measures.
     #[arg(long, default_value_t = 0.15)]
     pub b_fraction: f64,
-    /// Tenant B's requests per phase.
-    #[arg(long, default_value_t = 100)]
+    /// Tenant B's requests per phase (p99 by nearest rank: of 200 the third largest, of 100 the
+    /// second, which one stray request moves).
+    #[arg(long, default_value_t = 200)]
     pub b_requests: usize,
     /// How B sends its prompt: `text` (tokenized by the server) or `ids` (token ids, which the
     /// server does not tokenize).
