@@ -26,7 +26,7 @@ pub struct Sample {
     pub ok: bool,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct Latency {
     pub requests: usize,
     pub failed: usize,
