@@ -7,7 +7,8 @@
 //! holding its slot meanwhile, so the bound holds whatever clients do.
 //!
 //! Two pools: the one every request's preparation goes through (tokenizing, templates), and a
-//! background one of its own threads at the lowest CPU priority for work no request is waiting
+//! background one of its own threads at the lowest CPU priority (on Linux the idle scheduling
+//! class) for work no request is waiting
 //! on to start generating: validating uploaded adapters and writing their files. On a busy
 //! machine the background pool only gets the CPU the device workers leave, so one tenant's
 //! uploads never slow another tenant's generation.
@@ -56,6 +57,16 @@ impl BlockingPool {
                 // Lowering one's own priority needs no privilege; where it is refused the work
                 // still runs, at normal priority.
                 let _ = thread_priority::set_current_thread_priority(thread_priority::ThreadPriority::Min);
+                // On Linux, the idle scheduling class instead (its weight is below niceness
+                // 19's, which it makes moot): a thread of the lowest niceness may still keep a
+                // core for a while after a device worker wakes up wanting it; an idle-class one
+                // gives it up at once, so a parallel step is not held up by an upload.
+                #[cfg(target_os = "linux")]
+                {
+                    use thread_priority::unix::{NormalThreadSchedulePolicy, ThreadSchedulePolicy, set_thread_priority_and_policy, thread_native_id};
+                    let idle = ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Idle);
+                    let _ = set_thread_priority_and_policy(thread_native_id(), thread_priority::ThreadPriority::Min, idle);
+                }
                 loop {
                     let task = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
                     match task {
@@ -160,11 +171,12 @@ mod tests {
         assert!(name.is_some_and(|n| n.starts_with("background-")));
         #[cfg(target_os = "linux")]
         {
-            // The niceness of its threads is 19 on Linux: the lowest priority.
+            // Its threads are in the idle scheduling class (policy 5, SCHED_IDLE): the lowest
+            // priority there is.
             let stat = std::fs::read_to_string(format!("/proc/self/task/{}/stat", pool_tid(&pool).await)).unwrap();
-            let after_name = &stat[stat.rfind(')').unwrap() + 2..];
-            let nice: i32 = after_name.split(' ').nth(16).unwrap().parse().unwrap();
-            assert_eq!(nice, 19, "{stat}");
+            let after_name: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+            let policy: u32 = after_name[38].parse().unwrap();
+            assert_eq!(policy, 5, "{stat}");
         }
         assert!(matches!(pool.run(|| panic!("boom")).await, Err(ApiError::Internal(_))), "a panicking job is an error, not a lost thread");
         assert_eq!(pool.run(|| 5).await.unwrap(), 5);

@@ -556,4 +556,3 @@ mod tests {
         assert_eq!(one[1].ttft_ratio, 0.0);
     }
 }
-
