@@ -640,3 +640,14 @@ pub struct BenchEngineArgs {
     #[arg(long, env = "LORAPLEX_THREADS")]
     pub threads: Option<usize>,
 }
+
+/// Sizes rayon's global pool (`--threads`); `None` keeps one thread per core.
+pub fn init_threads(threads: Option<usize>) -> anyhow::Result<()> {
+    if let Some(n) = threads {
+        if n == 0 {
+            anyhow::bail!("--threads must be at least 1");
+        }
+        rayon::ThreadPoolBuilder::new().num_threads(n).build_global()?;
+    }
+    Ok(())
+}

@@ -8,6 +8,11 @@ use crate::memory::AdapterRef;
 use crate::model::ModelConfig;
 use crate::sampling::{SamplingError, SamplingParams};
 
+/// Identifies a sequence for as long as an engine holds it (below both the engine and the
+/// scheduler, which both name sequences by it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u64);
+
 /// When a sequence stops, besides its end-of-sequence tokens.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StopConditions {

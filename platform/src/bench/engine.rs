@@ -100,7 +100,7 @@ impl Costs {
 }
 
 pub fn run(args: &BenchEngineArgs) -> anyhow::Result<()> {
-    crate::cli::init_threads(args.threads)?;
+    crate::config::init_threads(args.threads)?;
     let tmp = tempfile::tempdir().context("creating a directory for the synthesized model")?;
     let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, tmp.path())?;
     let backend = Arc::new(CpuBackend::new());

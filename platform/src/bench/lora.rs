@@ -67,7 +67,7 @@ struct Targets {
 }
 
 pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
-    crate::cli::init_threads(args.threads)?;
+    crate::config::init_threads(args.threads)?;
     ensure!(args.batch > 0 && args.steps > 0 && args.rank > 0, "--batch, --steps and --rank must be positive");
     let tmp = tempfile::tempdir().context("creating a directory for the synthesized model and adapters")?;
     let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, tmp.path())?;

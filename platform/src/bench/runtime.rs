@@ -558,7 +558,7 @@ struct Report {
 }
 
 pub fn run(args: &BenchRuntimeArgs) -> anyhow::Result<()> {
-    crate::cli::init_threads(args.threads)?;
+    crate::config::init_threads(args.threads)?;
     let tmp = tempfile::tempdir().context("creating a scratch directory")?;
     let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, tmp.path())?;
     let setup = load_setup(&dir, tmp.path())?;

@@ -52,7 +52,7 @@ pub fn adapter_ref(dir: &Path) -> anyhow::Result<AdapterRef> {
 }
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
-    super::init_threads(args.engine.threads)?;
+    crate::config::init_threads(args.engine.threads)?;
     let backend = Arc::new(CpuBackend::new());
     let model = Arc::new(model::load(backend, &args.model)?);
     let tokenizer = Arc::new(Tokenizer::from_dir(&args.model)?);

@@ -5,17 +5,6 @@ pub mod serve;
 
 use anyhow::Context;
 
-/// Sizes rayon's global pool; `None` keeps one thread per core.
-pub fn init_threads(threads: Option<usize>) -> anyhow::Result<()> {
-    if let Some(n) = threads {
-        if n == 0 {
-            anyhow::bail!("--threads must be at least 1");
-        }
-        rayon::ThreadPoolBuilder::new().num_threads(n).build_global()?;
-    }
-    Ok(())
-}
-
 /// `loraplex synth`: writes a random model, and its adapters when asked, and says what it wrote.
 pub fn synth(args: &crate::config::SynthArgs) -> anyhow::Result<()> {
     use crate::synth::{AdapterSynthOptions, SynthOptions};

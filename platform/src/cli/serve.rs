@@ -102,7 +102,7 @@ fn instance_id(data_dir: &Path) -> anyhow::Result<String> {
 }
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
-    super::init_threads(args.engine.threads)?;
+    crate::config::init_threads(args.engine.threads)?;
     std::fs::create_dir_all(&args.data_dir).with_context(|| format!("creating the data directory {}", args.data_dir.display()))?;
     let data_dir = args.data_dir.canonicalize()?;
     let url = match &args.database_url {

@@ -32,9 +32,10 @@ use crate::sampling::Sampler;
 use crate::scheduler::{Placement, Readiness, Scheduler, SchedulerConfig, StepMemory};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
+pub use crate::request::SeqId;
 use batch::{Chunk, HostBatch};
 use sequence::Sequence;
-pub use sequence::{SeqId, SeqUsage, TokenEvent};
+pub use sequence::{SeqUsage, TokenEvent};
 
 /// Limits of the engine.
 #[derive(Debug, Clone, PartialEq)]

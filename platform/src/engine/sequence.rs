@@ -4,13 +4,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::memory::{AdapterRef, BlockHash, BlockTable, PagePin, ResidentAdapter};
-use crate::request::{FinishReason, StopConditions};
+use crate::request::{FinishReason, SeqId, StopConditions};
 use crate::sampling::{Sample, Sampler, StopStrings};
 use crate::tokenizer::{DecodeStream, Tokenizer, TokenizerError};
-
-/// Identifies a sequence for as long as the engine holds it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SeqId(pub u64);
 
 /// What one step produced for one sequence.
 #[derive(Debug, Clone, PartialEq)]

@@ -23,8 +23,8 @@ mod timer;
 
 use std::collections::{HashMap, HashSet};
 
-use crate::engine::SeqId;
 use crate::request::SeqError;
+use crate::request::SeqId;
 use fair::{FairQueues, Job};
 pub use fair::{Priority, TenantId};
 use timer::StepTimer;
