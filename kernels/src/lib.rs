@@ -100,6 +100,52 @@ pub trait Memory {
     fn copy_within(&self, buf: &mut Self::Buffer, src: usize, dst: usize, len: usize) -> Result<()>;
     /// Prepares a weight from host data laid out `[out_features, in_features]`, row-major.
     fn load_weight(&self, data: &[f32], out_features: usize, in_features: usize) -> Result<Self::Weight>;
+    /// [`Memory::load_weight`] from data in the element type a checkpoint stores it in. A backend
+    /// that can compute on half-precision weights keeps them half-size (the CPU backend does);
+    /// by default they are widened to f32 here, exactly.
+    fn load_weight_data(&self, data: WeightData<'_>, out_features: usize, in_features: usize) -> Result<Self::Weight> {
+        self.load_weight(&data.to_f32(), out_features, in_features)
+    }
+}
+
+/// A weight's values as a checkpoint stores them.
+#[derive(Debug, Clone, Copy)]
+pub enum WeightData<'a> {
+    F32(&'a [f32]),
+    /// bfloat16, each value the upper half of an f32.
+    Bf16(&'a [u16]),
+    F16(&'a [half::f16]),
+}
+
+impl WeightData<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            WeightData::F32(d) => d.len(),
+            WeightData::Bf16(d) => d.len(),
+            WeightData::F16(d) => d.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values widened to f32 (exact for every type).
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self {
+            WeightData::F32(d) => d.to_vec(),
+            WeightData::Bf16(d) => d.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect(),
+            WeightData::F16(d) => d.iter().map(|h| h.to_f32()).collect(),
+        }
+    }
+
+    /// Bytes per value.
+    pub fn elem_bytes(&self) -> usize {
+        match self {
+            WeightData::F32(_) => 4,
+            WeightData::Bf16(_) | WeightData::F16(_) => 2,
+        }
+    }
 }
 
 /// Row-wise dense ops over `[rows, dim]` activations.

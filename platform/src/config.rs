@@ -208,6 +208,9 @@ pub struct SynthArgs {
     pub out: PathBuf,
     #[arg(long, value_enum, default_value_t = Preset::Tiny)]
     pub preset: Preset,
+    /// Element type of the model's saved weights.
+    #[arg(long, value_enum, default_value_t = FileDType::F32)]
+    pub dtype: FileDType,
     /// Seeds the weights of the model and of its adapters.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -448,6 +451,10 @@ pub struct BenchRuntimeArgs {
     /// Synthesized model size to measure (ignored with --model).
     #[arg(long, value_enum, default_value_t = Preset::Bench)]
     pub preset: Preset,
+    /// Element type the synthesized model is saved in (bf16 weights stay bf16 in memory on the
+    /// CPU, half the bytes read per token).
+    #[arg(long, value_enum, default_value_t = FileDType::F32)]
+    pub model_dtype: FileDType,
     /// Measure this model directory instead of a synthesized one.
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -515,6 +522,10 @@ pub struct BenchNoisyArgs {
     /// Synthesized model size to serve (ignored with --model).
     #[arg(long, value_enum, default_value_t = Preset::Bench)]
     pub preset: Preset,
+    /// Element type the synthesized model is saved in (bf16 weights stay bf16 in memory on the
+    /// CPU, half the bytes read per token).
+    #[arg(long, value_enum, default_value_t = FileDType::F32)]
+    pub model_dtype: FileDType,
     /// Serve this model directory instead of a synthesized one.
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -585,6 +596,10 @@ pub struct BenchLoraArgs {
     /// Synthesized model size to measure (ignored with --model).
     #[arg(long, value_enum, default_value_t = Preset::Bench)]
     pub preset: Preset,
+    /// Element type the synthesized model is saved in (bf16 weights stay bf16 in memory on the
+    /// CPU, half the bytes read per token).
+    #[arg(long, value_enum, default_value_t = FileDType::F32)]
+    pub model_dtype: FileDType,
     /// Measure this model directory instead of a synthesized one (adapters are synthesized for it).
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -619,6 +634,10 @@ pub struct BenchEngineArgs {
     /// Synthesized model size to measure (ignored with --model).
     #[arg(long, value_enum, default_value_t = Preset::Bench)]
     pub preset: Preset,
+    /// Element type the synthesized model is saved in (bf16 weights stay bf16 in memory on the
+    /// CPU, half the bytes read per token).
+    #[arg(long, value_enum, default_value_t = FileDType::F32)]
+    pub model_dtype: FileDType,
     /// Measure this model directory instead of a synthesized one.
     #[arg(long)]
     pub model: Option<PathBuf>,

@@ -13,6 +13,7 @@ fn noisy_neighbor_runs_every_pattern_and_reports_it() {
     let out = dir.path().join("bench-noisy.json");
     let args = BenchNoisyArgs {
         preset: Preset::Tiny,
+        model_dtype: loraplex::synth::FileDType::Bf16,
         model: None,
         patterns: vec!["all".into()],
         b_fraction: 0.15,

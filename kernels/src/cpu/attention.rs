@@ -2,6 +2,7 @@
 
 use rayon::prelude::*;
 
+use super::isa::{Isa, Kernel};
 use super::{CpuBackend, CpuBuffer, ensure_len, rows_of, simd};
 use crate::check::Batch;
 use crate::{AttentionOps, AttentionParams, BatchMeta, KernelError, KvLayout, Result};
@@ -85,36 +86,67 @@ impl AttentionOps for CpuBackend {
         let out = out.f32_mut(OP)?;
         ensure_len(OP, "out", out.len(), meta.num_tokens * heads * hd)?;
         let group = heads / p.num_kv_heads;
-        let bs = layout.block_size;
+        let ctx = Attend { m: &m, q, cache, token_seq: &token_seq, layout, p, group };
+        let path = self.path;
         // One task per (token, kv head): the group of query heads sharing that kv head reuses
         // each key and value row while it is in cache.
         out[..meta.num_tokens * heads * hd].par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (task, o)| {
-            let (t, kvh) = (task / p.num_kv_heads, task % p.num_kv_heads);
-            let s = token_seq[t] as usize;
-            let pos = m.positions[t] as usize;
-            let last = pos;
-            let first = p.sliding_window.map_or(0, |w| (last + 1).saturating_sub(w));
-            let table = &m.block_tables[s * m.max_blocks..];
-            let n = last + 1 - first;
-            scores.resize(group * n, 0.0);
-            for g in 0..group {
-                let h = kvh * group + g;
-                let qh = &q[(t * heads + h) * hd..(t * heads + h + 1) * hd];
-                let sc = &mut scores[g * n..(g + 1) * n];
-                for (j, key_pos) in (first..=last).enumerate() {
-                    let off = layout.offset(table[key_pos / bs] as usize, p.layer, 0, kvh, key_pos % bs);
-                    sc[j] = simd::dot(qh, &cache[off..off + hd]) * p.scale;
-                }
-                softmax_in_place(sc);
-                let oh = &mut o[g * hd..(g + 1) * hd];
-                oh.fill(0.0);
-                for (j, key_pos) in (first..=last).enumerate() {
-                    let off = layout.offset(table[key_pos / bs] as usize, p.layer, 1, kvh, key_pos % bs);
-                    simd::axpy(oh, sc[j], &cache[off..off + hd]);
-                }
-            }
+            path.run(AttendTask { ctx: &ctx, scores, task, out: o });
         });
         Ok(())
+    }
+}
+
+/// What every attention task reads.
+struct Attend<'a> {
+    m: &'a Batch<'a>,
+    q: &'a [f32],
+    cache: &'a [f32],
+    token_seq: &'a [u32],
+    layout: &'a KvLayout,
+    p: &'a AttentionParams,
+    group: usize,
+}
+
+/// The query heads of one (token, kv head) pair against that sequence's keys and values.
+struct AttendTask<'a> {
+    ctx: &'a Attend<'a>,
+    scores: &'a mut Vec<f32>,
+    task: usize,
+    out: &'a mut [f32],
+}
+
+impl Kernel for AttendTask<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run<S: Isa>(self, s: S) {
+        let AttendTask { ctx, scores, task, out: o } = self;
+        let Attend { m, q, cache, token_seq, layout, p, group } = *ctx;
+        let (hd, heads, bs) = (p.head_dim, p.num_heads, layout.block_size);
+        let (t, kvh) = (task / p.num_kv_heads, task % p.num_kv_heads);
+        let seq = token_seq[t] as usize;
+        let last = m.positions[t] as usize;
+        let first = p.sliding_window.map_or(0, |w| (last + 1).saturating_sub(w));
+        let table = &m.block_tables[seq * m.max_blocks..];
+        let n = last + 1 - first;
+        scores.resize(group * n, 0.0);
+        for g in 0..group {
+            let h = kvh * group + g;
+            let qh = &q[(t * heads + h) * hd..(t * heads + h + 1) * hd];
+            let sc = &mut scores[g * n..(g + 1) * n];
+            for (j, key_pos) in (first..=last).enumerate() {
+                let off = layout.offset(table[key_pos / bs] as usize, p.layer, 0, kvh, key_pos % bs);
+                sc[j] = simd::dot(s, qh, &cache[off..off + hd]) * p.scale;
+            }
+            softmax_in_place(sc);
+            let oh = &mut o[g * hd..(g + 1) * hd];
+            oh.fill(0.0);
+            for (j, key_pos) in (first..=last).enumerate() {
+                let off = layout.offset(table[key_pos / bs] as usize, p.layer, 1, kvh, key_pos % bs);
+                simd::axpy(s, oh, sc[j], &cache[off..off + hd]);
+            }
+        }
     }
 }
 

@@ -12,6 +12,7 @@
 
 use rayon::prelude::*;
 
+use super::isa::{Isa, Kernel, Path};
 use super::{CpuBackend, CpuBuffer, simd};
 use crate::check::{Directory, Segments, check_slots, ensure_rows};
 use crate::{LORA_ROW_ALIGN, LoraOps, LoraRows, LoraSegments, LoraTarget, Result, RowDType};
@@ -52,10 +53,11 @@ struct Adapters<'a> {
     in_features: usize,
     out_features: usize,
     max_rank: usize,
+    path: Path,
 }
 
 impl<'a> Adapters<'a> {
-    fn read(op: &'static str, pool: &'a CpuBuffer, rows: &'a LoraRows<CpuBuffer>, target: &LoraTarget) -> Result<Self> {
+    fn read(op: &'static str, path: Path, pool: &'a CpuBuffer, rows: &'a LoraRows<CpuBuffer>, target: &LoraTarget) -> Result<Self> {
         let pool = pool.f32(op)?;
         let dir = Directory::read(op, rows, target, pool.len())?;
         let LoraTarget { in_features, out_features, max_rank, .. } = *target;
@@ -78,34 +80,70 @@ impl<'a> Adapters<'a> {
                 }
             })
             .collect();
-        Ok(Adapters { slots, in_features, out_features, max_rank })
+        Ok(Adapters { slots, in_features, out_features, max_rank, path })
     }
 
     /// `v[t, r] = x[t] · A[r]` for each token of a block and `r < rank`, zeros up to `max_rank`.
     /// `x` holds the block's input rows, `v` its `max_rank`-long rows.
     fn shrink(&self, slot: u32, x: &[f32], v: &mut [f32]) {
-        let rows = self.slots.get(slot as usize);
-        let rank = rows.map_or(0, SlotRows::rank);
-        for (vt, xt) in v.chunks_exact_mut(self.max_rank).zip(x.chunks_exact(self.in_features)) {
-            if let Some(rows) = rows {
-                simd::dots(xt, rows.a(), &mut vt[..rank]);
-            }
-            vt[rank..].fill(0.0);
-        }
+        self.path.run(Shrink { ad: self, slot, x, v });
     }
 
     /// `y[t] += Σ_r v[t, r] · Bᵀ[r]` for each token of a block, `r` ascending.
     fn expand(&self, slot: u32, v: &[f32], y: &mut [f32]) {
-        let Some(rows) = self.slots.get(slot as usize) else { return };
-        let rank = rows.rank();
-        for (yt, vt) in y.chunks_exact_mut(self.out_features).zip(v.chunks_exact(self.max_rank)) {
-            simd::axpys(yt, &vt[..rank], rows.b());
-        }
+        self.path.run(Expand { ad: self, slot, v, y });
     }
 
     /// Whether `slot` changes anything for this target.
     fn active(&self, slot: u32) -> bool {
         self.slots.get(slot as usize).is_some_and(|s| s.rank() > 0)
+    }
+}
+
+/// [`Adapters::shrink`] as one kernel call.
+struct Shrink<'s, 'a> {
+    ad: &'s Adapters<'a>,
+    slot: u32,
+    x: &'s [f32],
+    v: &'s mut [f32],
+}
+
+impl Kernel for Shrink<'_, '_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run<S: Isa>(self, s: S) {
+        let Shrink { ad, slot, x, v } = self;
+        let rows = ad.slots.get(slot as usize);
+        let rank = rows.map_or(0, SlotRows::rank);
+        for (vt, xt) in v.chunks_exact_mut(ad.max_rank).zip(x.chunks_exact(ad.in_features)) {
+            if let Some(rows) = rows {
+                simd::dots(s, xt, rows.a(), &mut vt[..rank]);
+            }
+            vt[rank..].fill(0.0);
+        }
+    }
+}
+
+/// [`Adapters::expand`] as one kernel call.
+struct Expand<'s, 'a> {
+    ad: &'s Adapters<'a>,
+    slot: u32,
+    v: &'s [f32],
+    y: &'s mut [f32],
+}
+
+impl Kernel for Expand<'_, '_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run<S: Isa>(self, s: S) {
+        let Expand { ad, slot, v, y } = self;
+        let Some(rows) = ad.slots.get(slot as usize) else { return };
+        let rank = rows.rank();
+        for (yt, vt) in y.chunks_exact_mut(ad.out_features).zip(v.chunks_exact(ad.max_rank)) {
+            simd::axpys(s, yt, &vt[..rank], rows.b());
+        }
     }
 }
 
@@ -138,7 +176,7 @@ impl LoraOps for CpuBackend {
         v: &mut CpuBuffer,
     ) -> Result<()> {
         const OP: &str = "sgmv_shrink";
-        let ad = Adapters::read(OP, pool, rows, target)?;
+        let ad = Adapters::read(OP, self.path, pool, rows, target)?;
         let segs = Segments::read(OP, segs, rows.num_slots)?;
         let x = x.f32(OP)?;
         ensure_rows(OP, "x", x.len(), segs.tokens, ad.in_features)?;
@@ -162,7 +200,7 @@ impl LoraOps for CpuBackend {
         y: &mut CpuBuffer,
     ) -> Result<()> {
         const OP: &str = "sgmv_expand";
-        let ad = Adapters::read(OP, pool, rows, target)?;
+        let ad = Adapters::read(OP, self.path, pool, rows, target)?;
         let segs = Segments::read(OP, segs, rows.num_slots)?;
         let v = v.f32(OP)?;
         ensure_rows(OP, "v", v.len(), segs.tokens, ad.max_rank)?;
@@ -177,7 +215,7 @@ impl LoraOps for CpuBackend {
 
     fn bgmv(&self, x: &CpuBuffer, pool: &CpuBuffer, rows: &LoraRows<CpuBuffer>, slots: &CpuBuffer, target: &LoraTarget, y: &mut CpuBuffer) -> Result<()> {
         const OP: &str = "bgmv";
-        let ad = Adapters::read(OP, pool, rows, target)?;
+        let ad = Adapters::read(OP, self.path, pool, rows, target)?;
         let slots = slots.u32(OP)?;
         check_slots(OP, slots, rows.num_slots)?;
         let n = slots.len();

@@ -1,38 +1,24 @@
 //! `out[rows, n] = x[rows, k] · Wᵀ (+ bias)` on the CPU.
 
+use super::isa::Path;
 use super::{CpuBackend, CpuBuffer, ensure_len, packed};
-use crate::{KernelError, Result};
+use crate::{KernelError, Result, WeightData};
 
-#[derive(Debug, Clone)]
-enum Layout {
-    /// AVX-512 panels.
-    Packed(packed::Panels),
-    /// Row-major `[out, in]` for the `gemm` crate.
-    Plain(Vec<f32>),
-}
-
-/// A linear layer's weight. On CPUs with AVX-512 it is packed into panels for the kernels of
-/// the `packed` module; elsewhere it stays `[out_features, in_features]` row-major, as in HF
-/// checkpoints, for the `gemm` crate.
+/// A linear layer's weight, packed into panels for the instruction set of the backend that
+/// loaded it (see the `packed` module).
 #[derive(Debug, Clone)]
 pub struct CpuWeight {
-    layout: Layout,
+    panels: packed::Panels,
     out_features: usize,
     in_features: usize,
 }
 
 impl CpuWeight {
-    pub(crate) fn pack(data: &[f32], out_features: usize, in_features: usize) -> Result<Self> {
-        Self::with_layout(data, out_features, in_features, packed::available())
-    }
-
-    /// Builds the weight in the packed or the plain layout.
-    fn with_layout(data: &[f32], out_features: usize, in_features: usize, packed: bool) -> Result<Self> {
-        if data.len() != out_features * in_features || out_features == 0 || in_features == 0 {
+    pub(crate) fn pack(path: Path, data: WeightData<'_>, out_features: usize, in_features: usize) -> Result<Self> {
+        if out_features.checked_mul(in_features) != Some(data.len()) || out_features == 0 || in_features == 0 {
             return Err(KernelError::Shape { op: "load_weight", detail: format!("{} elements for a [{out_features}, {in_features}] weight", data.len()) });
         }
-        let layout = if packed { Layout::Packed(packed::pack(data, out_features, in_features)) } else { Layout::Plain(data.to_vec()) };
-        Ok(Self { layout, out_features, in_features })
+        Ok(Self { panels: packed::pack(path, data, out_features, in_features), out_features, in_features })
     }
 
     pub fn out_features(&self) -> usize {
@@ -41,6 +27,11 @@ impl CpuWeight {
 
     pub fn in_features(&self) -> usize {
         self.in_features
+    }
+
+    /// Bytes the weight takes in memory (what one row's matmul reads).
+    pub fn bytes(&self) -> usize {
+        self.panels.bytes()
     }
 }
 
@@ -59,48 +50,7 @@ impl CpuBackend {
         if rows == 0 {
             return Ok(());
         }
-        let out = &mut out[..rows * n];
-        let plain = match &w.layout {
-            Layout::Packed(panels) => {
-                packed::matmul(x, panels.as_slice(), bias, out, rows, k, n);
-                return Ok(());
-            }
-            Layout::Plain(data) => data,
-        };
-        if let Some(b) = bias {
-            for row in out.chunks_exact_mut(n) {
-                row.copy_from_slice(&b[..n]);
-            }
-        }
-        let threads = rayon::current_num_threads();
-        let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
-        // SAFETY: `out` holds rows*n elements (row stride n, column stride 1), `x` at least
-        // rows*k (row stride k), and `plain` exactly n*k laid out [n, k], which read as the
-        // [k, n] right-hand side has row stride 1 and column stride k. All three are distinct
-        // allocations, so the written range does not alias the read ones.
-        unsafe {
-            gemm::gemm(
-                rows,
-                n,
-                k,
-                out.as_mut_ptr(),
-                1,
-                n as isize,
-                bias.is_some(),
-                x.as_ptr(),
-                1,
-                k as isize,
-                plain.as_ptr(),
-                k as isize,
-                1,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                parallelism,
-            );
-        }
+        packed::matmul(x, &w.panels, bias, &mut out[..rows * n], rows, k, n);
         Ok(())
     }
 }
@@ -138,21 +88,43 @@ mod tests {
 
     #[test]
     fn matches_naive_product_on_odd_shapes() {
-        let cpu = CpuBackend::new();
         for &(rows, k, n) in &[(1, 7, 5), (3, 33, 17), (17, 64, 48), (64, 130, 97), (5, 1, 1), (200, 40, 33)] {
             let x = pseudo_random(rows * k, 1);
             let w = pseudo_random(n * k, 2);
             let b = pseudo_random(n, 3);
-            let layouts = if packed::available() { vec![false, true] } else { vec![false] };
-            for (weight, with_bias) in layouts.into_iter().flat_map(|p| [false, true].map(|b| (CpuWeight::with_layout(&w, n, k, p).unwrap(), b))) {
+            for (cpu, with_bias) in Path::available().into_iter().flat_map(|p| [false, true].map(|b| (CpuBackend::with_path(p), b))) {
+                let weight = cpu.load_weight(&w, n, k).unwrap();
                 let mut out = cpu.upload_f32(&vec![f32::NAN; rows * n]).unwrap();
                 let bias_buf = cpu.upload_f32(&b).unwrap();
                 cpu.matmul(&cpu.upload_f32(&x).unwrap(), &weight, with_bias.then_some(&bias_buf), &mut out, rows).unwrap();
                 let got = cpu.download_f32(&out).unwrap();
                 let want = reference(&x, &w, with_bias.then_some(&b[..]), rows, k, n);
                 for (g, w) in got.iter().zip(&want) {
-                    assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "rows={rows} k={k} n={n} {:?}: {g} vs {w}", std::mem::discriminant(&weight.layout));
+                    assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "{:?} rows={rows} k={k} n={n}: {g} vs {w}", cpu.path());
                 }
+            }
+        }
+    }
+
+    /// Half-precision weights stay half-size and give the same bits as f32 weights holding the
+    /// same values (widening is exact, the order of the sums the same), on every path.
+    #[test]
+    fn half_weights_compute_exactly_like_f32_weights_of_the_same_values() {
+        let (rows, k, n) = (13, 67, 70);
+        let x = pseudo_random(rows * k, 4);
+        let w = pseudo_random(n * k, 5);
+        let bf16: Vec<u16> = w.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+        let f16: Vec<half::f16> = w.iter().map(|&v| half::f16::from_f32(v)).collect();
+        for cpu in Path::available().into_iter().map(CpuBackend::with_path) {
+            let x = cpu.upload_f32(&x).unwrap();
+            for (name, half) in [("bf16", WeightData::Bf16(&bf16)), ("f16", WeightData::F16(&f16))] {
+                let widened = cpu.load_weight(&half.to_f32(), n, k).unwrap();
+                let kept = cpu.load_weight_data(half, n, k).unwrap();
+                assert_eq!(2 * kept.bytes(), widened.bytes(), "{:?} {name}: half-size", cpu.path());
+                let (mut a, mut b) = (cpu.zeros(rows * n).unwrap(), cpu.zeros(rows * n).unwrap());
+                cpu.matmul(&x, &widened, None, &mut a, rows).unwrap();
+                cpu.matmul(&x, &kept, None, &mut b, rows).unwrap();
+                assert_eq!(cpu.download_f32(&a).unwrap(), cpu.download_f32(&b).unwrap(), "{:?} {name}", cpu.path());
             }
         }
     }
@@ -174,10 +146,16 @@ mod batch_invariance {
     use super::*;
     use crate::{DenseOps, Memory};
 
-    /// A row's output is bit-identical whether it is multiplied alone or inside a larger batch.
+    /// A row's output is bit-identical whether it is multiplied alone or inside a larger batch,
+    /// on every instruction set this CPU runs.
     #[test]
     fn rows_do_not_depend_on_their_batch() {
-        let cpu = CpuBackend::new();
+        for path in super::Path::available() {
+            rows_do_not_depend_on_their_batch_on(CpuBackend::with_path(path));
+        }
+    }
+
+    fn rows_do_not_depend_on_their_batch_on(cpu: CpuBackend) {
         let (k, n) = (70, 45);
         let w: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
         let x: Vec<f32> = (0..30 * k).map(|i| ((i * 53 % 97) as f32 - 48.0) / 48.0).collect();
@@ -185,13 +163,10 @@ mod batch_invariance {
         let mut all = cpu.zeros(30 * n).unwrap();
         cpu.matmul(&cpu.upload_f32(&x).unwrap(), &weight, None, &mut all, 30).unwrap();
         let all = cpu.download_f32(&all).unwrap();
-        if !packed::available() {
-            return;
-        }
         for r in [0, 13, 29] {
             let mut one = cpu.zeros(n).unwrap();
             cpu.matmul(&cpu.upload_f32(&x[r * k..(r + 1) * k]).unwrap(), &weight, None, &mut one, 1).unwrap();
-            assert_eq!(cpu.download_f32(&one).unwrap(), all[r * n..(r + 1) * n].to_vec(), "row {r}");
+            assert_eq!(cpu.download_f32(&one).unwrap(), all[r * n..(r + 1) * n].to_vec(), "{:?} row {r}", cpu.path());
         }
     }
 }

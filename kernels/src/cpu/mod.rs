@@ -1,7 +1,10 @@
 //! The CPU backend: f32 arithmetic on host memory, matmuls through packed weights, rayon for the
-//! row-parallel ops. It is the reference every other backend is compared against.
+//! row-parallel ops, every kernel compiled for AVX-512, AVX2 + FMA, NEON and scalar code from one
+//! source and the widest the CPU has chosen at run time (see [`isa`]). It is the reference every
+//! other backend is compared against.
 
 mod attention;
+pub mod isa;
 mod lora;
 mod matmul;
 mod ops;
@@ -9,18 +12,33 @@ mod packed;
 pub mod probe;
 mod simd;
 
-use crate::{DType, KernelError, Memory, Result};
+use crate::{DType, KernelError, Memory, Result, WeightData};
+
+pub use isa::Path;
 
 pub use matmul::CpuWeight;
 
 /// The CPU device. Work runs on rayon's global pool; size it with `RAYON_NUM_THREADS` or
 /// `rayon::ThreadPoolBuilder` before the first op.
 #[derive(Debug, Default, Clone)]
-pub struct CpuBackend {}
+pub struct CpuBackend {
+    path: Path,
+}
 
 impl CpuBackend {
+    /// A backend on the widest instruction set of this CPU (or the one [`isa::ISA_ENV`] names).
     pub fn new() -> Self {
-        Self {}
+        Self { path: Path::detect() }
+    }
+
+    /// A backend on one instruction set (from [`Path::available`]): to test or measure each.
+    pub fn with_path(path: Path) -> Self {
+        Self { path }
+    }
+
+    /// The instruction set this backend's kernels run with.
+    pub fn path(&self) -> Path {
+        self.path
     }
 }
 
@@ -143,7 +161,11 @@ impl Memory for CpuBackend {
     }
 
     fn load_weight(&self, data: &[f32], out_features: usize, in_features: usize) -> Result<CpuWeight> {
-        CpuWeight::pack(data, out_features, in_features)
+        CpuWeight::pack(self.path, WeightData::F32(data), out_features, in_features)
+    }
+
+    fn load_weight_data(&self, data: WeightData<'_>, out_features: usize, in_features: usize) -> Result<CpuWeight> {
+        CpuWeight::pack(self.path, data, out_features, in_features)
     }
 }
 

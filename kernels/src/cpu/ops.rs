@@ -2,7 +2,8 @@
 
 use rayon::prelude::*;
 
-use super::{CpuBackend, CpuBuffer, CpuWeight, ensure_len, rows_of};
+use super::isa::{Isa, Kernel};
+use super::{CpuBackend, CpuBuffer, CpuWeight, ensure_len, rows_of, simd};
 use crate::{DenseOps, KernelError, Result, SampleParams, SamplingOps};
 
 /// Below this many elements an elementwise op runs on the calling thread.
@@ -34,13 +35,8 @@ impl DenseOps for CpuBackend {
         let rows = rows_of(OP, "x", x.len(), dim)?;
         let out = out.f32_mut(OP)?;
         ensure_len(OP, "out", out.len(), rows * dim)?;
-        out[..rows * dim].par_chunks_mut(dim).zip(x.par_chunks(dim)).for_each(|(o, xr)| {
-            let sum_sq: f32 = xr.iter().map(|v| v * v).sum();
-            let inv = 1.0 / (sum_sq / dim as f32 + eps).sqrt();
-            for ((o, &v), &w) in o.iter_mut().zip(xr).zip(weight) {
-                *o = w * (v * inv);
-            }
-        });
+        let path = self.path;
+        out[..rows * dim].par_chunks_mut(dim).zip(x.par_chunks(dim)).for_each(|(out, x)| path.run(RmsRow { out, x, weight, eps }));
         Ok(())
     }
 
@@ -71,10 +67,11 @@ impl DenseOps for CpuBackend {
         let acc = acc.f32_mut(OP)?;
         ensure_len(OP, "x", x.len(), acc.len())?;
         let n = acc.len();
+        let path = self.path;
         if n >= PAR_MIN_ELEMS {
-            acc.par_iter_mut().zip(x[..n].par_iter()).for_each(|(a, &b)| *a += b);
+            acc.par_chunks_mut(PAR_MIN_ELEMS / 2).zip(x[..n].par_chunks(PAR_MIN_ELEMS / 2)).for_each(|(acc, x)| path.run(AddAssign { acc, x }));
         } else {
-            acc.iter_mut().zip(&x[..n]).for_each(|(a, &b)| *a += b);
+            path.run(AddAssign { acc, x: &x[..n] });
         }
         Ok(())
     }
@@ -94,6 +91,39 @@ impl DenseOps for CpuBackend {
             o.copy_from_slice(&x[r * dim..(r + 1) * dim]);
         }
         Ok(())
+    }
+}
+
+/// One row of RMS norm: `out = weight * (x / rms(x))`.
+struct RmsRow<'a> {
+    out: &'a mut [f32],
+    x: &'a [f32],
+    weight: &'a [f32],
+    eps: f32,
+}
+
+impl Kernel for RmsRow<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run<S: Isa>(self, s: S) {
+        let inv = 1.0 / (simd::sum_squares(s, self.x) / self.x.len() as f32 + self.eps).sqrt();
+        simd::scale_mul(s, self.out, self.x, inv, self.weight);
+    }
+}
+
+/// `acc += x`.
+struct AddAssign<'a> {
+    acc: &'a mut [f32],
+    x: &'a [f32],
+}
+
+impl Kernel for AddAssign<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run<S: Isa>(self, s: S) {
+        simd::add_assign(s, self.acc, self.x);
     }
 }
 

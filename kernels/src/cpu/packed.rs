@@ -1,79 +1,123 @@
-//! A matmul for decode-shaped products (few activation rows, a large weight), on AVX-512.
+//! The CPU matmul: `out[rows, n] = x[rows, k] · Wᵀ (+ bias)`, one source for every instruction
+//! set.
 //!
-//! The weight `[n, k]` is packed once, at load, into panels of [`NR`] output features:
-//! `panel[p][kk][j] = W[p * NR + j][kk]` (zero beyond `n`). A panel is read front to back, which
-//! streams memory at full bandwidth when one row is multiplied, and stays in L2 while blocks of
-//! [`MR`] activation rows reuse it when many are. Each microkernel call computes an `MR x NR`
-//! tile in 24 zmm accumulators: per `kk`, two loads of the panel, one broadcast per row, and two
-//! FMAs per row.
+//! The weight `[n, k]` is packed once, at load, into panels of `NR` output features (two vector
+//! registers of the path it is packed for): `panel[p][kk][j] = W[p * NR + j][kk]` (zero beyond
+//! `n`). A panel is read front to back, which streams memory at full bandwidth when one row is
+//! multiplied, and stays in L2 while blocks of `MR` activation rows reuse it when many are. Each
+//! microkernel call computes an `MR x NR` tile in `2 * MR` accumulator registers: per `kk`, two
+//! loads of the panel, one broadcast per row, and two FMAs per row. `MR` is 12 on paths with 32
+//! vector registers (AVX-512, NEON) and 6 on those with 16 (AVX2).
 //!
 //! Every output element is accumulated in the same order (bias, then `kk = 0, 1, ..`) whatever
-//! the tile height, so a row's result does not depend on which other rows share its batch.
-
-use std::arch::x86_64::*;
+//! the tile height, so a row's result does not depend on which other rows share its batch, on
+//! every path.
 
 use rayon::prelude::*;
 
-/// Output features per panel: two zmm registers.
-pub const NR: usize = 32;
-/// Activation rows per microkernel tile.
-pub const MR: usize = 12;
+use super::isa::{Isa, Kernel, Path};
+use super::simd::Elem;
+use crate::WeightData;
+
 /// Activation rows kept hot in L2 while every panel passes over them.
 const ROW_CHUNK: usize = 96;
+/// The largest tile height of any path.
+const MAX_MR: usize = 12;
 
-/// Whether this CPU can run the packed kernels.
-pub fn available() -> bool {
-    is_x86_feature_detected!("avx512f")
+/// Tile height on `path`.
+fn mr(path: Path) -> usize {
+    if path.registers() >= 32 { MAX_MR } else { 6 }
 }
 
-/// Packed weight panels, starting on a 64-byte boundary so that every zmm load of a panel row
-/// stays within one cache line.
+/// Panel storage of one element type, starting on a 64-byte boundary so that every vector load
+/// of a panel row stays within as few cache lines as it can.
 #[derive(Debug, Clone)]
-pub struct Panels {
-    storage: Vec<f32>,
+struct Aligned<T> {
+    storage: Vec<T>,
     offset: usize,
     len: usize,
 }
 
-impl Panels {
-    pub fn as_slice(&self) -> &[f32] {
+impl<T: Copy + Default + Send + Sync> Aligned<T> {
+    /// Packs `w` (`[n, k]`, row-major) into `nr`-wide panels.
+    fn pack(w: &[T], n: usize, k: usize, nr: usize) -> Self {
+        let len = n.div_ceil(nr) * k * nr;
+        let pad = 64 / std::mem::size_of::<T>();
+        let mut storage: Vec<T> = Vec::with_capacity(len + pad);
+        super::advise_huge_pages(storage.spare_capacity_mut());
+        storage.resize(len + pad, T::default());
+        let offset = storage.as_ptr().align_offset(64).min(pad);
+        let out = &mut storage[offset..offset + len];
+        out.par_chunks_mut(k * nr).enumerate().for_each(|(p, panel)| {
+            for j in 0..nr.min(n - p * nr) {
+                let row = &w[(p * nr + j) * k..(p * nr + j + 1) * k];
+                for (kk, &v) in row.iter().enumerate() {
+                    panel[kk * nr + j] = v;
+                }
+            }
+        });
+        Aligned { storage, offset, len }
+    }
+
+    fn as_slice(&self) -> &[T] {
         &self.storage[self.offset..self.offset + self.len]
     }
 }
 
-/// Packs `w` (`[n, k]`, row-major) into `NR`-wide panels.
-pub fn pack(w: &[f32], n: usize, k: usize) -> Panels {
-    let panels = n.div_ceil(NR);
-    let len = panels * k * NR;
-    let mut storage: Vec<f32> = Vec::with_capacity(len + 16);
-    super::advise_huge_pages(storage.spare_capacity_mut());
-    storage.resize(len + 16, 0.0);
-    let offset = storage.as_ptr().align_offset(64).min(16);
-    let out = &mut storage[offset..offset + len];
-    out.par_chunks_mut(k * NR).enumerate().for_each(|(p, panel)| {
-        for j in 0..NR.min(n - p * NR) {
-            let row = &w[(p * NR + j) * k..(p * NR + j + 1) * k];
-            for (kk, &v) in row.iter().enumerate() {
-                panel[kk * NR + j] = v;
-            }
+/// The panels in the element type the weight was loaded in: half-precision weights stay
+/// half-size and are widened in registers as they are read.
+#[derive(Debug, Clone)]
+enum Data {
+    F32(Aligned<f32>),
+    Bf16(Aligned<u16>),
+    F16(Aligned<half::f16>),
+}
+
+/// A weight packed into panels for one instruction set.
+#[derive(Debug, Clone)]
+pub struct Panels {
+    data: Data,
+    /// The path the panels were packed for (their width is two of its registers).
+    path: Path,
+    nr: usize,
+}
+
+impl Panels {
+    /// Bytes the panels take.
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            Data::F32(d) => 4 * d.len,
+            Data::Bf16(d) => 2 * d.len,
+            Data::F16(d) => 2 * d.len,
         }
-    });
-    Panels { storage, offset, len }
+    }
+}
+
+/// Packs `w` (`[n, k]`, row-major) into panels for `path`, in `w`'s own element type.
+pub fn pack(path: Path, w: WeightData<'_>, n: usize, k: usize) -> Panels {
+    let nr = 2 * path.lanes();
+    let data = match w {
+        WeightData::F32(w) => Data::F32(Aligned::pack(w, n, k, nr)),
+        WeightData::Bf16(w) => Data::Bf16(Aligned::pack(w, n, k, nr)),
+        WeightData::F16(w) => Data::F16(Aligned::pack(w, n, k, nr)),
+    };
+    Panels { data, path, nr }
 }
 
 /// Destination pointer shared by the tasks of one matmul; each task writes only the columns of
 /// its own panels.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
+
 impl OutPtr {
     /// The element `offset` past the start. Taking `self` whole keeps closures capturing the
     /// `Send` wrapper rather than the bare pointer.
     ///
     /// # Safety
     /// `offset` must lie within the output buffer.
-    unsafe fn at(self, offset: usize) -> *mut f32 {
+    unsafe fn at(self, offset: usize) -> OutPtr {
         // SAFETY: forwarded from this function's contract.
-        unsafe { self.0.add(offset) }
+        OutPtr(unsafe { self.0.add(offset) })
     }
 }
 
@@ -84,156 +128,187 @@ unsafe impl Send for OutPtr {}
 // the same address.
 unsafe impl Sync for OutPtr {}
 
-/// `out[rows, n] = x[rows, k] · Wᵀ (+ bias)` with `packed` from [`pack`]. The caller has checked
-/// every length: `x.len() >= rows * k`, `out.len() >= rows * n`, `packed.len() == panels * k * NR`,
-/// `bias.len() >= n`; and [`available`] returned true.
-pub fn matmul(x: &[f32], packed: &[f32], bias: Option<&[f32]>, out: &mut [f32], rows: usize, k: usize, n: usize) {
-    assert!(x.len() >= rows * k && out.len() >= rows * n && packed.len() == n.div_ceil(NR) * k * NR);
-    assert!(bias.is_none_or(|b| b.len() >= n) && available());
+/// `out[rows, n] = x[rows, k] · Wᵀ (+ bias)` with `panels` from [`pack`]. The caller has checked
+/// every length: `x.len() >= rows * k`, `out.len() >= rows * n`, `bias.len() >= n`, and that
+/// the panels were packed for `[n, k]`.
+pub fn matmul(x: &[f32], panels: &Panels, bias: Option<&[f32]>, out: &mut [f32], rows: usize, k: usize, n: usize) {
+    match &panels.data {
+        Data::F32(d) => matmul_typed(x, d.as_slice(), panels, bias, out, rows, k, n),
+        Data::Bf16(d) => matmul_typed(x, d.as_slice(), panels, bias, out, rows, k, n),
+        Data::F16(d) => matmul_typed(x, d.as_slice(), panels, bias, out, rows, k, n),
+    }
+}
+
+#[allow(clippy::too_many_arguments)] // `matmul`'s operands with the panels' typed data
+fn matmul_typed<E: Elem + Send + Sync>(x: &[f32], packed: &[E], panels: &Panels, bias: Option<&[f32]>, out: &mut [f32], rows: usize, k: usize, n: usize) {
+    let (nr, path) = (panels.nr, panels.path);
+    assert!(x.len() >= rows * k && out.len() >= rows * n && packed.len() == n.div_ceil(nr) * k * nr);
+    assert!(bias.is_none_or(|b| b.len() >= n));
+    let mr = mr(path);
     let dst = OutPtr(out.as_mut_ptr());
-    let panels = n.div_ceil(NR);
+    let count = n.div_ceil(nr);
     let mut xp = Vec::new();
     for r0 in (0..rows).step_by(ROW_CHUNK) {
         let chunk_rows = ROW_CHUNK.min(rows - r0);
-        pack_rows(&x[r0 * k..(r0 + chunk_rows) * k], k, &mut xp);
-        (0..panels).into_par_iter().for_each(|p| {
-            let panel = &packed[p * k * NR..(p + 1) * k * NR];
-            let cols = NR.min(n - p * NR);
-            let bias = bias.map(|b| &b[p * NR..p * NR + cols]);
-            // While this panel's tiles run, the next panel is fetched into L2: tile t of T
-            // prefetches rows t*k/T .. (t+1)*k/T of it, one row every T iterations.
-            let next = &packed[((p + 1) % panels) * k * NR..][..k * NR];
-            let tiles = xp.len() / (k * MR);
-            for (b, block) in xp.chunks_exact(k * MR).enumerate() {
-                let r = r0 + b * MR;
-                let mr = MR.min(r0 + chunk_rows - r);
-                let prefetch = Prefetch { from: next[b * k / tiles * NR..].as_ptr(), every: tiles };
-                // SAFETY: `block` holds k * MR packed activations; the tile r..r+mr x
-                // p*NR..p*NR+cols lies inside out (rows * n, checked above) and belongs to this
-                // panel's task only; the prefetched range lies within `next`; AVX-512
-                // availability was checked above.
-                unsafe {
-                    let op = dst.at(r * n + p * NR);
-                    tile(mr, k, block.as_ptr(), panel.as_ptr(), op, n, cols, bias, prefetch);
-                }
-            }
+        pack_rows(&x[r0 * k..(r0 + chunk_rows) * k], k, mr, &mut xp);
+        let xp = &xp[..];
+        (0..count).into_par_iter().for_each(|p| {
+            let cols = nr.min(n - p * nr);
+            path.run(PanelTask {
+                xp,
+                panel: &packed[p * k * nr..(p + 1) * k * nr],
+                next: &packed[((p + 1) % count) * k * nr..][..k * nr],
+                bias: bias.map(|b| &b[p * nr..p * nr + cols]),
+                // SAFETY: column p * nr of row r0 lies inside out (rows * n elements).
+                out: unsafe { dst.at(r0 * n + p * nr) },
+                out_rs: n,
+                rows: chunk_rows,
+                cols,
+                k,
+                mr,
+            });
         });
     }
 }
 
-/// Packs rows of `x` (`[rows, k]`) in blocks of [`MR`], interleaved: `out[block][kk][i] =
-/// x[block * MR + i][kk]`, zero beyond the last row. The kernel then reads one sequential stream
-/// instead of `MR` rows `k` floats apart (which, for power-of-two `k`, collide in L1 sets).
-fn pack_rows(x: &[f32], k: usize, out: &mut Vec<f32>) {
+/// Packs rows of `x` (`[rows, k]`) in blocks of `mr`, interleaved: `out[block][kk][i] =
+/// x[block * mr + i][kk]`, zero beyond the last row. The kernel then reads one sequential stream
+/// instead of `mr` rows `k` floats apart (which, for power-of-two `k`, collide in L1 sets).
+fn pack_rows(x: &[f32], k: usize, mr: usize, out: &mut Vec<f32>) {
     let rows = x.len() / k;
-    let blocks = rows.div_ceil(MR);
+    let blocks = rows.div_ceil(mr);
     out.clear();
-    out.resize(blocks * k * MR, 0.0);
-    out.par_chunks_mut(k * MR).enumerate().for_each(|(b, block)| {
-        for i in 0..MR.min(rows - b * MR) {
-            let row = &x[(b * MR + i) * k..(b * MR + i + 1) * k];
+    out.resize(blocks * k * mr, 0.0);
+    out.par_chunks_mut(k * mr).enumerate().for_each(|(b, block)| {
+        for i in 0..mr.min(rows - b * mr) {
+            let row = &x[(b * mr + i) * k..(b * mr + i + 1) * k];
             for (kk, &v) in row.iter().enumerate() {
-                block[kk * MR + i] = v;
+                block[kk * mr + i] = v;
             }
         }
     });
 }
 
-/// Panel rows to pull into L2 during a tile: one row of `NR` floats every `every` iterations,
-/// starting at `from`.
+/// Every tile of one panel against one chunk of packed rows.
+struct PanelTask<'a, E> {
+    xp: &'a [f32],
+    panel: &'a [E],
+    /// The panel to fetch into L2 meanwhile.
+    next: &'a [E],
+    bias: Option<&'a [f32]>,
+    /// The chunk's first row, at this panel's first column.
+    out: OutPtr,
+    out_rs: usize,
+    rows: usize,
+    cols: usize,
+    k: usize,
+    mr: usize,
+}
+
+impl<E: Elem> Kernel for PanelTask<'_, E> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run<S: Isa>(self, s: S) {
+        let PanelTask { xp, panel, next, bias, out, out_rs, rows, cols, k, mr } = self;
+        let nr = 2 * S::F32_LANES;
+        let tiles = xp.len() / (k * mr);
+        for (b, block) in xp.chunks_exact(k * mr).enumerate() {
+            let m = mr.min(rows - b * mr);
+            // Tile t of T prefetches rows t*k/T .. (t+1)*k/T of the next panel, one row every
+            // T iterations.
+            let prefetch = Prefetch { from: next[b * k / tiles * nr..].as_ptr() as *const u8, every: tiles, row_bytes: nr * std::mem::size_of::<E>() };
+            let tile = Tile { x: block, w: panel, mr, k, bias, cols, prefetch };
+            // SAFETY: rows b*mr .. b*mr + m of this chunk lie inside the output, and this
+            // panel's task alone writes its columns.
+            let out = unsafe { out.at(b * mr * out_rs) }.0;
+            // SAFETY: the tile's contract holds: `block` is k x mr packed rows, `panel` k x nr,
+            // and the output rows hold `cols` columns at stride out_rs.
+            unsafe {
+                match m {
+                    1 => tile.run::<S, 1>(s, out, out_rs),
+                    2 => tile.run::<S, 2>(s, out, out_rs),
+                    3 => tile.run::<S, 3>(s, out, out_rs),
+                    4 => tile.run::<S, 4>(s, out, out_rs),
+                    5 => tile.run::<S, 5>(s, out, out_rs),
+                    6 => tile.run::<S, 6>(s, out, out_rs),
+                    7 => tile.run::<S, 7>(s, out, out_rs),
+                    8 => tile.run::<S, 8>(s, out, out_rs),
+                    9 => tile.run::<S, 9>(s, out, out_rs),
+                    10 => tile.run::<S, 10>(s, out, out_rs),
+                    11 => tile.run::<S, 11>(s, out, out_rs),
+                    _ => tile.run::<S, MAX_MR>(s, out, out_rs),
+                }
+            }
+        }
+    }
+}
+
+/// Panel rows to pull into L2 during a tile: one row (`row_bytes`) every `every` iterations,
+/// from `from`.
 #[derive(Clone, Copy)]
 struct Prefetch {
-    from: *const f32,
+    from: *const u8,
     every: usize,
+    row_bytes: usize,
 }
 
-/// Dispatches a tile of `mr` rows to the kernel compiled for that row count.
-///
-/// # Safety
-/// `x` points at a packed block of `k x MR` floats (see [`pack_rows`]); `w` at a `k x NR` panel;
-/// `out` at `mr` rows of at least `cols` floats with stride `out_rs`; `pf.from` at least
-/// `k / pf.every` panel rows; AVX-512F is available.
-#[inline]
-#[allow(clippy::too_many_arguments)] // the microkernel's operands, each a raw pointer or a bound
-unsafe fn tile(mr: usize, k: usize, x: *const f32, w: *const f32, out: *mut f32, out_rs: usize, cols: usize, bias: Option<&[f32]>, pf: Prefetch) {
-    // SAFETY: forwarded from this function's contract.
-    unsafe {
-        match mr {
-            1 => kernel::<1>(k, x, w, out, out_rs, cols, bias, pf),
-            2 => kernel::<2>(k, x, w, out, out_rs, cols, bias, pf),
-            3 => kernel::<3>(k, x, w, out, out_rs, cols, bias, pf),
-            4 => kernel::<4>(k, x, w, out, out_rs, cols, bias, pf),
-            5 => kernel::<5>(k, x, w, out, out_rs, cols, bias, pf),
-            6 => kernel::<6>(k, x, w, out, out_rs, cols, bias, pf),
-            7 => kernel::<7>(k, x, w, out, out_rs, cols, bias, pf),
-            8 => kernel::<8>(k, x, w, out, out_rs, cols, bias, pf),
-            9 => kernel::<9>(k, x, w, out, out_rs, cols, bias, pf),
-            10 => kernel::<10>(k, x, w, out, out_rs, cols, bias, pf),
-            11 => kernel::<11>(k, x, w, out, out_rs, cols, bias, pf),
-            _ => kernel::<12>(k, x, w, out, out_rs, cols, bias, pf),
-        }
-    }
+/// One `M x NR` tile: packed rows `x` (`k x mr`), a panel `w` (`k x NR`), the bias of its
+/// columns, and how many of the panel's columns are real.
+struct Tile<'a, E> {
+    x: &'a [f32],
+    w: &'a [E],
+    mr: usize,
+    k: usize,
+    bias: Option<&'a [f32]>,
+    cols: usize,
+    prefetch: Prefetch,
 }
 
-/// Initial accumulators of one tile row: the bias, or zero.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn init(bias: Option<&[f32]>, mask_lo: __mmask16, mask_hi: __mmask16) -> [__m512; 2] {
-    match bias {
-        // SAFETY: the masks cover only the first `cols <= bias.len()` elements.
-        Some(b) => unsafe { [_mm512_maskz_loadu_ps(mask_lo, b.as_ptr()), _mm512_maskz_loadu_ps(mask_hi, b.as_ptr().add(16))] },
-        None => [_mm512_setzero_ps(); 2],
-    }
-}
-
-/// Lane masks for the first `cols` of the two halves of a panel.
-#[inline]
-fn masks(cols: usize) -> (__mmask16, __mmask16) {
-    let lo = if cols >= 16 { 0xFFFF } else { (1u32 << cols) as u16 - 1 };
-    let hi = if cols >= 32 {
-        0xFFFF
-    } else if cols > 16 {
-        (1u32 << (cols - 16)) as u16 - 1
-    } else {
-        0
-    };
-    (lo, hi)
-}
-
-/// `MR`-row tile.
-///
-/// # Safety
-/// See [`tile`].
-#[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)] // see `tile`
-unsafe fn kernel<const M: usize>(k: usize, x: *const f32, w: *const f32, out: *mut f32, out_rs: usize, cols: usize, bias: Option<&[f32]>, pf: Prefetch) {
-    let (mlo, mhi) = masks(cols);
-    // SAFETY: all reads are x[kk * MR + i] for i < M, kk < k and w[kk * NR .. kk * NR + 32];
-    // prefetches touch at most k / pf.every rows from pf.from (and never fault);
-    // all writes are masked to the first `cols` columns of the M output rows (see `tile`).
-    unsafe {
-        let start = init(bias, mlo, mhi);
+impl<E: Elem> Tile<'_, E> {
+    /// # Safety
+    /// `out` points at `M` rows of at least `cols` writable floats, `out_rs` apart; `x` holds
+    /// `k * mr` values with `M <= mr`; `w` holds `k * 2 * S::F32_LANES`.
+    #[inline(always)]
+    unsafe fn run<S: Isa, const M: usize>(&self, s: S, out: *mut f32, out_rs: usize) {
+        let lanes = S::F32_LANES;
+        let nr = 2 * lanes;
+        let (lo_cols, hi_cols) = (self.cols.min(lanes), self.cols.saturating_sub(lanes));
+        let start = match self.bias {
+            Some(b) => [s.partial_load_f32s(&b[..lo_cols]), s.partial_load_f32s(&b[lo_cols..lo_cols + hi_cols])],
+            None => [s.splat_f32s(0.0); 2],
+        };
         let mut acc = [start; M];
-        let (mut pf_ptr, mut pf_count) = (pf.from, 0usize);
-        for kk in 0..k {
-            pf_count += 1;
-            if pf_count == pf.every {
-                pf_count = 0;
-                _mm_prefetch::<_MM_HINT_T1>(pf_ptr as *const i8);
-                _mm_prefetch::<_MM_HINT_T1>(pf_ptr.add(16) as *const i8);
-                pf_ptr = pf_ptr.add(NR);
+        let (x, w, mr) = (self.x.as_ptr(), self.w.as_ptr(), self.mr);
+        assert!(self.x.len() >= self.k * mr && self.w.len() >= self.k * nr && M <= mr);
+        let (mut pf, mut pf_count) = (self.prefetch.from, 0usize);
+        // SAFETY: reads are x[kk * mr + i] for i < M <= mr, kk < k, and w[kk * nr .. + nr]
+        // (checked above); prefetches never fault; the writes stay in the contract's rows.
+        unsafe {
+            for kk in 0..self.k {
+                pf_count += 1;
+                if pf_count == self.prefetch.every {
+                    pf_count = 0;
+                    s.prefetch_l2(pf);
+                    if self.prefetch.row_bytes > 64 {
+                        s.prefetch_l2(pf.wrapping_add(64));
+                    }
+                    pf = pf.wrapping_add(self.prefetch.row_bytes);
+                }
+                let w0 = E::load(s, w.add(kk * nr));
+                let w1 = E::load(s, w.add(kk * nr + lanes));
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let xv = s.splat_f32s(*x.add(kk * mr + i));
+                    a[0] = s.mul_add_e_f32s(xv, w0, a[0]);
+                    a[1] = s.mul_add_e_f32s(xv, w1, a[1]);
+                }
             }
-            let w0 = _mm512_loadu_ps(w.add(kk * NR));
-            let w1 = _mm512_loadu_ps(w.add(kk * NR + 16));
-            for (i, a) in acc.iter_mut().enumerate() {
-                let xv = _mm512_set1_ps(*x.add(kk * MR + i));
-                a[0] = _mm512_fmadd_ps(xv, w0, a[0]);
-                a[1] = _mm512_fmadd_ps(xv, w1, a[1]);
+            for (i, a) in acc.iter().enumerate() {
+                let row = std::slice::from_raw_parts_mut(out.add(i * out_rs), self.cols);
+                let (lo, hi) = row.split_at_mut(lo_cols);
+                s.partial_store_f32s(lo, a[0]);
+                s.partial_store_f32s(hi, a[1]);
             }
-        }
-        for (i, a) in acc.iter().enumerate() {
-            _mm512_mask_storeu_ps(out.add(i * out_rs), mlo, a[0]);
-            _mm512_mask_storeu_ps(out.add(i * out_rs + 16), mhi, a[1]);
         }
     }
 }

@@ -9,15 +9,21 @@ use super::{CpuBackend, simd};
 use crate::{DenseOps, Memory, Result};
 
 /// Read bandwidth of main memory in bytes/s: the best of `reps` parallel passes summing a buffer
-/// of `bytes` (make it several times the last-level cache).
+/// of `bytes` (make it several times the last-level cache). The buffer is backed by huge pages
+/// where the OS allows, as the weights are, and each thread reads its own contiguous part with
+/// the widest loads this CPU has, so the figure is what the matmuls could stream at best.
 pub fn read_bandwidth(bytes: usize, reps: usize) -> f64 {
+    let path = super::Path::detect();
     let len = bytes / 4;
-    let data: Vec<f32> = (0..len).into_par_iter().map(|i| (i % 7) as f32).collect();
-    let chunk = len.div_ceil(rayon::current_num_threads().max(1) * 4).max(1 << 16);
+    let mut data: Vec<f32> = Vec::with_capacity(len);
+    super::advise_huge_pages(data.spare_capacity_mut());
+    data.resize(len, 0.0);
+    data.par_chunks_mut(1 << 16).enumerate().for_each(|(c, chunk)| chunk.iter_mut().enumerate().for_each(|(i, v)| *v = ((c + i) % 7) as f32));
+    let chunk = len.div_ceil(rayon::current_num_threads().max(1)).max(1 << 16);
     let mut best = f64::INFINITY;
     for _ in 0..reps.max(1) {
         let t = Instant::now();
-        let s: f32 = data.par_chunks(chunk).map(simd::sum).sum();
+        let s: f32 = data.par_chunks(chunk).map(|c| path.run(simd::Sum(c))).sum();
         let dt = t.elapsed().as_secs_f64();
         std::hint::black_box(s);
         best = best.min(dt);

@@ -1,40 +1,124 @@
-//! Vector helpers for the attention loops: AVX-512 when the CPU has it, portable code otherwise.
-//! The choice is made at run time, so one binary runs on any x86-64 CPU.
+//! Vector helpers shared by the CPU kernels, written once over [`Isa`] and inlined into kernels
+//! that [`Path::run`](super::isa::Path::run) compiles for each instruction set.
+//!
+//! Summation orders are fixed by the values and the path, never by how many rows share a call:
+//! each row of [`dots`] has its own accumulator running over the elements in order, and each
+//! element of [`axpys`] receives the rows in order. bf16 rows widen exactly to f32 as they are
+//! loaded, so they give the same bits as f32 rows holding the same values.
 
-#[cfg(target_arch = "x86_64")]
-use std::arch::x86_64::*;
+use super::isa::{Isa, Kernel};
+
+/// A bfloat16 (stored as its upper 16 bits) as f32: exact.
+#[cfg(test)]
+pub fn bf16_to_f32(v: u16) -> f32 {
+    f32::from_bits((v as u32) << 16)
+}
+
+/// An element type rows are stored in, widened exactly to f32 as it is loaded.
+pub trait Elem: Copy + Default + 'static {
+    /// `F32_LANES` values from `p`.
+    ///
+    /// # Safety
+    /// `p` must be valid for `S::F32_LANES` reads.
+    unsafe fn load<S: Isa>(s: S, p: *const Self) -> S::f32s;
+
+    /// The first `src.len() <= S::F32_LANES` lanes from `src`, zeros after.
+    fn load_partial<S: Isa>(s: S, src: &[Self]) -> S::f32s;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    unsafe fn load<S: Isa>(_s: S, p: *const f32) -> S::f32s {
+        // SAFETY: `F32_LANES` readable values (the contract); `f32s` is plain old data.
+        unsafe { std::ptr::read_unaligned(p as *const S::f32s) }
+    }
+
+    #[inline(always)]
+    fn load_partial<S: Isa>(s: S, src: &[f32]) -> S::f32s {
+        s.partial_load_f32s(src)
+    }
+}
+
+/// bfloat16, stored as its upper 16 bits: widening shifts them into place, exactly.
+impl Elem for u16 {
+    #[inline(always)]
+    unsafe fn load<S: Isa>(s: S, p: *const u16) -> S::f32s {
+        // SAFETY: forwarded from this function's contract.
+        let bits = unsafe { s.load_u16(p) };
+        s.transmute_f32s_u32s(s.wrapping_dyn_shl_u32s(bits, s.splat_u32s(16)))
+    }
+
+    #[inline(always)]
+    fn load_partial<S: Isa>(s: S, src: &[u16]) -> S::f32s {
+        let buf = padded(src);
+        // SAFETY: `buf` holds 64 >= F32_LANES values.
+        unsafe { Self::load(s, buf.as_ptr()) }
+    }
+}
+
+/// IEEE half precision: widened exactly, subnormals, infinities and NaNs included.
+impl Elem for half::f16 {
+    #[inline(always)]
+    unsafe fn load<S: Isa>(s: S, p: *const half::f16) -> S::f32s {
+        // SAFETY: forwarded from this function's contract (f16 is 16 bits wide).
+        let h = unsafe { s.load_u16(p as *const u16) };
+        let magnitude = s.and_u32s(h, s.splat_u32s(0x7fff));
+        let sign = s.wrapping_dyn_shl_u32s(s.and_u32s(h, s.splat_u32s(0x8000)), s.splat_u32s(16));
+        // Exponent and mantissa moved to an f32's places read as a number 2^112 too small, for
+        // normal and subnormal halves alike; the product is exact.
+        let shifted = s.wrapping_dyn_shl_u32s(magnitude, s.splat_u32s(13));
+        let scaled = s.transmute_u32s_f32s(s.mul_f32s(s.transmute_f32s_u32s(shifted), s.splat_f32s(f32::from_bits(0x7780_0000))));
+        // A maximal exponent (infinity, NaN) keeps its mantissa under an f32's maximal exponent.
+        let special = s.greater_than_or_equal_u32s(magnitude, s.splat_u32s(0x7c00));
+        let value = s.select_u32s(special, s.or_u32s(shifted, s.splat_u32s(0x7f80_0000)), scaled);
+        s.transmute_f32s_u32s(s.or_u32s(value, sign))
+    }
+
+    #[inline(always)]
+    fn load_partial<S: Isa>(s: S, src: &[half::f16]) -> S::f32s {
+        let buf = padded(src);
+        // SAFETY: `buf` holds 64 >= F32_LANES values.
+        unsafe { Self::load(s, buf.as_ptr()) }
+    }
+}
+
+/// `src` (at most 64 values are kept) followed by zeros, 64 values in all.
+#[inline(always)]
+fn padded<T: Copy + Default>(src: &[T]) -> [T; 64] {
+    let mut buf = [T::default(); 64];
+    let n = src.len().min(64);
+    buf[..n].copy_from_slice(&src[..n]);
+    buf
+}
 
 /// `Σ a[i] * b[i]` over the shorter of the two.
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+#[inline(always)]
+pub fn dot<S: Isa>(s: S, a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx512f") {
-        // SAFETY: AVX-512F is present (checked above); both slices hold at least n elements.
-        return unsafe { dot_avx512(&a[..n], &b[..n]) };
+    let (a, b) = (&a[..n], &b[..n]);
+    let lanes = S::F32_LANES;
+    let (mut acc0, mut acc1) = (s.splat_f32s(0.0), s.splat_f32s(0.0));
+    let mut i = 0;
+    // SAFETY: every full load covers i..i + lanes <= n, inside both slices.
+    unsafe {
+        while i + 2 * lanes <= n {
+            acc0 = s.mul_add_e_f32s(f32::load(s, a.as_ptr().add(i)), f32::load(s, b.as_ptr().add(i)), acc0);
+            acc1 = s.mul_add_e_f32s(f32::load(s, a.as_ptr().add(i + lanes)), f32::load(s, b.as_ptr().add(i + lanes)), acc1);
+            i += 2 * lanes;
+        }
     }
-    dot_portable(&a[..n], &b[..n])
+    while i < n {
+        let end = (i + lanes).min(n);
+        acc0 = s.mul_add_e_f32s(s.partial_load_f32s(&a[i..end]), s.partial_load_f32s(&b[i..end]), acc0);
+        i = end;
+    }
+    s.reduce_sum_f32s(s.add_f32s(acc0, acc1))
 }
 
 /// `y[i] += alpha * x[i]` over the shorter of the two.
-#[inline]
-pub fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
-    let n = y.len().min(x.len());
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx512f") {
-        // SAFETY: AVX-512F is present (checked above); both slices hold at least n elements.
-        unsafe { axpy_avx512(&mut y[..n], alpha, &x[..n]) };
-        return;
-    }
-    for (a, &b) in y[..n].iter_mut().zip(&x[..n]) {
-        *a += alpha * b;
-    }
-}
-
-/// A bfloat16 (stored as its upper 16 bits) as f32: exact.
-#[inline]
-pub fn bf16_to_f32(v: u16) -> f32 {
-    f32::from_bits((v as u32) << 16)
+#[inline(always)]
+pub fn axpy<S: Isa>(s: S, y: &mut [f32], alpha: f32, x: &[f32]) {
+    axpys(s, y, &[alpha], Rows::F32(&[x]));
 }
 
 /// Rows of one element type: the A or B rows of one adapter for one projection.
@@ -51,482 +135,228 @@ impl Rows<'_> {
             Rows::Bf16(r) => r.len(),
         }
     }
-
-    fn row_len(&self, r: usize) -> usize {
-        match self {
-            Rows::F32(rows) => rows[r].len(),
-            Rows::Bf16(rows) => rows[r].len(),
-        }
-    }
-
-    /// Element `i` of row `r` as f32.
-    fn get(&self, r: usize, i: usize) -> f32 {
-        match self {
-            Rows::F32(rows) => rows[r][i],
-            Rows::Bf16(rows) => bf16_to_f32(rows[r][i]),
-        }
-    }
 }
 
-/// `out[r] = dot(x, rows[r])` for every row, each summed exactly as [`dot`] / [`dot_bf16`] sum
-/// it; four rows share each load of `x`.
-pub fn dots(x: &[f32], rows: Rows<'_>, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx512f") {
-        // SAFETY: AVX-512F is present (checked above).
-        unsafe { dots_avx512(x, rows, out) };
-        return;
-    }
-    for (r, o) in out.iter_mut().enumerate().take(rows.len()) {
-        let n = x.len().min(rows.row_len(r));
-        *o = (0..n).map(|i| x[i] * rows.get(r, i)).sum();
-    }
-}
-
-/// `y += Σ_r coeffs[r] · rows[r]`, rows in order, each element updated exactly as successive
-/// [`axpy`] / [`axpy_bf16`] calls would, but loading and storing `y` once.
-pub fn axpys(y: &mut [f32], coeffs: &[f32], rows: Rows<'_>) {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx512f") {
-        // SAFETY: AVX-512F is present (checked above).
-        unsafe { axpys_avx512(y, coeffs, rows) };
-        return;
-    }
-    for (r, &c) in coeffs.iter().enumerate().take(rows.len()) {
-        let n = y.len().min(rows.row_len(r));
-        for (i, yi) in y[..n].iter_mut().enumerate() {
-            *yi += c * rows.get(r, i);
-        }
-    }
-}
-
-/// An element type adapter rows are stored in, widened exactly to f32 as it is loaded.
-#[cfg(target_arch = "x86_64")]
-trait Elem: Copy {
-    /// Loads 32 values from `p` (only the first `left` when `left < 32`, zeros after) split into
-    /// the even-indexed and the odd-indexed ones: `(p[0], p[2], .., p[30])`, `(p[1], .., p[31])`.
-    ///
-    /// # Safety
-    /// AVX-512F must be available; `p` must be valid for `min(left, 32)` reads.
-    unsafe fn load_pair(p: *const Self, left: usize) -> (__m512, __m512);
-
-    /// `y[i] += Σ_r coeffs[r] * rows[r][i]`, rows in order for every element.
-    ///
-    /// # Safety
-    /// AVX-512F must be available; every row holds at least `y.len()` elements.
-    unsafe fn axpys(y: &mut [f32], coeffs: &[f32], rows: &[&[Self]]);
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Elem for f32 {
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load_pair(p: *const f32, left: usize) -> (__m512, __m512) {
-        // SAFETY: the masks cover the `min(left, 32)` readable values.
-        unsafe {
-            let lo = _mm512_maskz_loadu_ps(lanes(left), p);
-            let hi = _mm512_maskz_loadu_ps(lanes(left.saturating_sub(16)), p.add(16.min(left)));
-            deinterleave(lo, hi)
-        }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn axpys(y: &mut [f32], coeffs: &[f32], rows: &[&[f32]]) {
-        // SAFETY: forwarded from this function's contract.
-        unsafe { axpys_f32(y, coeffs, rows) }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Elem for u16 {
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load_pair(p: *const u16, left: usize) -> (__m512, __m512) {
-        // Each 32-bit lane holds two bf16 values, the even-indexed one in its low half: shifting
-        // it up, or masking the high half, gives either as an f32 exactly.
-        let words = if left >= 32 {
-            // SAFETY: 32 values (64 bytes) are readable at `p`.
-            unsafe { _mm512_loadu_si512(p as *const _) }
-        } else {
-            let mut buf = [0u16; 32];
-            // SAFETY: the caller guarantees `left` readable values at `p`.
-            buf[..left].copy_from_slice(unsafe { std::slice::from_raw_parts(p, left) });
-            // SAFETY: `buf` holds 32 values.
-            unsafe { _mm512_loadu_si512(buf.as_ptr() as *const _) }
-        };
-        let even = _mm512_slli_epi32::<16>(words);
-        let odd = _mm512_and_si512(words, _mm512_set1_epi32(0xFFFF_0000u32 as i32));
-        (_mm512_castsi512_ps(even), _mm512_castsi512_ps(odd))
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn axpys(y: &mut [f32], coeffs: &[f32], rows: &[&[u16]]) {
-        // SAFETY: forwarded from this function's contract.
-        unsafe { axpys_bf16(y, coeffs, rows) }
-    }
-}
-
-/// Splits 32 consecutive values (`lo`: 0..16, `hi`: 16..32) into the even- and odd-indexed ones.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn deinterleave(lo: __m512, hi: __m512) -> (__m512, __m512) {
-    let even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    let odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-    (_mm512_permutex2var_ps(lo, even, hi), _mm512_permutex2var_ps(lo, odd, hi))
-}
-
-/// The inverse of [`deinterleave`]: 32 consecutive values from their even and odd halves.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn interleave(even: __m512, odd: __m512) -> (__m512, __m512) {
-    let lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    let hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-    (_mm512_permutex2var_ps(even, lo, odd), _mm512_permutex2var_ps(even, hi, odd))
-}
-
-/// # Safety
-/// AVX-512F must be available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn dots_avx512(x: &[f32], rows: Rows<'_>, out: &mut [f32]) {
-    // SAFETY: forwarded from this function's contract.
-    unsafe {
-        match rows {
-            Rows::F32(rows) => dots_rows(x, rows, out),
-            Rows::Bf16(rows) => dots_rows(x, rows, out),
-        }
-    }
-}
-
-/// Rows summed together in one pass over `x`: with two accumulators each, sixteen independent
-/// FMA chains keep both FMA ports busy.
-#[cfg(target_arch = "x86_64")]
+/// Rows summed together in one pass over `x`: eight independent FMA chains.
 const DOT_GROUP: usize = 8;
 
-/// # Safety
-/// AVX-512F must be available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn dots_rows<E: Elem>(x: &[f32], rows: &[&[E]], out: &mut [f32]) {
+/// `out[r] = dot(x, rows[r])` (over `min(len(x), len(row))` elements) for every row.
+#[inline(always)]
+pub fn dots<S: Isa>(s: S, x: &[f32], rows: Rows<'_>, out: &mut [f32]) {
+    match rows {
+        Rows::F32(rows) => dots_rows(s, x, rows, out),
+        Rows::Bf16(rows) => dots_rows(s, x, rows, out),
+    }
+}
+
+#[inline(always)]
+fn dots_rows<S: Isa, E: Elem>(s: S, x: &[f32], rows: &[&[E]], out: &mut [f32]) {
     let count = rows.len().min(out.len());
     let mut r0 = 0;
     while r0 < count {
         let group = &rows[r0..(r0 + DOT_GROUP).min(count)];
         let out = &mut out[r0..r0 + group.len()];
-        // Each row's sum runs over min(len(x), len(row)) elements.
         let n = group.iter().map(|r| r.len()).min().unwrap_or(0).min(x.len());
-        // SAFETY: `n` is within x and every row of `group` (those of other lengths go one at a
-        // time, each with its own `n`).
-        unsafe {
-            if group.iter().all(|r| r.len().min(x.len()) == n) {
-                match group.len() {
-                    8 => dots_group::<E, 8>(x, group, n, out),
-                    7 => dots_group::<E, 7>(x, group, n, out),
-                    6 => dots_group::<E, 6>(x, group, n, out),
-                    5 => dots_group::<E, 5>(x, group, n, out),
-                    4 => dots_group::<E, 4>(x, group, n, out),
-                    3 => dots_group::<E, 3>(x, group, n, out),
-                    2 => dots_group::<E, 2>(x, group, n, out),
-                    _ => dots_group::<E, 1>(x, group, n, out),
-                }
-            } else {
-                for (o, r) in out.iter_mut().zip(group) {
-                    dots_group::<E, 1>(x, std::slice::from_ref(r), r.len().min(x.len()), std::slice::from_mut(o));
-                }
+        if group.len() == DOT_GROUP && group.iter().all(|r| r.len().min(x.len()) == n) {
+            dots_group::<S, E, DOT_GROUP>(s, x, group, n, out);
+        } else {
+            // A short group or rows of other lengths: one row at a time, each with its own n
+            // and the same order of sums.
+            for (o, r) in out.iter_mut().zip(group) {
+                dots_group::<S, E, 1>(s, x, std::slice::from_ref(r), r.len().min(x.len()), std::slice::from_mut(o));
             }
         }
         r0 += group.len();
     }
 }
 
-/// `out[g] = Σ_{i < n} x[i] * rows[g][i]`. Per 32-element chunk, in order, lane `j` of one
-/// accumulator takes element `2j` and lane `j` of another element `2j + 1`; the two are added
-/// and reduced at the end. The sums depend only on `n` and the values, not on the row type or
-/// the group size.
-///
-/// # Safety
-/// AVX-512F must be available; `x` and every row hold at least `n` elements; `rows` holds `G`
-/// rows (`G` fixed at compile time keeps the accumulators in registers).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn dots_group<E: Elem, const G: usize>(x: &[f32], rows: &[&[E]], n: usize, out: &mut [f32]) {
-    let mut even = [_mm512_setzero_ps(); G];
-    let mut odd = [_mm512_setzero_ps(); G];
+/// `out[g] = Σ_{i < n} x[i] * rows[g][i]`: lane `j` of row `g`'s accumulator takes elements
+/// `j, j + lanes, ..` in order; the lanes are reduced at the end.
+#[inline(always)]
+fn dots_group<S: Isa, E: Elem, const G: usize>(s: S, x: &[f32], rows: &[&[E]], n: usize, out: &mut [f32]) {
+    let lanes = S::F32_LANES;
+    let mut acc = [s.splat_f32s(0.0); G];
     let ptrs: [*const E; G] = std::array::from_fn(|g| rows[g].as_ptr());
     let mut i = 0;
-    // SAFETY: every load covers elements i..min(i + 32, n), inside x and each row.
+    // SAFETY: every full load covers i..i + lanes <= n, inside x and each row (all hold >= n).
     unsafe {
-        while i + 32 <= n {
-            let (xe, xo) = f32::load_pair(x.as_ptr().add(i), 32);
+        while i + lanes <= n {
+            let xv = f32::load(s, x.as_ptr().add(i));
             for g in 0..G {
-                let (re, ro) = E::load_pair(ptrs[g].add(i), 32);
-                even[g] = _mm512_fmadd_ps(xe, re, even[g]);
-                odd[g] = _mm512_fmadd_ps(xo, ro, odd[g]);
+                acc[g] = s.mul_add_e_f32s(xv, E::load(s, ptrs[g].add(i)), acc[g]);
             }
-            i += 32;
-        }
-        if i < n {
-            let (xe, xo) = f32::load_pair(x.as_ptr().add(i), n - i);
-            for g in 0..G {
-                let (re, ro) = E::load_pair(ptrs[g].add(i), n - i);
-                even[g] = _mm512_fmadd_ps(xe, re, even[g]);
-                odd[g] = _mm512_fmadd_ps(xo, ro, odd[g]);
-            }
+            i += lanes;
         }
     }
-    for ((out, e), o) in out.iter_mut().zip(&even).zip(&odd) {
-        *out = _mm512_reduce_add_ps(_mm512_add_ps(*e, *o));
+    if i < n {
+        let xv = s.partial_load_f32s(&x[i..n]);
+        for g in 0..G {
+            acc[g] = s.mul_add_e_f32s(xv, E::load_partial(s, &rows[g][i..n]), acc[g]);
+        }
+    }
+    for (o, a) in out.iter_mut().zip(acc) {
+        *o = s.reduce_sum_f32s(a);
     }
 }
 
-/// # Safety
-/// AVX-512F must be available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn axpys_avx512(y: &mut [f32], coeffs: &[f32], rows: Rows<'_>) {
-    // SAFETY: forwarded from this function's contract.
-    unsafe {
-        match rows {
-            Rows::F32(rows) => axpys_rows(y, coeffs, rows),
-            Rows::Bf16(rows) => axpys_rows(y, coeffs, rows),
-        }
-    }
-}
-
-/// 16-lane chunks of the output kept in registers together while every row passes over them:
-/// independent FMA chains, one per chunk.
-#[cfg(target_arch = "x86_64")]
+/// Output registers kept together while every row passes over them.
 const AXPY_CHUNKS: usize = 8;
 
-/// # Safety
-/// AVX-512F must be available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn axpys_rows<E: Elem>(y: &mut [f32], coeffs: &[f32], rows: &[&[E]]) {
+/// `y += Σ_r coeffs[r] · rows[r]`, each element receiving the rows in order (as successive
+/// single-row calls would), loading and storing `y` once per block. A row shorter than `y`
+/// updates only its own prefix.
+#[inline(always)]
+pub fn axpys<S: Isa>(s: S, y: &mut [f32], coeffs: &[f32], rows: Rows<'_>) {
+    match rows {
+        Rows::F32(rows) => axpys_rows(s, y, coeffs, rows),
+        Rows::Bf16(rows) => axpys_rows(s, y, coeffs, rows),
+    }
+}
+
+#[inline(always)]
+fn axpys_rows<S: Isa, E: Elem>(s: S, y: &mut [f32], coeffs: &[f32], rows: &[&[E]]) {
     let count = rows.len().min(coeffs.len());
     let (rows, coeffs) = (&rows[..count], &coeffs[..count]);
     if rows.iter().any(|r| r.len() < y.len()) {
-        // Rows shorter than y update only their own prefix: one row at a time, each element
-        // still receiving the rows in order.
         for (r, c) in rows.iter().zip(coeffs) {
             let n = r.len().min(y.len());
-            // SAFETY: `n` is within y and the row.
-            unsafe { E::axpys(&mut y[..n], std::slice::from_ref(c), std::slice::from_ref(r)) };
+            axpys_block(s, &mut y[..n], std::slice::from_ref(c), std::slice::from_ref(r));
         }
         return;
     }
-    // SAFETY: every row holds at least y.len() elements (checked above).
-    unsafe { E::axpys(y, coeffs, rows) };
+    axpys_block(s, y, coeffs, rows);
 }
 
-/// `y[i] += Σ_r coeffs[r] * f32 rows[r][i]`, rows in order for every element.
-///
-/// # Safety
-/// AVX-512F must be available; every row holds at least `y.len()` elements.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn axpys_f32(y: &mut [f32], coeffs: &[f32], rows: &[&[f32]]) {
-    const W: usize = 16 * AXPY_CHUNKS;
+/// [`axpys`] where every row holds at least `y.len()` elements.
+#[inline(always)]
+fn axpys_block<S: Isa, E: Elem>(s: S, y: &mut [f32], coeffs: &[f32], rows: &[&[E]]) {
+    let lanes = S::F32_LANES;
     let n = y.len();
+    let width = lanes * AXPY_CHUNKS;
     let mut i = 0;
-    // SAFETY: every access covers elements below n, inside y and each row.
+    // SAFETY: every full access covers i..i + width <= n (or i + lanes <= n), inside y and each
+    // row (all hold >= n).
     unsafe {
-        while i + W <= n {
+        while i + width <= n {
             let yp = y.as_mut_ptr().add(i);
-            let mut acc = [_mm512_setzero_ps(); AXPY_CHUNKS];
-            for (c, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_loadu_ps(yp.add(16 * c));
-            }
+            let mut acc: [S::f32s; AXPY_CHUNKS] = std::array::from_fn(|c| f32::load(s, yp.add(c * lanes)));
             for (r, &coef) in rows.iter().zip(coeffs) {
-                let cv = _mm512_set1_ps(coef);
+                let cv = s.splat_f32s(coef);
                 let rp = r.as_ptr().add(i);
                 for (c, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_fmadd_ps(cv, _mm512_loadu_ps(rp.add(16 * c)), *a);
+                    *a = s.mul_add_e_f32s(cv, E::load(s, rp.add(c * lanes)), *a);
                 }
             }
             for (c, a) in acc.iter().enumerate() {
-                _mm512_storeu_ps(yp.add(16 * c), *a);
+                std::ptr::write_unaligned(yp.add(c * lanes) as *mut S::f32s, *a);
             }
-            i += W;
+            i += width;
         }
-        while i < n {
-            let m = lanes(n - i);
-            let mut yv = _mm512_maskz_loadu_ps(m, y.as_ptr().add(i));
+        while i + lanes <= n {
+            let yp = y.as_mut_ptr().add(i);
+            let mut acc = f32::load(s, yp);
             for (r, &coef) in rows.iter().zip(coeffs) {
-                yv = _mm512_fmadd_ps(_mm512_set1_ps(coef), _mm512_maskz_loadu_ps(m, r.as_ptr().add(i)), yv);
+                acc = s.mul_add_e_f32s(s.splat_f32s(coef), E::load(s, r.as_ptr().add(i)), acc);
             }
-            _mm512_mask_storeu_ps(y.as_mut_ptr().add(i), m, yv);
-            i += 16;
+            std::ptr::write_unaligned(yp as *mut S::f32s, acc);
+            i += lanes;
         }
     }
-}
-
-/// [`axpys_f32`] over bf16 rows: `y` is held split into even and odd elements, matching how bf16
-/// pairs widen, and every element still receives the rows in order: the same results as f32
-/// rows of the same values.
-///
-/// # Safety
-/// AVX-512F must be available; every row holds at least `y.len()` elements.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn axpys_bf16(y: &mut [f32], coeffs: &[f32], rows: &[&[u16]]) {
-    const PAIRS: usize = AXPY_CHUNKS / 2;
-    const W: usize = 32 * PAIRS;
-    let n = y.len();
-    let mut i = 0;
-    // SAFETY: every access covers elements below n, inside y and each row.
-    unsafe {
-        while i + W <= n {
-            axpys_bf16_pairs::<PAIRS>(y.as_mut_ptr().add(i), W, coeffs, rows, i);
-            i += W;
-        }
-        while i < n {
-            axpys_bf16_pairs::<1>(y.as_mut_ptr().add(i), n - i, coeffs, rows, i);
-            i += 32;
-        }
-    }
-}
-
-/// `P` pairs of output chunks (32 elements each, the last cut to `left`) of [`axpys_bf16`], at
-/// element `at` of the rows.
-///
-/// # Safety
-/// AVX-512F must be available; `y` holds `min(left, 32 * P)` elements and every row
-/// `at + min(left, 32 * P)`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn axpys_bf16_pairs<const P: usize>(y: *mut f32, left: usize, coeffs: &[f32], rows: &[&[u16]], at: usize) {
-    // SAFETY: every access covers elements below `left` of this block (see the contract).
-    unsafe {
-        let left_in = |c: usize| left.saturating_sub(32 * c);
-        let mut acc: [(__m512, __m512); P] = std::array::from_fn(|c| f32::load_pair(y.add(32 * c), left_in(c)));
+    if i < n {
+        let mut acc = s.partial_load_f32s(&y[i..]);
         for (r, &coef) in rows.iter().zip(coeffs) {
-            let cv = _mm512_set1_ps(coef);
-            let rp = r.as_ptr().add(at);
-            for (c, (e, o)) in acc.iter_mut().enumerate() {
-                let (re, ro) = u16::load_pair(rp.add(32 * c), left_in(c));
-                *e = _mm512_fmadd_ps(cv, re, *e);
-                *o = _mm512_fmadd_ps(cv, ro, *o);
-            }
+            acc = s.mul_add_e_f32s(s.splat_f32s(coef), E::load_partial(s, &r[i..n]), acc);
         }
-        for (c, &(e, o)) in acc.iter().enumerate() {
-            let (lo, hi) = interleave(e, o);
-            let left = left_in(c);
-            _mm512_mask_storeu_ps(y.add(32 * c), lanes(left), lo);
-            _mm512_mask_storeu_ps(y.add(32 * c + 16.min(left)), lanes(left.saturating_sub(16)), hi);
-        }
+        s.partial_store_f32s(&mut y[i..], acc);
     }
 }
 
-/// `Σ x[i]`, read as fast as the CPU can (the memory-bandwidth probe's inner loop).
-pub fn sum(x: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx512f") {
-        // SAFETY: AVX-512F is present (checked above).
-        return unsafe { sum_avx512(x) };
-    }
-    let mut acc = [0f32; 16];
-    let mut chunks = x.chunks_exact(16);
-    for c in &mut chunks {
-        for i in 0..16 {
-            acc[i] += c[i];
-        }
-    }
-    acc.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
-}
-
-/// # Safety
-/// AVX-512F must be available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn sum_avx512(x: &[f32]) -> f32 {
+/// `Σ x[i]`, read as fast as the CPU can (the memory-bandwidth probe's inner loop): eight
+/// accumulators, so loads, not adds, set the pace, and the lines 1 KiB ahead requested early.
+#[inline(always)]
+pub fn sum<S: Isa>(s: S, x: &[f32]) -> f32 {
+    const ACC: usize = 8;
+    const AHEAD: usize = 256;
+    let lanes = S::F32_LANES;
     let n = x.len();
-    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut acc = [s.splat_f32s(0.0); ACC];
     let mut i = 0;
-    // SAFETY: full loads cover i..i+64 <= n; the masked tail loads stay below n.
+    // SAFETY: every full load covers i..i + ACC * lanes <= n; prefetches never fault.
     unsafe {
-        while i + 64 <= n {
-            for (j, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_add_ps(*a, _mm512_loadu_ps(x.as_ptr().add(i + 16 * j)));
+        while i + ACC * lanes <= n {
+            let p = x.as_ptr().add(i);
+            let mut line = 0;
+            while line < ACC * lanes * 4 {
+                s.prefetch_l2((p as *const u8).wrapping_add(4 * AHEAD + line));
+                line += 64;
             }
-            i += 64;
-        }
-        while i < n {
-            acc[0] = _mm512_add_ps(acc[0], _mm512_maskz_loadu_ps(lanes(n - i), x.as_ptr().add(i)));
-            i += 16;
-        }
-    }
-    _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])))
-}
-
-fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent partial sums let the compiler vectorize without reassociating.
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = s.add_f32s(*a, f32::load(s, p.add(j * lanes)));
+            }
+            i += ACC * lanes;
         }
     }
-    acc.iter().sum::<f32>() + tail
-}
-
-/// Lanes `0..n` of a 16-lane mask.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-fn lanes(n: usize) -> __mmask16 {
-    if n >= 16 { 0xFFFF } else { ((1u32 << n) - 1) as __mmask16 }
-}
-
-/// # Safety
-/// AVX-512F must be available; `a` and `b` have equal lengths.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len();
-    let mut acc = _mm512_setzero_ps();
-    let mut i = 0;
-    // SAFETY: every load covers lanes i..i+16 masked to i..n, inside both slices.
-    unsafe {
-        while i < n {
-            let m = lanes(n - i);
-            let x = _mm512_maskz_loadu_ps(m, a.as_ptr().add(i));
-            let y = _mm512_maskz_loadu_ps(m, b.as_ptr().add(i));
-            acc = _mm512_fmadd_ps(x, y, acc);
-            i += 16;
-        }
+    while i < n {
+        let end = (i + lanes).min(n);
+        acc[0] = s.add_f32s(acc[0], s.partial_load_f32s(&x[i..end]));
+        i = end;
     }
-    _mm512_reduce_add_ps(acc)
+    let mut total = acc[0];
+    for a in &acc[1..] {
+        total = s.add_f32s(total, *a);
+    }
+    s.reduce_sum_f32s(total)
 }
 
-/// # Safety
-/// AVX-512F must be available; `y` and `x` have equal lengths.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn axpy_avx512(y: &mut [f32], alpha: f32, x: &[f32]) {
-    let n = y.len();
-    let a = _mm512_set1_ps(alpha);
-    let mut i = 0;
-    // SAFETY: every access covers lanes i..i+16 masked to i..n, inside both slices.
-    unsafe {
-        while i < n {
-            let m = lanes(n - i);
-            let xv = _mm512_maskz_loadu_ps(m, x.as_ptr().add(i));
-            let yv = _mm512_maskz_loadu_ps(m, y.as_ptr().add(i));
-            _mm512_mask_storeu_ps(y.as_mut_ptr().add(i), m, _mm512_fmadd_ps(a, xv, yv));
-            i += 16;
-        }
+/// `Σ x[i]²`, lane by lane over the elements in order, then reduced.
+#[inline(always)]
+pub fn sum_squares<S: Isa>(s: S, x: &[f32]) -> f32 {
+    let lanes = S::F32_LANES;
+    let mut acc = s.splat_f32s(0.0);
+    for chunk in x.chunks(lanes) {
+        let v = s.partial_load_f32s(chunk);
+        acc = s.mul_add_e_f32s(v, v, acc);
+    }
+    s.reduce_sum_f32s(acc)
+}
+
+/// `out[i] = w[i] * (x[i] * scale)` over the shortest of the three.
+#[inline(always)]
+pub fn scale_mul<S: Isa>(s: S, out: &mut [f32], x: &[f32], scale: f32, w: &[f32]) {
+    let lanes = S::F32_LANES;
+    let n = out.len().min(x.len()).min(w.len());
+    let sv = s.splat_f32s(scale);
+    for ((o, xc), wc) in out[..n].chunks_mut(lanes).zip(x[..n].chunks(lanes)).zip(w[..n].chunks(lanes)) {
+        let v = s.mul_f32s(s.partial_load_f32s(wc), s.mul_f32s(s.partial_load_f32s(xc), sv));
+        s.partial_store_f32s(o, v);
+    }
+}
+
+/// `acc[i] += x[i]` over the shorter of the two.
+#[inline(always)]
+pub fn add_assign<S: Isa>(s: S, acc: &mut [f32], x: &[f32]) {
+    let lanes = S::F32_LANES;
+    let n = acc.len().min(x.len());
+    for (a, xc) in acc[..n].chunks_mut(lanes).zip(x[..n].chunks(lanes)) {
+        let v = s.add_f32s(s.partial_load_f32s(a), s.partial_load_f32s(xc));
+        s.partial_store_f32s(a, v);
+    }
+}
+
+/// [`sum`] of `x` as one kernel call.
+pub struct Sum<'a>(pub &'a [f32]);
+
+impl Kernel for Sum<'_> {
+    type Output = f32;
+    #[inline(always)]
+    fn run<S: Isa>(self, s: S) -> f32 {
+        sum(s, self.0)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::isa::Path;
     use super::*;
 
     /// Rows of `rows` values of length `n`, in f32 and as the same values in bf16 (every value
@@ -537,78 +367,160 @@ mod tests {
         (f, h)
     }
 
-    #[test]
-    fn bf16_rows_compute_exactly_like_f32_rows_of_the_same_values() {
-        for (n, rows) in [(1, 1), (5, 3), (16, 4), (31, 2), (37, 7), (100, 9), (130, 17), (1024, 16)] {
-            let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.21).sin()).collect();
-            let (f, h) = rows_both(n, rows);
-            let fr: Vec<&[f32]> = f.iter().map(Vec::as_slice).collect();
-            let hr: Vec<&[u16]> = h.iter().map(Vec::as_slice).collect();
-            let (mut from_f32, mut from_bf16) = (vec![0f32; rows], vec![0f32; rows]);
-            dots(&x, Rows::F32(&fr), &mut from_f32);
-            dots(&x, Rows::Bf16(&hr), &mut from_bf16);
-            assert_eq!(from_f32, from_bf16, "n={n}");
-            for (r, &got) in from_f32.iter().enumerate() {
-                let exact: f64 = x.iter().zip(&f[r]).map(|(a, b)| *a as f64 * *b as f64).sum();
-                assert!((got as f64 - exact).abs() < 1e-4, "n={n} row {r}: {got} vs {exact}");
-            }
-            let coeffs: Vec<f32> = (0..rows).map(|r| r as f32 * 0.3 - 1.0).collect();
-            let (mut y32, mut y16) = (x.clone(), x.clone());
-            axpys(&mut y32, &coeffs, Rows::F32(&fr));
-            axpys(&mut y16, &coeffs, Rows::Bf16(&hr));
-            assert_eq!(y32, y16, "n={n}");
+    /// Runs a closure generic over the instruction set on one path.
+    struct With<F>(F);
+    trait Body {
+        fn body<S: Isa>(&mut self, s: S);
+    }
+    impl<F: Body> Kernel for With<F> {
+        type Output = F;
+        fn run<S: Isa>(mut self, s: S) -> F {
+            self.0.body(s);
+            self.0
         }
     }
 
+    struct DotsAxpys<'a> {
+        x: &'a [f32],
+        rows: Rows<'a>,
+        coeffs: &'a [f32],
+        dots: Vec<f32>,
+        y: Vec<f32>,
+    }
+    impl Body for DotsAxpys<'_> {
+        fn body<S: Isa>(&mut self, s: S) {
+            dots(s, self.x, self.rows, &mut self.dots);
+            axpys(s, &mut self.y, self.coeffs, self.rows);
+        }
+    }
+
+    fn dots_axpys(path: Path, x: &[f32], rows: Rows<'_>, coeffs: &[f32], y: &[f32]) -> (Vec<f32>, Vec<f32>) {
+        let out = path.run(With(DotsAxpys { x, rows, coeffs, dots: vec![0.0; rows.len()], y: y.to_vec() }));
+        (out.dots, out.y)
+    }
+
     #[test]
-    fn grouped_dots_and_axpys_equal_one_row_at_a_time() {
-        for (n, rows) in [(5, 3), (16, 4), (37, 7), (100, 9), (300, 20)] {
-            let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.21).sin()).collect();
-            let (f, h) = rows_both(n, rows);
-            let fr: Vec<&[f32]> = f.iter().map(Vec::as_slice).collect();
-            let hr: Vec<&[u16]> = h.iter().map(Vec::as_slice).collect();
-            for rows_of in [Rows::F32(&fr), Rows::Bf16(&hr)] {
-                let mut out = vec![0f32; rows];
-                dots(&x, rows_of, &mut out);
-                let coeffs: Vec<f32> = (0..rows).map(|r| r as f32 * 0.3 - 1.0).collect();
-                let mut grouped = x.clone();
-                axpys(&mut grouped, &coeffs, rows_of);
-                let mut single = x.clone();
-                for r in 0..rows {
-                    let (one_f, one_h) = ([fr[r]], [hr[r]]);
-                    let one = match rows_of {
-                        Rows::F32(_) => Rows::F32(&one_f),
-                        Rows::Bf16(_) => Rows::Bf16(&one_h),
-                    };
-                    let mut o = [0f32];
-                    dots(&x, one, &mut o);
-                    assert_eq!(o[0].to_bits(), out[r].to_bits(), "n={n} row {r}");
-                    axpys(&mut single, &coeffs[r..r + 1], one);
+    fn f16_and_bf16_widen_exactly_on_every_path() {
+        struct Widen<'a>(&'a [u16], &'a [half::f16]);
+        impl Kernel for Widen<'_> {
+            type Output = (Vec<f32>, Vec<f32>);
+            fn run<S: Isa>(self, s: S) -> (Vec<f32>, Vec<f32>) {
+                let (mut b, mut h) = (vec![0f32; self.0.len()], vec![0f32; self.1.len()]);
+                for (o, c) in b.chunks_mut(S::F32_LANES).zip(self.0.chunks(S::F32_LANES)) {
+                    s.partial_store_f32s(o, u16::load_partial(s, c));
                 }
-                assert_eq!(grouped, single, "n={n}");
-                // A row and a vector shorter than the others: each sums only over its own length.
-                let short = &x[..n - 1];
-                let mut o = vec![0f32; rows];
-                dots(short, rows_of, &mut o);
-                let exact: f64 = short.iter().zip(&f[0]).map(|(a, b)| *a as f64 * *b as f64).sum();
-                assert!((o[0] as f64 - exact).abs() < 1e-4, "n={n}");
+                for (o, c) in h.chunks_mut(S::F32_LANES).zip(self.1.chunks(S::F32_LANES)) {
+                    s.partial_store_f32s(o, half::f16::load_partial(s, c));
+                }
+                (b, h)
+            }
+        }
+        // Every 16-bit pattern: normals, subnormals, zeros, infinities and NaNs of both signs.
+        let all: Vec<u16> = (0..=u16::MAX).collect();
+        let halves: Vec<half::f16> = all.iter().map(|&b| half::f16::from_bits(b)).collect();
+        for path in Path::available() {
+            let (b, h) = path.run(Widen(&all, &halves));
+            for (i, &bits) in all.iter().enumerate() {
+                assert_eq!(b[i].to_bits(), bf16_to_f32(bits).to_bits(), "{path:?} bf16 {bits:#06x}");
+                let want = halves[i].to_f32();
+                if want.is_nan() {
+                    assert!(h[i].is_nan() && h[i].is_sign_negative() == want.is_sign_negative(), "{path:?} f16 {bits:#06x}: {}", h[i]);
+                } else {
+                    assert_eq!(h[i].to_bits(), want.to_bits(), "{path:?} f16 {bits:#06x}");
+                }
             }
         }
     }
 
     #[test]
-    fn vector_and_portable_paths_agree() {
-        for n in [1, 7, 16, 17, 64, 100] {
-            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
-            let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
-            let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
-            assert!((dot(&a, &b) as f64 - exact).abs() < 1e-5, "n={n}");
-            assert!((dot_portable(&a, &b) as f64 - exact).abs() < 1e-5, "n={n}");
-            assert!((sum(&a) as f64 - a.iter().map(|v| *v as f64).sum::<f64>()).abs() < 1e-5, "n={n}");
-            let mut y = b.clone();
-            axpy(&mut y, 0.5, &a);
-            for i in 0..n {
-                assert!((y[i] - (b[i] + 0.5 * a[i])).abs() < 1e-6);
+    fn bf16_rows_compute_exactly_like_f32_rows_of_the_same_values_on_every_path() {
+        for path in Path::available() {
+            for (n, rows) in [(1, 1), (5, 3), (16, 4), (31, 2), (37, 7), (100, 9), (130, 17), (1024, 16)] {
+                let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.21).sin()).collect();
+                let (f, h) = rows_both(n, rows);
+                let fr: Vec<&[f32]> = f.iter().map(Vec::as_slice).collect();
+                let hr: Vec<&[u16]> = h.iter().map(Vec::as_slice).collect();
+                let coeffs: Vec<f32> = (0..rows).map(|r| r as f32 * 0.3 - 1.0).collect();
+                let (d32, y32) = dots_axpys(path, &x, Rows::F32(&fr), &coeffs, &x);
+                let (d16, y16) = dots_axpys(path, &x, Rows::Bf16(&hr), &coeffs, &x);
+                assert_eq!(d32, d16, "{path:?} n={n}");
+                assert_eq!(y32, y16, "{path:?} n={n}");
+                for (r, &got) in d32.iter().enumerate() {
+                    let exact: f64 = x.iter().zip(&f[r]).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    assert!((got as f64 - exact).abs() < 1e-4, "{path:?} n={n} row {r}: {got} vs {exact}");
+                }
+                for i in 0..n {
+                    let exact: f64 = x[i] as f64 + (0..rows).map(|r| coeffs[r] as f64 * f[r][i] as f64).sum::<f64>();
+                    assert!((y32[i] as f64 - exact).abs() < 1e-4, "{path:?} n={n} element {i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_dots_and_axpys_equal_one_row_at_a_time_on_every_path() {
+        for path in Path::available() {
+            for (n, rows) in [(5, 3), (16, 4), (37, 7), (100, 9), (300, 20)] {
+                let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.21).sin()).collect();
+                let (f, h) = rows_both(n, rows);
+                let fr: Vec<&[f32]> = f.iter().map(Vec::as_slice).collect();
+                let hr: Vec<&[u16]> = h.iter().map(Vec::as_slice).collect();
+                let coeffs: Vec<f32> = (0..rows).map(|r| r as f32 * 0.3 - 1.0).collect();
+                for rows_of in [Rows::F32(&fr), Rows::Bf16(&hr)] {
+                    let (out, grouped) = dots_axpys(path, &x, rows_of, &coeffs, &x);
+                    let mut single = x.clone();
+                    for r in 0..rows {
+                        let (one_f, one_h) = ([fr[r]], [hr[r]]);
+                        let one = match rows_of {
+                            Rows::F32(_) => Rows::F32(&one_f),
+                            Rows::Bf16(_) => Rows::Bf16(&one_h),
+                        };
+                        let (o, y) = dots_axpys(path, &x, one, &coeffs[r..r + 1], &single);
+                        assert_eq!(o[0].to_bits(), out[r].to_bits(), "{path:?} n={n} row {r}");
+                        single = y;
+                    }
+                    assert_eq!(grouped, single, "{path:?} n={n}");
+                    // A vector shorter than the rows: each sum runs over its own length.
+                    let (o, _) = dots_axpys(path, &x[..n - 1], rows_of, &coeffs, &x);
+                    let exact: f64 = x[..n - 1].iter().zip(&f[0]).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    assert!((o[0] as f64 - exact).abs() < 1e-4, "{path:?} n={n}");
+                }
+            }
+        }
+    }
+
+    struct Small<'a> {
+        a: &'a [f32],
+        b: &'a [f32],
+        out: [f32; 3],
+        y: Vec<f32>,
+        scaled: Vec<f32>,
+    }
+    impl Body for Small<'_> {
+        fn body<S: Isa>(&mut self, s: S) {
+            self.out = [dot(s, self.a, self.b), sum(s, self.a), sum_squares(s, self.a)];
+            axpy(s, &mut self.y, 0.5, self.a);
+            add_assign(s, &mut self.y, self.b);
+            scale_mul(s, &mut self.scaled, self.a, 2.0, self.b);
+        }
+    }
+
+    #[test]
+    fn small_helpers_match_their_formulas_on_every_path() {
+        for path in Path::available() {
+            for n in [1, 7, 16, 17, 64, 100, 333] {
+                let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+                let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+                let r = path.run(With(Small { a: &a, b: &b, out: [0.0; 3], y: b.clone(), scaled: vec![0.0; n] }));
+                let f64sum = |f: &dyn Fn(usize) -> f64| (0..n).map(f).sum::<f64>();
+                let want = [f64sum(&|i| a[i] as f64 * b[i] as f64), f64sum(&|i| a[i] as f64), f64sum(&|i| (a[i] as f64).powi(2))];
+                for (got, want) in r.out.iter().zip(want) {
+                    assert!((*got as f64 - want).abs() < 1e-4, "{path:?} n={n}: {got} vs {want}");
+                }
+                for i in 0..n {
+                    assert!((r.y[i] - (b[i] + 0.5 * a[i] + b[i])).abs() < 1e-6, "{path:?} n={n}");
+                    assert!((r.scaled[i] - b[i] * (a[i] * 2.0)).abs() < 1e-6, "{path:?} n={n}");
+                }
             }
         }
     }

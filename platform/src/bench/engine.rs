@@ -63,6 +63,7 @@ struct Row {
 
 #[derive(Debug, Serialize)]
 struct Report {
+    host: super::Machine,
     model: ModelInfo,
     rows: Vec<Row>,
     mfu_target_at_largest_batch: f64,
@@ -83,7 +84,9 @@ struct Costs {
 }
 
 impl Costs {
-    fn of(c: &ModelConfig) -> Self {
+    /// Costs of a model whose linear layers store `linear_bytes` per weight (norms and KV are
+    /// f32).
+    fn of(c: &ModelConfig, linear_bytes: f64) -> Self {
         let (h, i) = (c.hidden_size as f64, c.intermediate_size as f64);
         let (q, kv) = ((c.num_heads * c.head_dim) as f64, (c.num_kv_heads * c.head_dim) as f64);
         let per_layer = h * q + 2.0 * h * kv + q * h + 3.0 * h * i;
@@ -92,7 +95,8 @@ impl Costs {
         Costs {
             layer_flops_per_token: 2.0 * per_layer * layers,
             head_flops: 2.0 * head,
-            weight_bytes: 4.0 * (per_layer * layers + head + (2.0 * layers + 1.0) * h),
+            // A head tied to the embeddings is built from the f32 embedding table.
+            weight_bytes: linear_bytes * per_layer * layers + if c.tie_word_embeddings { 4.0 } else { linear_bytes } * head + 4.0 * (2.0 * layers + 1.0) * h,
             attn_flops_per_pair: 4.0 * q * layers,
             kv_bytes_per_token: 4.0 * 2.0 * kv * layers,
         }
@@ -102,15 +106,18 @@ impl Costs {
 pub fn run(args: &BenchEngineArgs) -> anyhow::Result<()> {
     crate::config::init_threads(args.threads)?;
     let tmp = tempfile::tempdir().context("creating a directory for the synthesized model")?;
-    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, tmp.path())?;
+    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, args.model_dtype, tmp.path())?;
     let backend = Arc::new(CpuBackend::new());
     let model = Arc::new(model::load(backend.clone(), &dir)?);
     let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);
     let c = model.config().clone();
-    let costs = Costs::of(&c);
+    // The linear layers keep the checkpoint's element type in memory (f32, or half-size bf16/f16).
+    let linear_bytes = model::weights::Checkpoint::open(&dir)?.element_bytes("model.layers.0.self_attn.q_proj.weight").unwrap_or(4);
+    let costs = Costs::of(&c, linear_bytes as f64);
+    let f32_costs = Costs::of(&c, 4.0);
     let info = ModelInfo {
         source,
-        parameters: (costs.weight_bytes / 4.0 + if c.tie_word_embeddings { 0.0 } else { (c.vocab_size * c.hidden_size) as f64 }) as u64,
+        parameters: (f32_costs.weight_bytes / 4.0 + if c.tie_word_embeddings { 0.0 } else { (c.vocab_size * c.hidden_size) as f64 }) as u64,
         weight_bytes: costs.weight_bytes as u64,
     };
     let mut rows = Vec::new();
@@ -120,7 +127,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<()> {
     }
     eprintln!("prefill, {} tokens ...", args.prefill_tokens);
     rows.push(prefill_row(&model, &tokenizer, &costs, Machine::measure(&backend)?, args)?);
-    let report = Report { model: info, rows, mfu_target_at_largest_batch: MFU_TARGET, mbu_target_at_batch_1: MBU_TARGET };
+    let report = Report { host: super::Machine::here(), model: info, rows, mfu_target_at_largest_batch: MFU_TARGET, mbu_target_at_batch_1: MBU_TARGET };
     print_table(&report);
     std::fs::write(&args.out, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", args.out.display()))?;
     println!("report written to {}", args.out.display());
@@ -232,6 +239,7 @@ impl Measured {
 }
 
 fn print_table(r: &Report) {
+    println!("machine: {}", r.host);
     println!(
         "model: {} ({:.1} M parameters, {:.0} MB of weights read per step)",
         r.model.source,

@@ -45,6 +45,7 @@ struct ResidencyTimes {
 
 #[derive(Debug, Serialize)]
 struct Report {
+    machine: super::Machine,
     model: String,
     threads: usize,
     batch: usize,
@@ -70,7 +71,7 @@ pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
     crate::config::init_threads(args.threads)?;
     ensure!(args.batch > 0 && args.steps > 0 && args.rank > 0, "--batch, --steps and --rank must be positive");
     let tmp = tempfile::tempdir().context("creating a directory for the synthesized model and adapters")?;
-    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, tmp.path())?;
+    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, args.model_dtype, tmp.path())?;
     let backend = Arc::new(CpuBackend::new());
     let model = Arc::new(model::load(backend.clone(), &dir)?);
     let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);
@@ -119,6 +120,7 @@ pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
         (packed.bytes() - packed.unused() * 4) as f64 / 1e6
     };
     let report = Report {
+        machine: super::Machine::here(),
         model: source,
         threads: rayon::current_num_threads(),
         batch: args.batch,
@@ -290,6 +292,7 @@ fn residency_times(model: &Model<CpuBackend>, adapters: &[AdapterRef]) -> anyhow
 }
 
 fn print_report(r: &Report) {
+    println!("machine: {}", r.machine);
     println!(
         "model: {}, {} threads; batch {} decode at context {}; rank-{} {:?} adapters on all seven modules ({:.1} MB of rows each)",
         r.model, r.threads, r.batch, r.context, r.rank, r.adapter_dtype, r.adapter_mb

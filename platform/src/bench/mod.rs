@@ -16,14 +16,14 @@ use crate::synth::{self, ModelDims, Preset};
 
 /// The model a benchmark measures: `model` if given, else one of `preset`'s size synthesized
 /// under `scratch`. Returns its directory and how the report names it.
-pub(crate) fn model_dir(model: Option<&PathBuf>, preset: Preset, scratch: &Path) -> anyhow::Result<(PathBuf, String)> {
+pub(crate) fn model_dir(model: Option<&PathBuf>, preset: Preset, dtype: synth::FileDType, scratch: &Path) -> anyhow::Result<(PathBuf, String)> {
     if let Some(dir) = model {
         return Ok((dir.clone(), dir.display().to_string()));
     }
-    eprintln!("synthesizing the {preset:?} model ...");
+    eprintln!("synthesizing the {preset:?} model in {dtype:?} ...");
     let out = scratch.join("model");
-    synth::synthesize_model(&synth::SynthOptions { out: out.clone(), preset, seed: 0 })?;
-    Ok((out, format!("synth {preset:?}").to_lowercase()))
+    synth::synthesize_model(&synth::SynthOptions { out: out.clone(), preset, seed: 0, dtype })?;
+    Ok((out, format!("synth {preset:?} {dtype:?}").to_lowercase()))
 }
 
 /// The synthesis dimensions of a loaded model, so adapters can be made for any checkpoint.
@@ -56,4 +56,30 @@ pub(crate) fn quantile(values: &[f64], q: f64) -> f64 {
     }
     let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
     v[rank - 1]
+}
+
+/// The machine a benchmark ran on, printed and written with its figures.
+#[derive(Debug, Clone, serde::Serialize)]
+pub(crate) struct Machine {
+    pub cpu: String,
+    pub cores: usize,
+    /// The instruction set the CPU kernels run with here.
+    pub isa: &'static str,
+}
+
+impl Machine {
+    pub fn here() -> Machine {
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| s.lines().find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())))
+            .unwrap_or_else(|| "unknown".into());
+        let isa = loraplex_kernels::cpu::Path::detect().name();
+        Machine { cpu, cores: std::thread::available_parallelism().map_or(1, |n| n.get()), isa }
+    }
+}
+
+impl std::fmt::Display for Machine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}, {} cores, {} kernels", self.cpu, self.cores, self.isa)
+    }
 }

@@ -27,6 +27,7 @@ use serde_json::{Value, json};
 
 use self::patterns::{Kit, KitOptions, Pattern, Spec, Tallies, Tally, Tenant};
 use self::tenant_b::{B, B_PROMPT, Capacity, Latency, capacity};
+use super::Machine;
 use super::http::{Client, Request, multipart};
 use super::server::Server;
 use crate::config::BenchNoisyArgs;
@@ -36,37 +37,6 @@ use crate::tokenizer::Tokenizer;
 
 /// B's p99 with A abusing over B's p99 alone, for time to first token and end to end.
 pub const TARGET: f64 = 2.0;
-
-#[derive(Debug, Serialize)]
-struct Machine {
-    cpu: String,
-    cores: usize,
-    /// The matmul path the CPU backend takes here.
-    isa: &'static str,
-}
-
-impl Machine {
-    fn here() -> Machine {
-        let cpu = std::fs::read_to_string("/proc/cpuinfo")
-            .ok()
-            .and_then(|s| s.lines().find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())))
-            .unwrap_or_else(|| "unknown".into());
-        Machine { cpu, cores: std::thread::available_parallelism().map_or(1, |n| n.get()), isa: isa() }
-    }
-}
-
-fn isa() -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            return "AVX-512 (packed matmul)";
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            return "AVX2 (gemm crate)";
-        }
-    }
-    "portable (gemm crate)"
-}
 
 /// Tenant A's limits, a share of the measured capacity.
 #[derive(Debug, Clone, Serialize)]
@@ -145,11 +115,11 @@ pub fn run_with(args: &BenchNoisyArgs, exe: &Path) -> anyhow::Result<()> {
     ensure!(args.b_fraction > 0.0 && args.b_fraction <= 1.0, "--b-fraction must be in (0, 1]");
     ensure!(args.a_share > 0.0 && args.b_requests > 0 && args.a_concurrent > 0 && args.capacity_seconds > 0.0, "the loads must be positive");
     let tmp = tempfile::tempdir().context("creating a scratch directory")?;
-    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, tmp.path())?;
+    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, args.model_dtype, tmp.path())?;
     let config = ModelConfig::from_dir(&dir)?;
     let tokenizer = Tokenizer::from_dir(&dir)?;
     let machine = Machine::here();
-    println!("machine: {}, {} cores, {}", machine.cpu, machine.cores, machine.isa);
+    println!("machine: {machine}");
 
     eprintln!("synthesizing adapters ...");
     let dims = super::dims_of(&config);

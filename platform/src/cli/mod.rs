@@ -20,7 +20,7 @@ pub fn synth(args: &crate::config::SynthArgs) -> anyhow::Result<()> {
     };
     // Refuse bad adapter options before spending time on the model.
     crate::synth::check_adapter_options(&adapters).context("--adapters/--ranks/--targets")?;
-    let summary = crate::synth::synthesize_model(&SynthOptions { out: args.out.clone(), preset: args.preset, seed: args.seed })?;
+    let summary = crate::synth::synthesize_model(&SynthOptions { out: args.out.clone(), preset: args.preset, seed: args.seed, dtype: args.dtype })?;
     println!(
         "wrote a {:?} model ({:.1} M parameters, {:.1} MB) to {}",
         args.preset,

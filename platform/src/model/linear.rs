@@ -31,8 +31,10 @@ impl<B: Backend> Linear<B> {
         with_bias: bool,
         module: Option<TargetModule>,
     ) -> Result<Self, ModelError> {
-        let w = checkpoint.tensor_f32(&format!("{prefix}.weight"), &[out_features, in_features])?;
-        let weight = backend.load_weight(&w, out_features, in_features)?;
+        // Kept in the checkpoint's element type: a backend that computes on half-precision
+        // weights reads half the bytes per token.
+        let w = checkpoint.tensor_data(&format!("{prefix}.weight"), &[out_features, in_features])?;
+        let weight = backend.load_weight_data(w.as_weight(), out_features, in_features)?;
         let bias = if with_bias {
             let b = checkpoint.tensor_f32(&format!("{prefix}.bias"), &[out_features])?;
             Some(backend.upload_f32(&b)?)

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use loraplex_kernels::WeightData;
 use loraplex_kernels::mmap::MappedFile;
 use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors, tensor::Metadata};
@@ -15,6 +16,25 @@ const SINGLE_FILE: &str = "model.safetensors";
 const INDEX_FILE: &str = "model.safetensors.index.json";
 
 /// One mapped safetensors file with its parsed header.
+/// A tensor's values in the element type its checkpoint stores them in.
+#[derive(Debug, Clone)]
+pub enum TensorData {
+    F32(Vec<f32>),
+    /// bfloat16 bits.
+    Bf16(Vec<u16>),
+    F16(Vec<half::f16>),
+}
+
+impl TensorData {
+    pub fn as_weight(&self) -> WeightData<'_> {
+        match self {
+            TensorData::F32(d) => WeightData::F32(d),
+            TensorData::Bf16(d) => WeightData::Bf16(d),
+            TensorData::F16(d) => WeightData::F16(d),
+        }
+    }
+}
+
 struct Shard {
     path: PathBuf,
     map: MappedFile,
@@ -82,8 +102,14 @@ impl Checkpoint {
         self.index.contains_key(name)
     }
 
-    /// Reads tensor `name`, checks its shape, and converts it to f32.
-    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+    /// Bytes per stored value of tensor `name` (rounded up), if the checkpoint has it.
+    pub fn element_bytes(&self, name: &str) -> Option<usize> {
+        let shard = &self.shards[*self.index.get(name)?];
+        Some(shard.metadata.info(name)?.dtype.bitsize().div_ceil(8))
+    }
+
+    /// The shard, element type and bytes of tensor `name`, its shape checked.
+    fn tensor_bytes(&self, name: &str, shape: &[usize]) -> Result<(&Shard, Dtype, &[u8]), ModelError> {
         let shard =
             self.index.get(name).map(|&i| &self.shards[i]).ok_or_else(|| ModelError::MissingTensor { name: name.to_string(), path: self.describe() })?;
         let info = shard.metadata.info(name).ok_or_else(|| ModelError::MissingTensor { name: name.to_string(), path: shard.path.clone() })?;
@@ -91,15 +117,33 @@ impl Checkpoint {
             return Err(ModelError::TensorShape { name: name.to_string(), path: shard.path.clone(), expected: shape.to_vec(), actual: info.shape.clone() });
         }
         let (start, end) = info.data_offsets;
-        let bytes = &shard.map.bytes()[shard.data_start + start..shard.data_start + end];
+        Ok((shard, info.dtype, &shard.map.bytes()[shard.data_start + start..shard.data_start + end]))
+    }
+
+    /// Reads tensor `name`, checks its shape, and converts it to f32.
+    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        let (shard, dtype, bytes) = self.tensor_bytes(name, shape)?;
         let convert = |width: usize, f: fn(&[u8]) -> f32| -> Vec<f32> { bytes.par_chunks_exact(width).with_min_len(1 << 16).map(f).collect() };
-        Ok(match info.dtype {
+        Ok(match dtype {
             Dtype::F32 => convert(4, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
             Dtype::F16 => convert(2, |b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
             Dtype::BF16 => convert(2, |b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
             other => {
                 return Err(ModelError::TensorDType { name: name.to_string(), path: shard.path.clone(), dtype: format!("{other:?}") });
             }
+        })
+    }
+
+    /// Reads tensor `name` and checks its shape, keeping the element type it is stored in
+    /// (f32, bf16 or f16; others are refused).
+    pub fn tensor_data(&self, name: &str, shape: &[usize]) -> Result<TensorData, ModelError> {
+        let (shard, dtype, bytes) = self.tensor_bytes(name, shape)?;
+        let halves = || -> Vec<u16> { bytes.par_chunks_exact(2).with_min_len(1 << 16).map(|b| u16::from_le_bytes([b[0], b[1]])).collect() };
+        Ok(match dtype {
+            Dtype::F32 => TensorData::F32(bytes.par_chunks_exact(4).with_min_len(1 << 16).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()),
+            Dtype::BF16 => TensorData::Bf16(halves()),
+            Dtype::F16 => TensorData::F16(halves().into_iter().map(half::f16::from_bits).collect()),
+            other => return Err(ModelError::TensorDType { name: name.to_string(), path: shard.path.clone(), dtype: format!("{other:?}") }),
         })
     }
 

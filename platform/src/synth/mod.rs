@@ -90,6 +90,9 @@ pub struct SynthOptions {
     pub preset: Preset,
     /// Seeds the weights.
     pub seed: u64,
+    /// Element type of the weights (norms and embeddings included, as real checkpoints store
+    /// them).
+    pub dtype: FileDType,
 }
 
 /// What [`synthesize_model`] wrote.
@@ -141,7 +144,7 @@ pub fn synthesize_model(opts: &SynthOptions) -> Result<SynthSummary, SynthError>
         Ok(())
     };
 
-    put("config.json", &to_json(&config_json(&dims)))?;
+    put("config.json", &to_json(&config_json(&dims, opts.dtype)))?;
     put("generation_config.json", &to_json(&generation_config_json()))?;
     let tok = tokenizer::tokenizer_json(dims.vocab_size)?;
     put("tokenizer.json", tok.as_bytes())?;
@@ -150,7 +153,7 @@ pub fn synthesize_model(opts: &SynthOptions) -> Result<SynthSummary, SynthError>
     put("special_tokens_map.json", &to_json(&special_tokens_map_json()))?;
 
     let path = opts.out.join("model.safetensors");
-    let (parameters, size) = weights::write_safetensors(&path, &dims, opts.seed)?;
+    let (parameters, size) = weights::write_safetensors(&path, &dims, opts.seed, opts.dtype)?;
     files.push(path);
     bytes += size;
     Ok(SynthSummary { parameters, files, bytes })
@@ -164,13 +167,17 @@ fn to_json(value: &serde_json::Value) -> Vec<u8> {
 
 /// `config.json` in both the transformers 5 style (`rope_parameters`, `dtype`) and the older
 /// one (top-level `rope_theta`, `torch_dtype`), as real checkpoints come in either.
-fn config_json(d: &ModelDims) -> serde_json::Value {
+fn config_json(d: &ModelDims, dtype: FileDType) -> serde_json::Value {
+    let dtype = match dtype {
+        FileDType::F32 => "float32",
+        FileDType::Bf16 => "bfloat16",
+    };
     json!({
         "architectures": ["LlamaForCausalLM"],
         "attention_bias": false,
         "attention_dropout": 0.0,
         "bos_token_id": 1,
-        "dtype": "float32",
+        "dtype": dtype,
         "eos_token_id": 2,
         "head_dim": d.head_dim,
         "hidden_act": "silu",
@@ -189,7 +196,7 @@ fn config_json(d: &ModelDims) -> serde_json::Value {
         "rope_parameters": { "rope_theta": d.rope_theta, "rope_type": "default" },
         "rope_theta": d.rope_theta,
         "tie_word_embeddings": false,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
         "use_cache": true,
         "vocab_size": d.vocab_size,
     })

@@ -24,7 +24,7 @@ fn tiny() -> &'static (tempfile::TempDir, SynthSummary) {
     static TINY: OnceLock<(tempfile::TempDir, SynthSummary)> = OnceLock::new();
     TINY.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
-        let opts = SynthOptions { out: dir.path().join("model"), preset: Preset::Tiny, seed: 7 };
+        let opts = SynthOptions { out: dir.path().join("model"), preset: Preset::Tiny, seed: 7, dtype: crate::synth::FileDType::F32 };
         let summary = synthesize_model(&opts).unwrap();
         (dir, summary)
     })
@@ -217,7 +217,7 @@ fn same_seed_gives_identical_files_and_another_seed_other_weights() {
     let dir = tempfile::tempdir().unwrap();
     let write = |sub: &str, seed| {
         let out = dir.path().join(sub);
-        synthesize_model(&SynthOptions { out: out.clone(), preset: Preset::Tiny, seed }).unwrap();
+        synthesize_model(&SynthOptions { out: out.clone(), preset: Preset::Tiny, seed, dtype: crate::synth::FileDType::F32 }).unwrap();
         out
     };
     let again = write("again", 7);
@@ -235,7 +235,7 @@ fn same_seed_gives_identical_files_and_another_seed_other_weights() {
         }
     }
     // Rewriting into an existing directory replaces the files.
-    synthesize_model(&SynthOptions { out: other.clone(), preset: Preset::Tiny, seed: 7 }).unwrap();
+    synthesize_model(&SynthOptions { out: other.clone(), preset: Preset::Tiny, seed: 7, dtype: crate::synth::FileDType::F32 }).unwrap();
     let a = std::fs::read(tiny_dir().join("model.safetensors")).unwrap();
     assert_eq!(a, std::fs::read(other.join("model.safetensors")).unwrap());
 }
@@ -258,6 +258,6 @@ fn unwritable_output_is_an_io_error() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("not-a-dir");
     std::fs::write(&file, b"x").unwrap();
-    let err = synthesize_model(&SynthOptions { out: file.join("m"), preset: Preset::Tiny, seed: 0 }).unwrap_err();
+    let err = synthesize_model(&SynthOptions { out: file.join("m"), preset: Preset::Tiny, seed: 0, dtype: crate::synth::FileDType::F32 }).unwrap_err();
     assert!(matches!(err, SynthError::Io { .. }), "{err}");
 }

@@ -162,8 +162,8 @@ fn header(specs: &[TensorSpec], dtype: FileDType) -> Vec<u8> {
 
 /// Writes `model.safetensors` for `dims` to `path`; see [`write_tensors`].
 /// Returns (parameter count, file size).
-pub(crate) fn write_safetensors(path: &Path, dims: &ModelDims, seed: u64) -> Result<(u64, u64), SynthError> {
-    write_tensors(path, &tensor_specs(dims), seed, FileDType::F32)
+pub(crate) fn write_safetensors(path: &Path, dims: &ModelDims, seed: u64, dtype: FileDType) -> Result<(u64, u64), SynthError> {
+    write_tensors(path, &tensor_specs(dims), seed, dtype)
 }
 
 /// Writes the tensors `specs` (sorted by name) in `dtype` to the safetensors file `path`, streaming:

@@ -1,5 +1,6 @@
 use super::*;
 use crate::Memory;
+use crate::cpu::Path;
 
 fn rand_vec(len: usize, seed: &mut u64) -> Vec<f32> {
     (0..len)
@@ -49,80 +50,81 @@ fn dense_attention(q: &[f32], k: &[f32], v: &[f32], len: usize, new: usize, shap
 
 #[test]
 fn paged_attention_matches_dense_for_mixed_prefill_and_decode() {
-    let cpu = CpuBackend::new();
-    let (heads, kv_heads, hd) = (6, 2, 8);
-    let layout = KvLayout { num_layers: 2, num_kv_heads: kv_heads, head_dim: hd, block_size: 4 };
-    let num_pages = 32;
-    // (total length, new tokens): a decode, a prefill with a cached prefix, a fresh prefill.
-    let seqs = [(9usize, 1usize), (13, 5), (7, 7)];
-    for window in [None, Some(3)] {
-        let mut seed = 42u64;
-        let mut cache = cpu.zeros(num_pages * layout.page_elems()).unwrap();
-        // Scattered, non-contiguous pages for each sequence.
-        let mut next_page = num_pages as u32 - 1;
-        let mut tables = Vec::new();
-        let max_blocks = 4;
-        let (mut positions, mut slots, mut seq_starts, mut ctx) = (vec![], vec![], vec![0u32], vec![]);
-        let (mut all_q, mut dense) = (vec![], vec![]);
-        let mut ks = vec![];
-        let mut vs = vec![];
-        for &(len, new) in &seqs {
-            let mut table = vec![0u32; max_blocks];
-            for entry in table.iter_mut().take(len.div_ceil(layout.block_size)) {
-                *entry = next_page;
-                next_page -= 3;
+    for cpu in Path::available().into_iter().map(CpuBackend::with_path) {
+        let (heads, kv_heads, hd) = (6, 2, 8);
+        let layout = KvLayout { num_layers: 2, num_kv_heads: kv_heads, head_dim: hd, block_size: 4 };
+        let num_pages = 32;
+        // (total length, new tokens): a decode, a prefill with a cached prefix, a fresh prefill.
+        let seqs = [(9usize, 1usize), (13, 5), (7, 7)];
+        for window in [None, Some(3)] {
+            let mut seed = 42u64;
+            let mut cache = cpu.zeros(num_pages * layout.page_elems()).unwrap();
+            // Scattered, non-contiguous pages for each sequence.
+            let mut next_page = num_pages as u32 - 1;
+            let mut tables = Vec::new();
+            let max_blocks = 4;
+            let (mut positions, mut slots, mut seq_starts, mut ctx) = (vec![], vec![], vec![0u32], vec![]);
+            let (mut all_q, mut dense) = (vec![], vec![]);
+            let mut ks = vec![];
+            let mut vs = vec![];
+            for &(len, new) in &seqs {
+                let mut table = vec![0u32; max_blocks];
+                for entry in table.iter_mut().take(len.div_ceil(layout.block_size)) {
+                    *entry = next_page;
+                    next_page -= 3;
+                }
+                let k = rand_vec(len * kv_heads * hd, &mut seed);
+                let v = rand_vec(len * kv_heads * hd, &mut seed);
+                let q = rand_vec(new * heads * hd, &mut seed);
+                // The cached prefix goes in through one write, the new tokens through the batch.
+                let prefix = len - new;
+                if prefix > 0 {
+                    let pm = BatchMeta {
+                        num_seqs: 1,
+                        num_tokens: prefix,
+                        max_blocks_per_seq: max_blocks,
+                        positions: cpu.upload_u32(&(0..prefix as u32).collect::<Vec<_>>()).unwrap(),
+                        slots: cpu.upload_u32(&(0..prefix).map(|p| table[p / 4] * 4 + (p % 4) as u32).collect::<Vec<_>>()).unwrap(),
+                        seq_starts: cpu.upload_u32(&[0, prefix as u32]).unwrap(),
+                        context_lens: cpu.upload_u32(&[prefix as u32]).unwrap(),
+                        block_tables: cpu.upload_u32(&table).unwrap(),
+                    };
+                    let kp = cpu.upload_f32(&k[..prefix * kv_heads * hd]).unwrap();
+                    let vp = cpu.upload_f32(&v[..prefix * kv_heads * hd]).unwrap();
+                    cpu.write_kv(&kp, &vp, &mut cache, &pm, &layout, 1).unwrap();
+                }
+                for p in prefix..len {
+                    positions.push(p as u32);
+                    slots.push(table[p / 4] * 4 + (p % 4) as u32);
+                }
+                ks.extend_from_slice(&k[prefix * kv_heads * hd..]);
+                vs.extend_from_slice(&v[prefix * kv_heads * hd..]);
+                seq_starts.push(seq_starts.last().unwrap() + new as u32);
+                ctx.push(len as u32);
+                tables.extend_from_slice(&table);
+                all_q.extend_from_slice(&q);
+                dense.extend(dense_attention(&q, &k, &v, len, new, &Heads { heads, kv_heads, hd }, window));
             }
-            let k = rand_vec(len * kv_heads * hd, &mut seed);
-            let v = rand_vec(len * kv_heads * hd, &mut seed);
-            let q = rand_vec(new * heads * hd, &mut seed);
-            // The cached prefix goes in through one write, the new tokens through the batch.
-            let prefix = len - new;
-            if prefix > 0 {
-                let pm = BatchMeta {
-                    num_seqs: 1,
-                    num_tokens: prefix,
-                    max_blocks_per_seq: max_blocks,
-                    positions: cpu.upload_u32(&(0..prefix as u32).collect::<Vec<_>>()).unwrap(),
-                    slots: cpu.upload_u32(&(0..prefix).map(|p| table[p / 4] * 4 + (p % 4) as u32).collect::<Vec<_>>()).unwrap(),
-                    seq_starts: cpu.upload_u32(&[0, prefix as u32]).unwrap(),
-                    context_lens: cpu.upload_u32(&[prefix as u32]).unwrap(),
-                    block_tables: cpu.upload_u32(&table).unwrap(),
-                };
-                let kp = cpu.upload_f32(&k[..prefix * kv_heads * hd]).unwrap();
-                let vp = cpu.upload_f32(&v[..prefix * kv_heads * hd]).unwrap();
-                cpu.write_kv(&kp, &vp, &mut cache, &pm, &layout, 1).unwrap();
-            }
-            for p in prefix..len {
-                positions.push(p as u32);
-                slots.push(table[p / 4] * 4 + (p % 4) as u32);
-            }
-            ks.extend_from_slice(&k[prefix * kv_heads * hd..]);
-            vs.extend_from_slice(&v[prefix * kv_heads * hd..]);
-            seq_starts.push(seq_starts.last().unwrap() + new as u32);
-            ctx.push(len as u32);
-            tables.extend_from_slice(&table);
-            all_q.extend_from_slice(&q);
-            dense.extend(dense_attention(&q, &k, &v, len, new, &Heads { heads, kv_heads, hd }, window));
+            let tokens = positions.len();
+            let meta = BatchMeta {
+                num_seqs: seqs.len(),
+                num_tokens: tokens,
+                max_blocks_per_seq: max_blocks,
+                positions: cpu.upload_u32(&positions).unwrap(),
+                slots: cpu.upload_u32(&slots).unwrap(),
+                seq_starts: cpu.upload_u32(&seq_starts).unwrap(),
+                context_lens: cpu.upload_u32(&ctx).unwrap(),
+                block_tables: cpu.upload_u32(&tables).unwrap(),
+            };
+            cpu.write_kv(&cpu.upload_f32(&ks).unwrap(), &cpu.upload_f32(&vs).unwrap(), &mut cache, &meta, &layout, 1).unwrap();
+            let params =
+                AttentionParams { layer: 1, num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), sliding_window: window };
+            let mut out = cpu.upload_f32(&vec![f32::NAN; tokens * heads * hd]).unwrap();
+            cpu.attention(&cpu.upload_f32(&all_q).unwrap(), &cache, &mut out, &meta, &layout, &params).unwrap();
+            let got = cpu.download_f32(&out).unwrap();
+            let err = got.iter().zip(&dense).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(err < 1e-5, "window {window:?}: max error {err}");
         }
-        let tokens = positions.len();
-        let meta = BatchMeta {
-            num_seqs: seqs.len(),
-            num_tokens: tokens,
-            max_blocks_per_seq: max_blocks,
-            positions: cpu.upload_u32(&positions).unwrap(),
-            slots: cpu.upload_u32(&slots).unwrap(),
-            seq_starts: cpu.upload_u32(&seq_starts).unwrap(),
-            context_lens: cpu.upload_u32(&ctx).unwrap(),
-            block_tables: cpu.upload_u32(&tables).unwrap(),
-        };
-        cpu.write_kv(&cpu.upload_f32(&ks).unwrap(), &cpu.upload_f32(&vs).unwrap(), &mut cache, &meta, &layout, 1).unwrap();
-        let params =
-            AttentionParams { layer: 1, num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), sliding_window: window };
-        let mut out = cpu.upload_f32(&vec![f32::NAN; tokens * heads * hd]).unwrap();
-        cpu.attention(&cpu.upload_f32(&all_q).unwrap(), &cache, &mut out, &meta, &layout, &params).unwrap();
-        let got = cpu.download_f32(&out).unwrap();
-        let err = got.iter().zip(&dense).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        assert!(err < 1e-5, "window {window:?}: max error {err}");
     }
 }
 

@@ -1,4 +1,5 @@
 use super::*;
+use crate::cpu::Path;
 use crate::{DType, KernelError, NO_ADAPTER, NUM_MODULES};
 
 const LAYERS: usize = 2;
@@ -250,52 +251,55 @@ fn run_bgmv(cpu: &CpuBackend, fx: &Fixture, slots: &[u32], t: &LoraTarget, x: &[
 
 #[test]
 fn sgmv_matches_dense_reference_for_mixed_segments() {
-    let cpu = CpuBackend::new();
-    let fx = Fixture::new(7);
-    let slots = token_slots(&MIXED);
-    assert_eq!(slots.len(), 47);
-    let mut rng = Rng(99);
-    for t in all_targets(&fx) {
-        let x = rng.vec(slots.len() * t.in_features);
-        let (v, y) = run_sgmv(&cpu, &fx, &MIXED, &t, &x);
-        check_against_reference(&fx, &t, &slots, &x, Some(&v), &prefill(y.len()), &y);
+    for cpu in Path::available().into_iter().map(CpuBackend::with_path) {
+        let fx = Fixture::new(7);
+        let slots = token_slots(&MIXED);
+        assert_eq!(slots.len(), 47);
+        let mut rng = Rng(99);
+        for t in all_targets(&fx) {
+            let x = rng.vec(slots.len() * t.in_features);
+            let (v, y) = run_sgmv(&cpu, &fx, &MIXED, &t, &x);
+            check_against_reference(&fx, &t, &slots, &x, Some(&v), &prefill(y.len()), &y);
+        }
     }
 }
 
 #[test]
 fn bgmv_matches_dense_reference_with_unadapted_rows() {
-    let cpu = CpuBackend::new();
-    let fx = Fixture::new(11);
-    let slots = [3, NO_ADAPTER, 0, 2, 4, 1, 3, NO_ADAPTER, 2, 0, 1, 4, 3];
-    let mut rng = Rng(5);
-    for t in all_targets(&fx) {
-        let x = rng.vec(slots.len() * t.in_features);
-        let y = run_bgmv(&cpu, &fx, &slots, &t, &x);
-        check_against_reference(&fx, &t, &slots, &x, None, &prefill(y.len()), &y);
+    for cpu in Path::available().into_iter().map(CpuBackend::with_path) {
+        let fx = Fixture::new(11);
+        let slots = [3, NO_ADAPTER, 0, 2, 4, 1, 3, NO_ADAPTER, 2, 0, 1, 4, 3];
+        let mut rng = Rng(5);
+        for t in all_targets(&fx) {
+            let x = rng.vec(slots.len() * t.in_features);
+            let y = run_bgmv(&cpu, &fx, &slots, &t, &x);
+            check_against_reference(&fx, &t, &slots, &x, None, &prefill(y.len()), &y);
+        }
     }
 }
 
 #[test]
 fn results_do_not_depend_on_segmentation() {
-    let cpu = CpuBackend::new();
-    let fx = Fixture::new(23);
-    let slots = token_slots(&MIXED);
-    let per_token: Vec<(u32, usize)> = slots.iter().map(|&s| (s, 1)).collect();
-    // The same tokens cut at other places: pieces of 3 within each segment.
-    let pieces: Vec<(u32, usize)> = MIXED.iter().flat_map(|&(s, n)| (0..n).step_by(3).map(move |i| (s, 3.min(n - i)))).collect();
-    assert_eq!(token_slots(&pieces), slots);
-    let mut rng = Rng(1234);
-    for t in all_targets(&fx) {
-        let x = rng.vec(slots.len() * t.in_features);
-        let (v_grouped, y_grouped) = run_sgmv(&cpu, &fx, &MIXED, &t, &x);
-        let (v_single, y_single) = run_sgmv(&cpu, &fx, &per_token, &t, &x);
-        let (v_pieces, y_pieces) = run_sgmv(&cpu, &fx, &pieces, &t, &x);
-        let y_bgmv = run_bgmv(&cpu, &fx, &slots, &t, &x);
-        assert_same_bits(&v_grouped, &v_single, &format!("{t:?}: v, grouped vs one segment per token"));
-        assert_same_bits(&v_grouped, &v_pieces, &format!("{t:?}: v, grouped vs pieces"));
-        assert_same_bits(&y_grouped, &y_single, &format!("{t:?}: y, grouped vs one segment per token"));
-        assert_same_bits(&y_grouped, &y_pieces, &format!("{t:?}: y, grouped vs pieces"));
-        assert_same_bits(&y_grouped, &y_bgmv, &format!("{t:?}: y, SGMV vs BGMV"));
+    for cpu in Path::available().into_iter().map(CpuBackend::with_path) {
+        let fx = Fixture::new(23);
+        let slots = token_slots(&MIXED);
+        let per_token: Vec<(u32, usize)> = slots.iter().map(|&s| (s, 1)).collect();
+        // The same tokens cut at other places: pieces of 3 within each segment.
+        let pieces: Vec<(u32, usize)> = MIXED.iter().flat_map(|&(s, n)| (0..n).step_by(3).map(move |i| (s, 3.min(n - i)))).collect();
+        assert_eq!(token_slots(&pieces), slots);
+        let mut rng = Rng(1234);
+        for t in all_targets(&fx) {
+            let x = rng.vec(slots.len() * t.in_features);
+            let (v_grouped, y_grouped) = run_sgmv(&cpu, &fx, &MIXED, &t, &x);
+            let (v_single, y_single) = run_sgmv(&cpu, &fx, &per_token, &t, &x);
+            let (v_pieces, y_pieces) = run_sgmv(&cpu, &fx, &pieces, &t, &x);
+            let y_bgmv = run_bgmv(&cpu, &fx, &slots, &t, &x);
+            assert_same_bits(&v_grouped, &v_single, &format!("{t:?}: v, grouped vs one segment per token"));
+            assert_same_bits(&v_grouped, &v_pieces, &format!("{t:?}: v, grouped vs pieces"));
+            assert_same_bits(&y_grouped, &y_single, &format!("{t:?}: y, grouped vs one segment per token"));
+            assert_same_bits(&y_grouped, &y_pieces, &format!("{t:?}: y, grouped vs pieces"));
+            assert_same_bits(&y_grouped, &y_bgmv, &format!("{t:?}: y, SGMV vs BGMV"));
+        }
     }
 }
 
@@ -582,59 +586,60 @@ fn bad_targets_and_directories_are_rejected() {
 /// stored as f32 rows compute, in both SGMV and BGMV, with odd row lengths.
 #[test]
 fn bf16_rows_give_the_same_results_as_f32_rows_of_the_same_values() {
-    let (inf, outf, rank) = (37usize, 21usize, 5usize);
-    let mut rng = Rng(99);
-    let round = |v: Vec<f32>| -> Vec<f32> { v.into_iter().map(|x| f32::from_bits(x.to_bits() & 0xFFFF_0000)).collect() };
-    let a = round(rng.vec(rank * inf));
-    let b = round(rng.vec(rank * outf));
-    // Slot 0: f32 rows; slot 1: the same rows as bf16, packed two per f32 slot.
-    let mut pool: Vec<f32> = Vec::new();
-    let (mut a_rows, mut b_rows) = (Vec::new(), Vec::new());
-    for dtype in [RowDType::F32, RowDType::Bf16] {
-        for (data, len, table) in [(&a, inf, &mut a_rows), (&b, outf, &mut b_rows)] {
-            for r in 0..rank {
-                let row = &data[r * len..(r + 1) * len];
-                table.push((pool.len() / LORA_ROW_ALIGN) as u32);
-                let start = pool.len();
-                pool.resize(start + dtype.slots(len).next_multiple_of(LORA_ROW_ALIGN), f32::NAN);
-                match dtype {
-                    RowDType::F32 => pool[start..start + len].copy_from_slice(row),
-                    RowDType::Bf16 => {
-                        let halves: &mut [u16] = bytemuck::cast_slice_mut(&mut pool[start..]);
-                        for (i, v) in row.iter().enumerate() {
-                            halves[i] = (v.to_bits() >> 16) as u16;
+    for be in Path::available().into_iter().map(CpuBackend::with_path) {
+        let (inf, outf, rank) = (37usize, 21usize, 5usize);
+        let mut rng = Rng(99);
+        let round = |v: Vec<f32>| -> Vec<f32> { v.into_iter().map(|x| f32::from_bits(x.to_bits() & 0xFFFF_0000)).collect() };
+        let a = round(rng.vec(rank * inf));
+        let b = round(rng.vec(rank * outf));
+        // Slot 0: f32 rows; slot 1: the same rows as bf16, packed two per f32 slot.
+        let mut pool: Vec<f32> = Vec::new();
+        let (mut a_rows, mut b_rows) = (Vec::new(), Vec::new());
+        for dtype in [RowDType::F32, RowDType::Bf16] {
+            for (data, len, table) in [(&a, inf, &mut a_rows), (&b, outf, &mut b_rows)] {
+                for r in 0..rank {
+                    let row = &data[r * len..(r + 1) * len];
+                    table.push((pool.len() / LORA_ROW_ALIGN) as u32);
+                    let start = pool.len();
+                    pool.resize(start + dtype.slots(len).next_multiple_of(LORA_ROW_ALIGN), f32::NAN);
+                    match dtype {
+                        RowDType::F32 => pool[start..start + len].copy_from_slice(row),
+                        RowDType::Bf16 => {
+                            let halves: &mut [u16] = bytemuck::cast_slice_mut(&mut pool[start..]);
+                            for (i, v) in row.iter().enumerate() {
+                                halves[i] = (v.to_bits() >> 16) as u16;
+                            }
                         }
                     }
                 }
             }
         }
+        let directory = vec![0, rank as u32, rank as u32, rank as u32];
+        let rows = LoraRows {
+            num_slots: 2,
+            num_layers: 1,
+            directory: CpuBuffer::U32(entries(&directory)),
+            a_rows: CpuBuffer::U32(a_rows),
+            b_rows: CpuBuffer::U32(b_rows),
+            slot_dtypes: CpuBuffer::U32(vec![RowDType::F32 as u32, RowDType::Bf16 as u32]),
+        };
+        let target = LoraTarget { layer: 0, module: 0, in_features: inf, out_features: outf, max_rank: rank };
+        let pool = CpuBuffer::F32(pool);
+        // Tokens 0..3 use slot 0, tokens 3..6 the same inputs with slot 1.
+        let x3 = rng.vec(3 * inf);
+        let x = CpuBuffer::F32([x3.clone(), x3].concat());
+        let mut y_bgmv = CpuBuffer::F32(vec![0.5; 6 * outf]);
+        be.bgmv(&x, &pool, &rows, &CpuBuffer::U32(vec![0, 0, 0, 1, 1, 1]), &target, &mut y_bgmv).unwrap();
+        let segs = segments(&[(0, 3), (1, 3)]);
+        let mut v = CpuBuffer::F32(vec![0.0; 6 * rank]);
+        be.sgmv_shrink(&x, &pool, &rows, &segs, &target, &mut v).unwrap();
+        let mut y_sgmv = CpuBuffer::F32(vec![0.5; 6 * outf]);
+        be.sgmv_expand(&v, &pool, &rows, &segs, &target, &mut y_sgmv).unwrap();
+        let (yb, ys) = (y_bgmv.f32("t").unwrap(), y_sgmv.f32("t").unwrap());
+        assert_eq!(yb, ys);
+        assert_eq!(&yb[..3 * outf], &yb[3 * outf..], "bf16 storage changed the result");
+        assert!(yb.iter().all(|v| v.is_finite()) && yb.iter().any(|&v| v != 0.5));
     }
-    let directory = vec![0, rank as u32, rank as u32, rank as u32];
-    let rows = LoraRows {
-        num_slots: 2,
-        num_layers: 1,
-        directory: CpuBuffer::U32(entries(&directory)),
-        a_rows: CpuBuffer::U32(a_rows),
-        b_rows: CpuBuffer::U32(b_rows),
-        slot_dtypes: CpuBuffer::U32(vec![RowDType::F32 as u32, RowDType::Bf16 as u32]),
-    };
-    let target = LoraTarget { layer: 0, module: 0, in_features: inf, out_features: outf, max_rank: rank };
-    let be = CpuBackend::new();
-    let pool = CpuBuffer::F32(pool);
-    // Tokens 0..3 use slot 0, tokens 3..6 the same inputs with slot 1.
-    let x3 = rng.vec(3 * inf);
-    let x = CpuBuffer::F32([x3.clone(), x3].concat());
-    let mut y_bgmv = CpuBuffer::F32(vec![0.5; 6 * outf]);
-    be.bgmv(&x, &pool, &rows, &CpuBuffer::U32(vec![0, 0, 0, 1, 1, 1]), &target, &mut y_bgmv).unwrap();
-    let segs = segments(&[(0, 3), (1, 3)]);
-    let mut v = CpuBuffer::F32(vec![0.0; 6 * rank]);
-    be.sgmv_shrink(&x, &pool, &rows, &segs, &target, &mut v).unwrap();
-    let mut y_sgmv = CpuBuffer::F32(vec![0.5; 6 * outf]);
-    be.sgmv_expand(&v, &pool, &rows, &segs, &target, &mut y_sgmv).unwrap();
-    let (yb, ys) = (y_bgmv.f32("t").unwrap(), y_sgmv.f32("t").unwrap());
-    assert_eq!(yb, ys);
-    assert_eq!(&yb[..3 * outf], &yb[3 * outf..], "bf16 storage changed the result");
-    assert!(yb.iter().all(|v| v.is_finite()) && yb.iter().any(|&v| v != 0.5));
 }
 
 /// A directory for one layer with only module 0 set: `pairs` holds (first, rank) per slot.

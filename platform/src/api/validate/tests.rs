@@ -78,7 +78,13 @@ fn budgets_and_defaults_never_overflow() {
 
 fn model() -> ModelConfig {
     let dir = tempfile::tempdir().unwrap();
-    crate::synth::synthesize_model(&crate::synth::SynthOptions { out: dir.path().join("m"), preset: crate::synth::Preset::Tiny, seed: 0 }).unwrap();
+    crate::synth::synthesize_model(&crate::synth::SynthOptions {
+        out: dir.path().join("m"),
+        preset: crate::synth::Preset::Tiny,
+        seed: 0,
+        dtype: crate::synth::FileDType::F32,
+    })
+    .unwrap();
     ModelConfig::from_dir(&dir.path().join("m")).unwrap()
 }
 
