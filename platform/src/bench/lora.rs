@@ -25,6 +25,9 @@ const DISTINCT_VS_BASE_TARGET: f64 = 0.9;
 const DISTINCT_VS_NAIVE_TARGET: f64 = 12.0;
 /// Untimed decode steps before the timed ones.
 const WARMUP: usize = 2;
+/// (e) the same distinct-adapter batch through the serving runtime against (c) the engine's
+/// step timing.
+const RUNTIME_VS_STEPS_TARGET: f64 = 0.9;
 
 #[derive(Debug, Serialize)]
 struct Scenario {
@@ -56,6 +59,7 @@ struct Report {
     scenarios: Vec<Scenario>,
     distinct_over_base: f64,
     distinct_over_naive: f64,
+    runtime_over_steps: f64,
     one_over_base: f64,
     residency: Vec<ResidencyTimes>,
     targets: Targets,
@@ -65,6 +69,7 @@ struct Report {
 struct Targets {
     distinct_over_base: f64,
     distinct_over_naive: f64,
+    runtime_over_steps: f64,
 }
 
 pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
@@ -102,6 +107,8 @@ pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
     eprintln!("(c) {} distinct adapters ...", args.batch);
     let distinct: Vec<Option<AdapterRef>> = batch_refs.iter().cloned().map(Some).collect();
     scenarios.push(bench.batched("distinct", format!("{} distinct adapters, one per row", args.batch), &distinct)?);
+    eprintln!("(e) {} distinct adapters through the serving runtime ...", args.batch);
+    scenarios.push(bench.through_runtime(&distinct)?);
     eprintln!("(d) one adapter at a time ...");
     scenarios.push(bench.naive(batch_refs)?);
     if args.adapter_dtype != FileDType::F32 {
@@ -130,10 +137,15 @@ pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
         adapter_mb,
         distinct_over_base: rate("distinct") / rate("base"),
         distinct_over_naive: rate("distinct") / rate("naive"),
+        runtime_over_steps: rate("runtime") / rate("distinct"),
         one_over_base: rate("one") / rate("base"),
         scenarios,
         residency,
-        targets: Targets { distinct_over_base: DISTINCT_VS_BASE_TARGET, distinct_over_naive: DISTINCT_VS_NAIVE_TARGET },
+        targets: Targets {
+            distinct_over_base: DISTINCT_VS_BASE_TARGET,
+            distinct_over_naive: DISTINCT_VS_NAIVE_TARGET,
+            runtime_over_steps: RUNTIME_VS_STEPS_TARGET,
+        },
     };
     print_report(&report);
     std::fs::write(&args.out, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", args.out.display()))?;
@@ -148,14 +160,69 @@ struct Bench<'a> {
 }
 
 impl Bench<'_> {
+    fn config(&self) -> EngineConfig {
+        EngineConfig { pool_bytes: self.args.pool_mb << 20, max_batch_tokens: self.args.context * 8, max_running: self.args.batch, ..EngineConfig::default() }
+    }
+
     fn engine(&self) -> anyhow::Result<Engine<CpuBackend>> {
-        let config = EngineConfig {
-            pool_bytes: self.args.pool_mb << 20,
-            max_batch_tokens: self.args.context * 8,
-            max_running: self.args.batch,
-            ..EngineConfig::default()
-        };
-        Ok(Engine::new(self.model.clone(), self.tokenizer.clone(), config)?)
+        Ok(Engine::new(self.model.clone(), self.tokenizer.clone(), self.config())?)
+    }
+
+    fn request(&self, i: usize, adapter: Option<AdapterRef>, new_tokens: usize) -> anyhow::Result<crate::request::ValidRequest> {
+        let c = self.model.config();
+        let stop = StopConditions { max_new_tokens: u32::try_from(new_tokens)?, ignore_eos: true, ..Default::default() };
+        let req = GenerationRequest { prompt: prompt(self.args.context, c.vocab_size, i), sampling: SamplingParams::greedy(), stop, adapter, n: 1 };
+        Ok(req.validate(c)?)
+    }
+
+    /// (c)'s batch through the serving runtime (the actor that `generate --batch` and `serve`
+    /// drive: detokenization, stop handling and event streaming included), timed from when
+    /// every request has taken its warm-up steps to when the first one ends: every token of
+    /// every request streamed in that window, over its length.
+    fn through_runtime(&self, rows: &[Option<AdapterRef>]) -> anyhow::Result<Scenario> {
+        let runtime = crate::runtime::Runtime::start(vec![self.model.clone()], self.tokenizer.clone(), self.config())?;
+        for a in rows.iter().flatten() {
+            runtime.load_adapter_blocking(a, false, Duration::from_secs(120))?;
+        }
+        let new_tokens = WARMUP + 2 * self.args.steps + rows.len() + 1;
+        let mut handles = Vec::with_capacity(rows.len());
+        for (i, adapter) in rows.iter().enumerate() {
+            handles.push(runtime.submit_blocking_valid(self.request(i, adapter.clone(), new_tokens)?, Default::default())?);
+        }
+        // One thread per stream, stamping each token as it arrives.
+        let stamps: Vec<Vec<Instant>> = std::thread::scope(|scope| {
+            let readers: Vec<_> = handles
+                .into_iter()
+                .map(|mut h| {
+                    scope.spawn(move || -> anyhow::Result<Vec<Instant>> {
+                        let mut times = Vec::new();
+                        while let Some(event) = h.next_blocking() {
+                            match event {
+                                crate::actors::Event::Token(_) => times.push(Instant::now()),
+                                crate::actors::Event::Done(_) => break,
+                                crate::actors::Event::Error(e) => anyhow::bail!("a request failed: {e}"),
+                            }
+                        }
+                        Ok(times)
+                    })
+                })
+                .collect();
+            readers.into_iter().map(|r| r.join().map_err(|_| anyhow::anyhow!("a stream reader panicked"))?).collect::<anyhow::Result<Vec<_>>>()
+        })?;
+        runtime.shutdown();
+        ensure!(stamps.iter().all(|t| t.len() == new_tokens), "a request ended early");
+        let start = stamps.iter().map(|t| t[WARMUP]).max().context("no requests")?;
+        let end = stamps.iter().map(|t| t[new_tokens - 1]).min().context("no requests")?;
+        ensure!(end > start, "no window where every request was decoding; raise --steps");
+        let tokens = stamps.iter().flatten().filter(|&&t| t > start && t <= end).count();
+        let secs = (end - start).as_secs_f64();
+        let rate = tokens as f64 / secs;
+        Ok(Scenario {
+            name: "runtime",
+            description: format!("(c) through the serving runtime, {tokens} tokens in {:.0} ms", secs * 1e3),
+            tokens_per_s: rate,
+            step_ms: rows.len() as f64 / rate * 1e3,
+        })
     }
 
     /// Makes every adapter of `rows` resident before timing, so that only compute is measured.
@@ -175,18 +242,9 @@ impl Bench<'_> {
     }
 
     fn add(&self, engine: &mut Engine<CpuBackend>, rows: &[Option<AdapterRef>], new_tokens: usize) -> anyhow::Result<Vec<SeqId>> {
-        let c = self.model.config();
         let mut ids = Vec::new();
         for (i, adapter) in rows.iter().enumerate() {
-            let stop = StopConditions { max_new_tokens: u32::try_from(new_tokens)?, ignore_eos: true, ..Default::default() };
-            let req = GenerationRequest {
-                prompt: prompt(self.args.context, c.vocab_size, i),
-                sampling: SamplingParams::greedy(),
-                stop,
-                adapter: adapter.clone(),
-                n: 1,
-            };
-            ids.push(engine.add(req.validate(c)?)?);
+            ids.push(engine.add(self.request(i, adapter.clone(), new_tokens)?)?);
         }
         Ok(ids)
     }
@@ -304,6 +362,7 @@ fn print_report(r: &Report) {
     println!("(b)/(a) one adapter vs base: {:.3}", r.one_over_base);
     println!("target: (c)/(a) distinct vs base >= {:.2}: {:.3}", r.targets.distinct_over_base, r.distinct_over_base);
     println!("target: (c)/(d) distinct vs naive >= {:.1}: {:.1}", r.targets.distinct_over_naive, r.distinct_over_naive);
+    println!("target: (e)/(c) serving runtime vs engine steps >= {:.2}: {:.3}", r.targets.runtime_over_steps, r.runtime_over_steps);
     for t in &r.residency {
         println!("requested -> resident from {:?}: median {:.2} ms, max {:.2} ms over {} adapters", t.tier, t.median_ms, t.max_ms, t.samples);
     }
