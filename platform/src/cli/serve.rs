@@ -70,7 +70,9 @@ fn start_runtime(args: &ServeArgs, dir: &Path) -> anyhow::Result<(Arc<dyn Servin
             if let (Device::Auto, Err(why)) = (args.device, &probe) {
                 println!("--device auto: using the CPU ({why})");
             }
-            let model = Arc::new(model::load(Arc::new(CpuBackend::new()), dir).with_context(|| load("the CPU"))?);
+            let backend = CpuBackend::new();
+            println!("CPU kernels: {}", backend.path().name());
+            let model = Arc::new(model::load(Arc::new(backend), dir).with_context(|| load("the CPU"))?);
             let devices = vec![model; args.workers];
             Arc::new(Runtime::start(devices, tokenizer.clone(), engine_config(args)).context("starting the workers")?)
         }

@@ -1,0 +1,442 @@
+#!/usr/bin/env python3
+"""The same multi-LoRA workload, on the same machine, in one run, on three systems:
+
+- loraplex through its HTTP server (`/v1/completions`, streamed);
+- llama.cpp's `llama-server` (`/completion`, streamed, adapters attached per request through
+  its `lora` field), with the model and adapters converted by llama.cpp's own converters at the
+  same precision (f32);
+- transformers + PEFT, mixed-adapter `generate` (`adapter_names`), the baseline of the S-LoRA
+  and Punica papers.
+
+Every request sends 128 prompt token ids (no tokenizer differences) and asks for 128 greedy
+tokens, end of sequence ignored. Workloads: the base model one request at a time and 32 at once;
+32 requests over 1, 8 and 32 distinct rank-16 adapters on all seven projections, and 128
+requests over 128 adapters (32 at a time). Reported per system and workload: tokens/s (all
+generated tokens over the wall time), time to first token and time per output token (medians),
+and whether the output agrees with transformers + PEFT (text, decoded with the model's
+tokenizer). Writes `peers.json` and `peers.png` (throughput against the number of adapters).
+
+Usage (see README.md, "loraplex bench peers"):
+
+    python tests/bench/peers.py --loraplex target/release/loraplex \
+        [--llama-server PATH --llama-src DIR] [--threads 2] [--out peers-out] \
+        [--systems loraplex,llama.cpp,peft] [--preset bench]
+
+It needs `torch`, `transformers`, `peft`, `safetensors`, `numpy`, `sentencepiece` and `pyyaml`
+(for the PEFT system and llama.cpp's converters) and `matplotlib` (for the plot), all from PyPI.
+"""
+
+import argparse
+import concurrent.futures as cf
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+PROMPT_TOKENS = 128
+NEW_TOKENS = 128
+CONCURRENCY = 32
+RANK = 16
+# (name, requests, concurrency, distinct adapters; 0 = the base model)
+WORKLOADS = [
+    ("base-batch-1", 2, 1, 0),
+    ("base-batch-32", 32, CONCURRENCY, 0),
+    ("adapters-1", 32, CONCURRENCY, 1),
+    ("adapters-8", 32, CONCURRENCY, 8),
+    ("adapters-32", 32, CONCURRENCY, 32),
+    ("adapters-128", 128, CONCURRENCY, 128),
+]
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def machine():
+    info = {"cpu": "unknown", "cores": os.cpu_count(), "flags": []}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        for line in text.splitlines():
+            if line.startswith("model name") and info["cpu"] == "unknown":
+                info["cpu"] = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and not info["flags"]:
+                flags = line.split(":", 1)[1].split()
+                info["flags"] = [f for f in ("avx512f", "avx512_bf16", "avx2", "fma", "f16c") if f in flags]
+    except OSError:
+        pass
+    return info
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(port, path, deadline, proc):
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before answering {path}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", path)
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"no answer on {path} in time")
+
+
+def request_json(port, method, path, body=None, headers=None, timeout=600):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    conn.request(method, path, body=data, headers=hdrs)
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    if resp.status >= 300:
+        raise RuntimeError(f"{method} {path}: {resp.status} {text[:300]}")
+    return json.loads(text) if text else None
+
+
+def stream_sse(port, path, body, headers, text_of):
+    """POSTs `body`, reads the server-sent events; returns (ttft, e2e, text, tokens streamed)."""
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
+    conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json", **headers})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"POST {path}: {resp.status} {resp.read()[:300]!r}")
+    ttft, text, events = None, [], 0
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            break
+        event = json.loads(payload)
+        piece = text_of(event)
+        if piece is None:
+            continue
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        events += 1
+        text.append(piece)
+    return ttft, time.perf_counter() - t0, "".join(text), events
+
+
+def prompts(count, vocab):
+    """Deterministic prompts of PROMPT_TOKENS ids, avoiding the special ids 0..2."""
+    out = []
+    for r in range(count):
+        out.append([3 + (r * 7919 + i * 104729 + (r * i) % 613) % (vocab - 3) for i in range(PROMPT_TOKENS)])
+    return out
+
+
+def summarize(name, system, results, wall, adapters):
+    ttfts = [r["ttft"] for r in results]
+    tpots = [(r["e2e"] - r["ttft"]) / max(1, NEW_TOKENS - 1) for r in results]
+    return {
+        "workload": name,
+        "system": system,
+        "adapters": adapters,
+        "requests": len(results),
+        "tokens_per_s": len(results) * NEW_TOKENS / wall,
+        "wall_s": wall,
+        "ttft_ms_median": 1e3 * statistics.median(ttfts),
+        "tpot_ms_median": 1e3 * statistics.median(tpots),
+        "texts": [r["text"] for r in results],
+    }
+
+
+def run_clients(workload, send):
+    name, count, concurrency, adapters = workload
+    jobs = [(i, (i % adapters) if adapters else None) for i in range(count)]
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(lambda job: send(*job), jobs))
+    return results, time.perf_counter() - t0
+
+
+# --- loraplex -------------------------------------------------------------------------------
+
+
+def multipart(fields):
+    boundary = uuid.uuid4().hex
+    parts = []
+    for name, filename, data in fields:
+        disp = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        parts.append(f"--{boundary}\r\nContent-Disposition: {disp}\r\n\r\n".encode() + data + b"\r\n")
+    parts.append(f"--{boundary}--\r\n".encode())
+    return b"".join(parts), f"multipart/form-data; boundary={boundary}"
+
+
+def run_loraplex(args, model_dir, adapter_dirs, vocab, threads):
+    port = free_port()
+    admin = "bench-" + uuid.uuid4().hex
+    data = Path(args.out) / "loraplex-data"
+    env = {**os.environ, "LORAPLEX_THREADS": str(threads)}
+    cmd = [args.loraplex, "serve", "--model", str(model_dir), "--data-dir", str(data), "--admin-key", admin, "--port", str(port),
+           "--pool-mb", "4096", "--max-running", str(CONCURRENCY), "--max-batch-tokens", "1024"]
+    logf = open(Path(args.out) / "loraplex.log", "w")
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_http(port, "/health", time.time() + 300, proc)
+        auth = {"Authorization": f"Bearer {admin}"}
+        tenant = request_json(port, "POST", "/admin/tenants", {"name": "bench", "limits": {}}, auth)
+        key = request_json(port, "POST", f"/admin/tenants/{tenant['id']}/keys", None, auth)["key"]
+        user = {"Authorization": f"Bearer {key}"}
+        model = request_json(port, "GET", "/v1/models", None, user)["data"][0]["id"]
+        names = []
+        for i, d in enumerate(adapter_dirs):
+            name = f"a{i:03d}"
+            body, ctype = multipart([
+                ("name", None, name.encode()),
+                ("config", "adapter_config.json", (d / "adapter_config.json").read_bytes()),
+                ("weights", "adapter_model.safetensors", (d / "adapter_model.safetensors").read_bytes()),
+            ])
+            request_json(port, "POST", "/v1/adapters", body, {**user, "Content-Type": ctype})
+            names.append(name)
+        log(f"loraplex: {len(names)} adapters uploaded")
+        all_prompts = prompts(max(w[1] for w in WORKLOADS), vocab)
+
+        def send(i, adapter):
+            body = {"model": names[adapter] if adapter is not None else model, "prompt": all_prompts[i], "max_tokens": NEW_TOKENS,
+                    "temperature": 0, "ignore_eos": True, "stream": True}
+            ttft, e2e, text, _ = stream_sse(port, "/v1/completions", body, user,
+                                            lambda e: e["choices"][0]["text"] if e.get("choices") else None)
+            return {"ttft": ttft, "e2e": e2e, "text": text}
+
+        rows = []
+        send(0, None)  # warm-up
+        for w in WORKLOADS:
+            if w[3] > len(names):
+                continue
+            log(f"loraplex: {w[0]} ...")
+            results, wall = run_clients(w, send)
+            rows.append(summarize(w[0], "loraplex", results, wall, w[3]))
+        isa = next((l.split(":", 1)[1].strip() for l in (Path(args.out) / "loraplex.log").read_text().splitlines() if l.startswith("CPU kernels:")), "?")
+        return rows, {"kernels": isa}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+# --- llama.cpp ------------------------------------------------------------------------------
+
+
+# The synthetic model's tokenizer is a BPE whose pre-tokenizer llama.cpp's converter does not
+# know, and it refuses such models. The requests send token ids, so the pre-tokenizer never
+# runs: the converter is run with that one check answering "default" instead of failing.
+CONVERT = """
+import runpy, sys
+sys.path.insert(0, sys.argv[1])
+from conversion import base
+known = base.TextModel.get_vocab_base_pre
+def pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        return "default"
+base.TextModel.get_vocab_base_pre = pre
+script = sys.argv[2]
+for job in json.loads(sys.argv[3]):  # one process for many files: torch is imported once
+    sys.argv = [script] + job
+    runpy.run_path(script, run_name="__main__")
+"""
+
+
+def convert(src, script, jobs):
+    code = "import json\n" + CONVERT
+    jobs = [[str(a) for a in job] for job in jobs]
+    subprocess.run([sys.executable, "-c", code, str(src), str(src / script), json.dumps(jobs)], check=True, stdout=subprocess.DEVNULL)
+
+
+def run_llama(args, model_dir, adapter_dirs, vocab, threads):
+    out = Path(args.out) / "gguf"
+    out.mkdir(parents=True, exist_ok=True)
+    src = Path(args.llama_src)
+    model_gguf = out / "model-f32.gguf"
+    if not model_gguf.exists():
+        log("llama.cpp: converting the model ...")
+        convert(src, "convert_hf_to_gguf.py", [[model_dir, "--outtype", "f32", "--outfile", model_gguf]])
+    loras = [out / f"lora-{i:03d}.gguf" for i in range(len(adapter_dirs))]
+    todo = [[d, "--base", model_dir, "--outtype", "f32", "--outfile", g] for d, g in zip(adapter_dirs, loras) if not g.exists()]
+    if todo:
+        log(f"llama.cpp: converting {len(todo)} adapters ...")
+        convert(src, "convert_lora_to_gguf.py", todo)
+    log(f"llama.cpp: {len(loras)} adapters converted")
+    port = free_port()
+    ctx = CONCURRENCY * (PROMPT_TOKENS + NEW_TOKENS + 8)
+    cmd = [args.llama_server, "-m", str(model_gguf), "--port", str(port), "-t", str(threads), "-tb", str(threads), "-np", str(CONCURRENCY),
+           "-c", str(ctx), "--lora-init-without-apply", "--no-warmup"]
+    for g in loras:
+        cmd += ["--lora", str(g)]
+    logf = open(Path(args.out) / "llama-server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
+    try:
+        wait_http(port, "/health", time.time() + 600, proc)
+        all_prompts = prompts(max(w[1] for w in WORKLOADS), vocab)
+
+        def send(i, adapter):
+            lora = [{"id": j, "scale": 1.0 if j == adapter else 0.0} for j in range(len(loras))]
+            body = {"prompt": all_prompts[i], "n_predict": NEW_TOKENS, "temperature": 0, "top_k": 1, "ignore_eos": True, "stream": True,
+                    "cache_prompt": False, "lora": lora}
+            ttft, e2e, text, _ = stream_sse(port, "/completion", body, {}, lambda e: e.get("content"))
+            return {"ttft": ttft, "e2e": e2e, "text": text}
+
+        rows = []
+        send(0, None)
+        for w in WORKLOADS:
+            if w[3] > len(loras):
+                continue
+            log(f"llama.cpp: {w[0]} ...")
+            results, wall = run_clients(w, send)
+            rows.append(summarize(w[0], "llama.cpp", results, wall, w[3]))
+        return rows, {}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+# --- transformers + PEFT --------------------------------------------------------------------
+
+
+def run_peft(args, model_dir, adapter_dirs, vocab, threads):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter_dirs[0]), adapter_name="a000")
+    for i, d in enumerate(adapter_dirs[1:], start=1):
+        model.load_adapter(str(d), adapter_name=f"a{i:03d}")
+    model.eval()
+    all_prompts = prompts(max(w[1] for w in WORKLOADS), vocab)
+
+    def generate(ids, names, new):
+        x = torch.tensor(ids)
+        with torch.no_grad():
+            return model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                  adapter_names=names, pad_token_id=0)
+
+    rows = []
+    for name, count, concurrency, adapters in WORKLOADS:
+        if adapters > len(adapter_dirs):
+            continue
+        log(f"peft: {name} ...")
+        results = []
+        for start in range(0, count, concurrency):
+            idx = list(range(start, min(count, start + concurrency)))
+            names = [f"a{i % adapters:03d}" if adapters else "__base__" for i in idx]
+            ids = [all_prompts[i] for i in idx]
+            t = time.perf_counter()
+            generate(ids, names, 1)  # the prefill alone: time to first token of the group
+            ttft = time.perf_counter() - t
+            t = time.perf_counter()
+            out = generate(ids, names, NEW_TOKENS)
+            e2e = time.perf_counter() - t
+            for row in out[:, PROMPT_TOKENS:].tolist():
+                results.append({"ttft": ttft, "e2e": e2e, "text": tok.decode(row, skip_special_tokens=True)})
+        # The separate prefill runs are not part of the throughput.
+        wall = sum(r["e2e"] for r in results[::concurrency])
+        rows.append(summarize(name, "transformers+peft", results, max(wall, 1e-9), adapters))
+    return rows, {"torch": torch.__version__}
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system in sorted({r["system"] for r in rows}):
+        pts = sorted((r["adapters"], r["tokens_per_s"]) for r in rows if r["system"] == system and r["workload"].startswith("adapters-"))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([1, 8, 32, 128])
+    ax.set_xticklabels(["1", "8", "32", "128"])
+    ax.set_xlabel("distinct adapters (32 requests at a time, 128 prompt + 128 new tokens)")
+    ax.set_ylabel("generated tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--loraplex", required=True)
+    p.add_argument("--llama-server")
+    p.add_argument("--llama-src", help="llama.cpp's source tree (its convert_hf_to_gguf.py and convert_lora_to_gguf.py)")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--preset", default="bench")
+    p.add_argument("--systems", default="peft,loraplex,llama.cpp")
+    p.add_argument("--out", default="peers-out")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = out / "model"
+    max_adapters = max(w[3] for w in WORKLOADS)
+    if not (model_dir / "model.safetensors").exists():
+        log("synthesizing the model and its adapters ...")
+        subprocess.run([args.loraplex, "synth", "--out", str(model_dir), "--preset", args.preset, "--dtype", "f32", "--adapters", str(max_adapters),
+                        "--ranks", str(RANK), "--targets", "all", "--adapter-dtype", "f32"], check=True, stdout=subprocess.DEVNULL)
+    adapter_dirs = sorted((model_dir / "adapters").iterdir())[:max_adapters]
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    report = {"machine": machine(), "threads": args.threads, "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "rank": RANK,
+              "preset": args.preset, "precision": "f32", "systems": {}, "rows": []}
+    runners = {"peft": run_peft, "loraplex": run_loraplex, "llama.cpp": run_llama}
+    for system in args.systems.split(","):
+        if system == "llama.cpp" and not (args.llama_server and args.llama_src):
+            log("llama.cpp: skipped (give --llama-server and --llama-src)")
+            continue
+        rows, info = runners[system](args, model_dir, adapter_dirs, vocab, args.threads)
+        report["systems"][system] = info
+        report["rows"] += rows
+    # Agreement with transformers + PEFT, request by request.
+    reference = {r["workload"]: r["texts"] for r in report["rows"] if r["system"] == "transformers+peft"}
+    for r in report["rows"]:
+        ref = reference.get(r["workload"])
+        r["agrees_with_peft"] = None if ref is None else sum(a == b for a, b in zip(r["texts"], ref)) / len(ref)
+    by = {(r["system"], r["workload"]): r for r in report["rows"]}
+    ratios = {}
+    for w in [w[0] for w in WORKLOADS]:
+        lp = by.get(("loraplex", w))
+        for other in ("transformers+peft", "llama.cpp"):
+            o = by.get((other, w))
+            if lp and o:
+                ratios[f"loraplex/{other} {w}"] = lp["tokens_per_s"] / o["tokens_per_s"]
+    report["ratios"] = ratios
+    (out / "peers.json").write_text(json.dumps(report, indent=2))
+    plot(report["rows"], out / "peers.png")
+    m = report["machine"]
+    print(f"machine: {m['cpu']}, {m['cores']} cores ({', '.join(m['flags'])}); {args.threads} threads; loraplex kernels: "
+          f"{report['systems'].get('loraplex', {}).get('kernels', '-')}")
+    print(f"{'system':<18} {'workload':<15} {'tokens/s':>9} {'TTFT ms':>9} {'TPOT ms':>8} {'agrees':>7}")
+    for r in report["rows"]:
+        agree = "-" if r["agrees_with_peft"] is None else f"{r['agrees_with_peft']:.2f}"
+        print(f"{r['system']:<18} {r['workload']:<15} {r['tokens_per_s']:>9.1f} {r['ttft_ms_median']:>9.0f} {r['tpot_ms_median']:>8.1f} {agree:>7}")
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
+    print(f"report: {out / 'peers.json'}, plot: {out / 'peers.png'}")
+
+
+if __name__ == "__main__":
+    main()
