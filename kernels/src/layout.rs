@@ -5,32 +5,44 @@
 /// A page holds `block_size` consecutive tokens of one sequence, for every layer:
 /// `[layer][k|v][kv_head][token_in_block][head_dim]`. One block table per sequence therefore
 /// serves all layers, and a head's keys within a block are contiguous.
+///
+/// The pool is a buffer of f32 slots. K and V values are stored as `dtype`: one per slot (f32),
+/// or two per slot (bf16, the lower-addressed half first), so a bf16 page takes half the bytes
+/// of an f32 page of the same block size. Arithmetic is f32 either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvLayout {
     pub num_layers: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub block_size: usize,
+    pub dtype: RowDType,
 }
 
 impl KvLayout {
-    /// f32 elements in one page.
-    pub fn page_elems(&self) -> usize {
+    /// K and V values in one page.
+    pub fn page_values(&self) -> usize {
         self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim
     }
 
-    /// Bytes in one page (f32 elements).
+    /// f32 slots of the pool one page takes (every page of the pool, KV or adapter rows, is
+    /// this size). The value count is even (K and V), so a bf16 page fills its slots exactly.
+    pub fn page_elems(&self) -> usize {
+        self.dtype.slots(self.page_values())
+    }
+
+    /// Bytes in one page.
     pub fn page_bytes(&self) -> usize {
         self.page_elems() * std::mem::size_of::<f32>()
     }
 
-    /// Element offset of token `slot_in_block` of `kv_head`, layer `layer`, K (`which = 0`) or
-    /// V (`which = 1`), within page `page`.
+    /// Offset, in values of `dtype` from the start of the pool, of token `slot_in_block` of
+    /// `kv_head`, layer `layer`, K (`which = 0`) or V (`which = 1`), within page `page`. For
+    /// f32 this indexes the pool's f32 slots; for bf16, the pool read as 16-bit values.
     #[inline]
     pub fn offset(&self, page: usize, layer: usize, which: usize, kv_head: usize, slot_in_block: usize) -> usize {
         let per_head = self.block_size * self.head_dim;
         let per_kv = self.num_kv_heads * per_head;
-        page * self.page_elems() + (layer * 2 + which) * per_kv + kv_head * per_head + slot_in_block * self.head_dim
+        page * self.page_values() + (layer * 2 + which) * per_kv + kv_head * per_head + slot_in_block * self.head_dim
     }
 }
 
@@ -81,7 +93,8 @@ pub const NUM_MODULES: usize = 7;
 /// The slot of a segment or row that uses no adapter: those tokens cost nothing.
 pub const NO_ADAPTER: u32 = u32::MAX;
 
-/// How an adapter's rows are stored in the (f32) pool.
+/// How values are stored in the (f32) pool: an adapter's rows, or the KV pages (see
+/// [`KvLayout::dtype`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u32)]
 pub enum RowDType {
@@ -105,6 +118,14 @@ impl RowDType {
         match self {
             RowDType::F32 => elems,
             RowDType::Bf16 => elems.div_ceil(2),
+        }
+    }
+
+    /// The element type this stores values as.
+    pub fn dtype(self) -> crate::DType {
+        match self {
+            RowDType::F32 => crate::DType::F32,
+            RowDType::Bf16 => crate::DType::Bf16,
         }
     }
 }

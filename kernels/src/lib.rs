@@ -87,6 +87,11 @@ pub trait Memory {
     fn attention_efficiency(&self) -> f64 {
         1.0
     }
+    /// Whether this backend's attention reads KV pages stored as `dtype` in an f32 pool (see
+    /// [`KvLayout::dtype`]). Every backend reads f32.
+    fn supports_kv_dtype(&self, dtype: RowDType) -> bool {
+        dtype == RowDType::F32
+    }
     /// A zero-filled f32 buffer of `len` elements.
     fn zeros(&self, len: usize) -> Result<Self::Buffer>;
     fn upload_f32(&self, data: &[f32]) -> Result<Self::Buffer>;

@@ -272,7 +272,7 @@ fn dense_kernels_match_the_cpu() {
 
 fn attention_case(c: &CpuBackend, r: &mut StdRng, dtype: DType, case: Case<'_>) {
     let Case { what, heads, kv_heads, hd, seqs, window } = case;
-    let layout = KvLayout { num_layers: 2, num_kv_heads: kv_heads, head_dim: hd, block_size: 16 };
+    let layout = KvLayout { num_layers: 2, num_kv_heads: kv_heads, head_dim: hd, block_size: 16, dtype: RowDType::F32 };
     let p = paged(r, 16, seqs);
     let t = p.positions.len();
     let cache = round_to(&randn(r, p.pages * layout.page_elems(), 1.0), dtype);

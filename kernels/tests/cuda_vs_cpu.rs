@@ -140,7 +140,7 @@ fn meta<B: Memory>(b: &B, p: &Paged) -> BatchMeta<B::Buffer> {
 /// the batch's new tokens and attention on both backends.
 fn attention_case(g: &CudaBackend, c: &CpuBackend, r: &mut StdRng, dtype: DType, case: Case<'_>) {
     let Case { what, heads, kv_heads, hd, seqs, window } = case;
-    let layout = KvLayout { num_layers: 2, num_kv_heads: kv_heads, head_dim: hd, block_size: 16 };
+    let layout = KvLayout { num_layers: 2, num_kv_heads: kv_heads, head_dim: hd, block_size: 16, dtype: RowDType::F32 };
     let p = paged(r, layout.block_size, seqs);
     let cache = round_to(&randn(r, p.pages * layout.page_elems(), 1.0), dtype);
     let t = p.positions.len();

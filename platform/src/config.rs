@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 use loraplex_adapters::AdapterLimits;
+use loraplex_kernels::RowDType;
 
 use crate::engine::EngineConfig;
 use crate::memory::LoaderConfig;
@@ -52,6 +53,11 @@ pub struct EngineArgs {
     /// Tokens per KV block.
     #[arg(long, env = "LORAPLEX_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: usize,
+    /// Element type of keys and values in the page pool. bf16 halves the bytes per cached
+    /// token (twice the tokens in `--pool-mb`, half the bytes attention reads), rounding each
+    /// key and value once when it is written; f32 is exact. The CPU backend only for now.
+    #[arg(long, env = "LORAPLEX_KV_DTYPE", value_enum, default_value_t = KvDType::F32)]
+    pub kv_dtype: KvDType,
     /// Most tokens in one forward step (prompt chunks plus decodes).
     #[arg(long, env = "LORAPLEX_MAX_BATCH_TOKENS", default_value_t = 2048)]
     pub max_batch_tokens: usize,
@@ -80,6 +86,24 @@ pub struct EngineArgs {
     pub step_overhead: Option<f64>,
 }
 
+/// How the page pool stores keys and values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvDType {
+    F32,
+    /// bfloat16, rounded to nearest even.
+    Bf16,
+}
+
+impl KvDType {
+    pub fn row_dtype(self) -> RowDType {
+        match self {
+            KvDType::F32 => RowDType::F32,
+            KvDType::Bf16 => RowDType::Bf16,
+        }
+    }
+}
+
 /// A number that is not negative (or NaN); `inf` is allowed.
 fn non_negative(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
@@ -93,6 +117,7 @@ impl EngineArgs {
     pub fn engine_config(&self) -> EngineConfig {
         EngineConfig {
             block_size: self.block_size,
+            kv_dtype: self.kv_dtype.row_dtype(),
             pool_bytes: self.pool_mb.saturating_mul(1 << 20),
             max_batch_tokens: self.max_batch_tokens,
             max_running: self.max_running,
@@ -641,6 +666,9 @@ pub struct BenchEngineArgs {
     /// Measure this model directory instead of a synthesized one.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Element type of the KV pool (see `serve --kv-dtype`).
+    #[arg(long, value_enum, default_value_t = KvDType::F32)]
+    pub kv_dtype: KvDType,
     /// Decode batch sizes to measure.
     #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
     pub batches: Vec<usize>,

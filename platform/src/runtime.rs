@@ -77,8 +77,12 @@ impl<B: Backend> Runtime<B> {
         let model = first.config().clone();
         let shape = first.base_shape();
         let device = first.backend().device_name();
+        if !first.backend().supports_kv_dtype(config.kv_dtype) {
+            let why = format!("{device} cannot keep KV pages in {} (--kv-dtype)", config.kv_dtype.dtype());
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, why));
+        }
         let adapter_limits = config.adapters.limits;
-        let layout = first.kv_layout(config.block_size);
+        let layout = config.kv_layout(first);
         let total_pages = (config.pool_bytes / layout.page_bytes()).max(1);
         let pool = PoolShape { block_size: config.block_size, total_pages, max_pinned_pages: config.max_pinned_pages(total_pages) };
         let (tx, rx) = std::sync::mpsc::channel();

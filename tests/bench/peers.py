@@ -317,7 +317,7 @@ def run_peft(args, model_dir, adapter_dirs, vocab, threads):
 
     torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, str(adapter_dirs[0]), adapter_name="a000")
     for i, d in enumerate(adapter_dirs[1:], start=1):
         model.load_adapter(str(d), adapter_name=f"a{i:03d}")

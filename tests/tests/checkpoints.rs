@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use loraplex::engine::scoring;
 use loraplex::model;
+use loraplex_kernels::RowDType;
 use loraplex_kernels::cpu::CpuBackend;
 use safetensors::tensor::TensorView;
 
@@ -44,7 +45,7 @@ fn write(path: &Path, tensors: &[(String, safetensors::Dtype, Vec<usize>, Vec<u8
 
 fn logits(dir: &Path, prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {
     let model = model::load(Arc::new(CpuBackend::new()), dir).unwrap();
-    scoring::greedy_logits(&model, prompt, steps, 16, None).unwrap()
+    scoring::greedy_logits(&model, prompt, steps, 16, RowDType::F32, None).unwrap()
 }
 
 fn fixture_logits(prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {

@@ -13,6 +13,7 @@ use loraplex::request::{GenerationRequest, StopConditions, ValidRequest};
 use loraplex::sampling::SamplingParams;
 use loraplex::tokenizer::Tokenizer;
 use loraplex_adapters::{AdapterLimits, LoraAdapter};
+use loraplex_kernels::RowDType;
 use loraplex_kernels::cpu::CpuBackend;
 
 const LOGIT_TOL: f32 = 1e-4;
@@ -61,7 +62,7 @@ fn adapter_logits_match_peft_at_prefill_and_every_decode_step() {
                 let logits = common::fixtures().join(arch).join("logits").join(name);
                 let (_, last) = common::read_npy(&logits.join(format!("p{i}_last.npy")));
                 let (shape, decode) = common::read_npy(&logits.join(format!("p{i}_decode.npy")));
-                let rows = scoring::greedy_logits(&model, prompt, shape[0], 16, Some(&adapter)).unwrap();
+                let rows = scoring::greedy_logits(&model, prompt, shape[0], 16, RowDType::F32, Some(&adapter)).unwrap();
                 let err = max_abs_diff(&rows[0], &last);
                 assert!(err <= LOGIT_TOL, "{arch} {name} prompt {i}: last-position logits differ by {err}");
                 for (k, row) in rows.iter().enumerate() {
@@ -131,7 +132,7 @@ fn adapters_swapped_under_pressure_give_the_same_tokens() {
     let arch = "llama";
     let (model, tok) = load(arch);
     let reference = common::reference(arch);
-    let page_bytes = model.kv_layout(16).page_bytes();
+    let page_bytes = model.kv_layout(16, RowDType::F32).page_bytes();
     // a2 (rank 16, all modules) needs 36 pages: a pool of 48 cannot hold it with a1 and a3 and
     // the KV blocks of a batch.
     let config = EngineConfig { pool_bytes: 48 * page_bytes, max_running: 4, ..EngineConfig::default() };

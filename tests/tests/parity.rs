@@ -9,6 +9,7 @@ use loraplex::model::{self, Model};
 use loraplex::request::{GenerationRequest, StopConditions};
 use loraplex::sampling::SamplingParams;
 use loraplex::tokenizer::Tokenizer;
+use loraplex_kernels::RowDType;
 use loraplex_kernels::cpu::CpuBackend;
 
 const LOGIT_TOL: f32 = 1e-4;
@@ -55,7 +56,7 @@ fn logits_match_reference_at_prefill_and_every_decode_step() {
             let dir = common::fixtures().join(v.arch).join("logits").join(v.name);
             let (_, last) = common::read_npy(&dir.join(format!("p{i}_last.npy")));
             let (shape, decode) = common::read_npy(&dir.join(format!("p{i}_decode.npy")));
-            let rows = scoring::greedy_logits(&model, &prompt, shape[0], 16, None).unwrap();
+            let rows = scoring::greedy_logits(&model, &prompt, shape[0], 16, RowDType::F32, None).unwrap();
             let err = max_abs_diff(&rows[0], &last);
             assert!(err <= LOGIT_TOL, "{} {} prompt {i}: last-position logits differ by {err}", v.arch, v.name);
             for (k, row) in rows.iter().enumerate() {
@@ -65,6 +66,66 @@ fn logits_match_reference_at_prefill_and_every_decode_step() {
             let expected = common::ids(&results[i]["greedy_new_tokens"]);
             assert_eq!(expected.len(), 16);
         }
+    }
+}
+
+/// Logits with the KV pool in bf16 (`--kv-dtype bf16`) against transformers' (f32 cache): the
+/// rounding of keys and values moves them by at most this much on the reference fixtures.
+const BF16_KV_LOGIT_TOL: f32 = 5e-3;
+
+/// With a bf16 KV pool every step's logits stay within [`BF16_KV_LOGIT_TOL`] of transformers',
+/// yet differ from the f32 pool's (the values really are rounded), and the same pool bytes hold
+/// twice the pages.
+#[test]
+fn bf16_kv_pool_logits_are_close_to_reference_and_the_pool_holds_twice_the_tokens() {
+    let v = &VARIANTS[0];
+    let (model, tok) = load(v);
+    let reference = common::reference(v.arch);
+    let mut worst = 0f32;
+    for (i, p) in reference["prompts"].as_array().unwrap().iter().enumerate() {
+        let prompt = common::ids(&p["token_ids"]);
+        let dir = common::fixtures().join(v.arch).join("logits").join(v.name);
+        let (shape, decode) = common::read_npy(&dir.join(format!("p{i}_decode.npy")));
+        let half = scoring::greedy_logits(&model, &prompt, shape[0], 16, RowDType::Bf16, None).unwrap();
+        let full = scoring::greedy_logits(&model, &prompt, shape[0], 16, RowDType::F32, None).unwrap();
+        assert!(max_abs_diff(&half[1], &full[1]) > 0.0, "prompt {i}: bf16 pages gave the f32 logits exactly");
+        for (k, row) in half.iter().enumerate() {
+            worst = worst.max(max_abs_diff(row, &decode[k * shape[1]..(k + 1) * shape[1]]));
+        }
+    }
+    eprintln!("bf16 KV: largest logit difference from transformers {worst}");
+    assert!(worst <= BF16_KV_LOGIT_TOL, "bf16 KV logits differ from transformers' by {worst}");
+    let pages = |kv_dtype| {
+        let config = EngineConfig { kv_dtype, pool_bytes: 1 << 20, ..EngineConfig::default() };
+        Engine::new(model.clone(), tok.clone(), config).unwrap().pool_stats().total
+    };
+    assert_eq!(pages(RowDType::Bf16), 2 * pages(RowDType::F32));
+}
+
+/// With a bf16 KV pool, all prompts in one continuous batch (with chunked prefills) give the
+/// same tokens as one at a time: rounding on write does not depend on the batch.
+#[test]
+fn bf16_kv_batched_generation_equals_one_by_one() {
+    let v = &VARIANTS[0];
+    let (model, tok) = load(v);
+    let reference = common::reference(v.arch);
+    let prompts: Vec<Vec<u32>> = reference["prompts"].as_array().unwrap().iter().map(|p| common::ids(&p["token_ids"])).collect();
+    let config = |budget| EngineConfig { kv_dtype: RowDType::Bf16, max_batch_tokens: budget, block_size: 4, ..EngineConfig::default() };
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut engine = Engine::new(model.clone(), tok.clone(), config(2048)).unwrap();
+            engine.add(greedy_request(&model, p.clone(), 16)).unwrap();
+            engine.run_to_completion().unwrap().remove(0).tokens
+        })
+        .collect();
+    let mut engine = Engine::new(model.clone(), tok.clone(), config(7)).unwrap();
+    for p in &prompts {
+        engine.add(greedy_request(&model, p.clone(), 16)).unwrap();
+    }
+    let done = engine.run_to_completion().unwrap();
+    for (i, c) in done.iter().enumerate() {
+        assert_eq!(c.tokens, alone[i], "prompt {i}");
     }
 }
 
@@ -122,7 +183,7 @@ fn preempted_sequences_resume_with_identical_output() {
     assert!(prompts.len() >= 4);
     let new_tokens = 24;
     let block = 4;
-    let page_bytes = model.kv_layout(block).page_bytes();
+    let page_bytes = model.kv_layout(block, RowDType::F32).page_bytes();
     let blocks_needed: usize = prompts.iter().map(|p| (p.len() + new_tokens).div_ceil(block)).sum();
     let largest = prompts.iter().map(|p| (p.len() + new_tokens).div_ceil(block)).max().unwrap();
     let requests = |sampled: bool| -> Vec<loraplex::request::ValidRequest> {

@@ -3,9 +3,10 @@
 use rayon::prelude::*;
 
 use super::isa::{Isa, Kernel};
+use super::simd::Elem;
 use super::{CpuBackend, CpuBuffer, ensure_len, rows_of, simd};
 use crate::check::Batch;
-use crate::{AttentionOps, AttentionParams, BatchMeta, KernelError, KvLayout, Result};
+use crate::{AttentionOps, AttentionParams, BatchMeta, KernelError, KvLayout, Result, RowDType};
 
 impl AttentionOps for CpuBackend {
     fn rope(&self, x: &mut CpuBuffer, positions: &CpuBuffer, cos_sin: &CpuBuffer, heads: usize, head_dim: usize) -> Result<()> {
@@ -53,15 +54,27 @@ impl AttentionOps for CpuBackend {
         let pages = cache.len() / layout.page_elems();
         m.check_slots(OP, layout, pages)?;
         let hd = layout.head_dim;
-        for t in 0..tokens {
+        // The destination of each head's row of K and V, as an offset in values of the layout's
+        // type.
+        let rows = (0..tokens).flat_map(|t| {
             let slot = m.slots[t] as usize;
             let (page, off) = (slot / layout.block_size, slot % layout.block_size);
-            for h in 0..layout.num_kv_heads {
-                let src = t * row + h * hd;
-                let kd = layout.offset(page, layer, 0, h, off);
-                cache[kd..kd + hd].copy_from_slice(&k[src..src + hd]);
-                let vd = layout.offset(page, layer, 1, h, off);
-                cache[vd..vd + hd].copy_from_slice(&v[src..src + hd]);
+            (0..layout.num_kv_heads).map(move |h| (t * row + h * hd, layout.offset(page, layer, 0, h, off), layout.offset(page, layer, 1, h, off)))
+        });
+        match layout.dtype {
+            RowDType::F32 => {
+                for (src, kd, vd) in rows {
+                    cache[kd..kd + hd].copy_from_slice(&k[src..src + hd]);
+                    cache[vd..vd + hd].copy_from_slice(&v[src..src + hd]);
+                }
+            }
+            RowDType::Bf16 => {
+                let cache: &mut [u16] = bytemuck::cast_slice_mut(cache);
+                let round = |dst: &mut [u16], src: &[f32]| dst.iter_mut().zip(src).for_each(|(d, &x)| *d = half::bf16::from_f32(x).to_bits());
+                for (src, kd, vd) in rows {
+                    round(&mut cache[kd..kd + hd], &k[src..src + hd]);
+                    round(&mut cache[vd..vd + hd], &v[src..src + hd]);
+                }
             }
         }
         Ok(())
@@ -86,6 +99,10 @@ impl AttentionOps for CpuBackend {
         let out = out.f32_mut(OP)?;
         ensure_len(OP, "out", out.len(), meta.num_tokens * heads * hd)?;
         let group = heads / p.num_kv_heads;
+        let cache = match layout.dtype {
+            RowDType::F32 => Cache::F32(cache),
+            RowDType::Bf16 => Cache::Bf16(bytemuck::cast_slice(cache)),
+        };
         let ctx = Attend { m: &m, q, cache, token_seq: &token_seq, layout, p, group };
         let path = self.path;
         // One task per (token, kv head): the group of query heads sharing that kv head reuses
@@ -97,11 +114,18 @@ impl AttentionOps for CpuBackend {
     }
 }
 
+/// The pool's K and V values, read as the layout's type.
+#[derive(Clone, Copy)]
+enum Cache<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
 /// What every attention task reads.
 struct Attend<'a> {
     m: &'a Batch<'a>,
     q: &'a [f32],
-    cache: &'a [f32],
+    cache: Cache<'a>,
     token_seq: &'a [u32],
     layout: &'a KvLayout,
     p: &'a AttentionParams,
@@ -121,31 +145,39 @@ impl Kernel for AttendTask<'_> {
 
     #[inline(always)]
     fn run<S: Isa>(self, s: S) {
-        let AttendTask { ctx, scores, task, out: o } = self;
-        let Attend { m, q, cache, token_seq, layout, p, group } = *ctx;
-        let (hd, heads, bs) = (p.head_dim, p.num_heads, layout.block_size);
-        let (t, kvh) = (task / p.num_kv_heads, task % p.num_kv_heads);
-        let seq = token_seq[t] as usize;
-        let last = m.positions[t] as usize;
-        let first = p.sliding_window.map_or(0, |w| (last + 1).saturating_sub(w));
-        let table = &m.block_tables[seq * m.max_blocks..];
-        let n = last + 1 - first;
-        scores.resize(group * n, 0.0);
-        for g in 0..group {
-            let h = kvh * group + g;
-            let qh = &q[(t * heads + h) * hd..(t * heads + h + 1) * hd];
-            let sc = &mut scores[g * n..(g + 1) * n];
-            for (j, key_pos) in (first..=last).enumerate() {
-                let off = layout.offset(table[key_pos / bs] as usize, p.layer, 0, kvh, key_pos % bs);
-                sc[j] = simd::dot(s, qh, &cache[off..off + hd]) * p.scale;
-            }
-            softmax_in_place(sc);
-            let oh = &mut o[g * hd..(g + 1) * hd];
-            oh.fill(0.0);
-            for (j, key_pos) in (first..=last).enumerate() {
-                let off = layout.offset(table[key_pos / bs] as usize, p.layer, 1, kvh, key_pos % bs);
-                simd::axpy(s, oh, sc[j], &cache[off..off + hd]);
-            }
+        match self.ctx.cache {
+            Cache::F32(cache) => attend(s, self, cache),
+            Cache::Bf16(cache) => attend(s, self, cache),
+        }
+    }
+}
+
+#[inline(always)]
+fn attend<S: Isa, E: Elem>(s: S, task: AttendTask<'_>, cache: &[E]) {
+    let AttendTask { ctx, scores, task, out: o } = task;
+    let Attend { m, q, token_seq, layout, p, group, .. } = *ctx;
+    let (hd, heads, bs) = (p.head_dim, p.num_heads, layout.block_size);
+    let (t, kvh) = (task / p.num_kv_heads, task % p.num_kv_heads);
+    let seq = token_seq[t] as usize;
+    let last = m.positions[t] as usize;
+    let first = p.sliding_window.map_or(0, |w| (last + 1).saturating_sub(w));
+    let table = &m.block_tables[seq * m.max_blocks..];
+    let n = last + 1 - first;
+    scores.resize(group * n, 0.0);
+    for g in 0..group {
+        let h = kvh * group + g;
+        let qh = &q[(t * heads + h) * hd..(t * heads + h + 1) * hd];
+        let sc = &mut scores[g * n..(g + 1) * n];
+        for (j, key_pos) in (first..=last).enumerate() {
+            let off = layout.offset(table[key_pos / bs] as usize, p.layer, 0, kvh, key_pos % bs);
+            sc[j] = simd::dot(s, qh, &cache[off..off + hd]) * p.scale;
+        }
+        softmax_in_place(sc);
+        let oh = &mut o[g * hd..(g + 1) * hd];
+        oh.fill(0.0);
+        for (j, key_pos) in (first..=last).enumerate() {
+            let off = layout.offset(table[key_pos / bs] as usize, p.layer, 1, kvh, key_pos % bs);
+            simd::axpy(s, oh, sc[j], &cache[off..off + hd]);
         }
     }
 }

@@ -12,7 +12,7 @@ mod packed;
 pub mod probe;
 mod simd;
 
-use crate::{DType, KernelError, Memory, Result, WeightData};
+use crate::{DType, KernelError, Memory, Result, RowDType, WeightData};
 
 pub use isa::Path;
 
@@ -111,6 +111,10 @@ impl Memory for CpuBackend {
     /// machine, measured with `bench engine` on long prompts).
     fn attention_efficiency(&self) -> f64 {
         0.1
+    }
+
+    fn supports_kv_dtype(&self, _dtype: RowDType) -> bool {
+        true
     }
 
     fn zeros(&self, len: usize) -> Result<CpuBuffer> {

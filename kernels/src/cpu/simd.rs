@@ -91,9 +91,9 @@ fn padded<T: Copy + Default>(src: &[T]) -> [T; 64] {
     buf
 }
 
-/// `Σ a[i] * b[i]` over the shorter of the two.
+/// `Σ a[i] * b[i]` over the shorter of the two, `b` of any element type (widened in registers).
 #[inline(always)]
-pub fn dot<S: Isa>(s: S, a: &[f32], b: &[f32]) -> f32 {
+pub fn dot<S: Isa, E: Elem>(s: S, a: &[f32], b: &[E]) -> f32 {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
     let lanes = S::F32_LANES;
@@ -102,23 +102,24 @@ pub fn dot<S: Isa>(s: S, a: &[f32], b: &[f32]) -> f32 {
     // SAFETY: every full load covers i..i + lanes <= n, inside both slices.
     unsafe {
         while i + 2 * lanes <= n {
-            acc0 = s.mul_add_e_f32s(f32::load(s, a.as_ptr().add(i)), f32::load(s, b.as_ptr().add(i)), acc0);
-            acc1 = s.mul_add_e_f32s(f32::load(s, a.as_ptr().add(i + lanes)), f32::load(s, b.as_ptr().add(i + lanes)), acc1);
+            acc0 = s.mul_add_e_f32s(f32::load(s, a.as_ptr().add(i)), E::load(s, b.as_ptr().add(i)), acc0);
+            acc1 = s.mul_add_e_f32s(f32::load(s, a.as_ptr().add(i + lanes)), E::load(s, b.as_ptr().add(i + lanes)), acc1);
             i += 2 * lanes;
         }
     }
     while i < n {
         let end = (i + lanes).min(n);
-        acc0 = s.mul_add_e_f32s(s.partial_load_f32s(&a[i..end]), s.partial_load_f32s(&b[i..end]), acc0);
+        acc0 = s.mul_add_e_f32s(s.partial_load_f32s(&a[i..end]), E::load_partial(s, &b[i..end]), acc0);
         i = end;
     }
     s.reduce_sum_f32s(s.add_f32s(acc0, acc1))
 }
 
-/// `y[i] += alpha * x[i]` over the shorter of the two.
+/// `y[i] += alpha * x[i]` over the shorter of the two, `x` of any element type (widened in
+/// registers).
 #[inline(always)]
-pub fn axpy<S: Isa>(s: S, y: &mut [f32], alpha: f32, x: &[f32]) {
-    axpys(s, y, &[alpha], Rows::F32(&[x]));
+pub fn axpy<S: Isa, E: Elem>(s: S, y: &mut [f32], alpha: f32, x: &[E]) {
+    axpys_rows(s, y, &[alpha], &[x]);
 }
 
 /// Rows of one element type: the A or B rows of one adapter for one projection.

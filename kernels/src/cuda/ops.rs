@@ -10,7 +10,7 @@ use super::{ATTENTION, CudaBackend, CudaBuffer, CudaWeight, DENSE, Data, LORA, S
 use crate::check::{Batch, Directory, Segments, check_slots, ensure_len, ensure_rows, rows_of};
 use crate::{
     AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KernelError, KvLayout, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory, NO_ADAPTER, Result,
-    SampleParams, SamplingOps,
+    RowDType, SampleParams, SamplingOps,
 };
 
 /// Fails unless every buffer holds the same float type; returns it.
@@ -351,6 +351,7 @@ impl AttentionOps for CudaBackend {
 
     fn write_kv(&self, k: &CudaBuffer, v: &CudaBuffer, cache: &mut CudaBuffer, meta: &BatchMeta<CudaBuffer>, layout: &KvLayout, layer: usize) -> Result<()> {
         const OP: &str = "write_kv";
+        kv_in_buffer_type(OP, layout)?;
         let dtype = same_float(OP, &[k, v, cache])?;
         let m = Batch::read(OP, meta)?;
         let row = layout.num_kv_heads * layout.head_dim;
@@ -386,6 +387,7 @@ impl AttentionOps for CudaBackend {
         p: &AttentionParams,
     ) -> Result<()> {
         const OP: &str = "attention";
+        kv_in_buffer_type(OP, layout)?;
         let dtype = same_float(OP, &[q, cache, out])?;
         let m = Batch::read(OP, meta)?;
         let token_seq = m.check_attention(OP, layout, p, cache.len / layout.page_elems())?;
@@ -658,5 +660,14 @@ impl LoraOps for CudaBackend {
         let v = self.zeros_as(n * target.max_rank, DType::F32)?;
         self.lora_shrink(OP, x, pool, rows, &tiles, target, &v)?;
         self.lora_expand(OP, &v, pool, rows, &tiles, target, y)
+    }
+}
+
+/// Fails unless `layout` stores one value per pool element: on this backend the pool buffer's
+/// own element type (f32, f16 or bf16) is the KV type, not a packing of it into f32 slots.
+fn kv_in_buffer_type(op: &'static str, layout: &KvLayout) -> Result<()> {
+    match layout.dtype {
+        RowDType::F32 => Ok(()),
+        other => Err(KernelError::DType { op, expected: DType::F32, actual: other.dtype() }),
     }
 }

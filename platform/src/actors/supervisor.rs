@@ -58,7 +58,7 @@ impl<B: Backend> Actor for Supervisor<B> {
         let threads = self.config.adapters.threads.max(1);
         let loader = SyncArbiter::start(threads, || Loader);
         let host = self.devices.first().map(|m| {
-            let page_elems = m.kv_layout(self.config.block_size).page_elems();
+            let page_elems = self.config.kv_layout(m).page_elems();
             LoaderPool::with_executor(&self.config.adapters, m.base_shape(), page_elems, move |task| {
                 // `do_send` queues past the mailbox's capacity: a burst of prefetches must
                 // not be refused.

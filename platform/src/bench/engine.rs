@@ -45,6 +45,7 @@ struct ModelInfo {
     source: String,
     parameters: u64,
     weight_bytes: u64,
+    kv_dtype: crate::config::KvDType,
 }
 
 #[derive(Debug, Serialize)]
@@ -86,7 +87,7 @@ struct Costs {
 impl Costs {
     /// Costs of a model whose linear layers store `linear_bytes` per weight (norms and KV are
     /// f32).
-    fn of(c: &ModelConfig, linear_bytes: f64) -> Self {
+    fn of(c: &ModelConfig, linear_bytes: f64, kv_bytes: f64) -> Self {
         let (h, i) = (c.hidden_size as f64, c.intermediate_size as f64);
         let (q, kv) = ((c.num_heads * c.head_dim) as f64, (c.num_kv_heads * c.head_dim) as f64);
         let per_layer = h * q + 2.0 * h * kv + q * h + 3.0 * h * i;
@@ -98,7 +99,7 @@ impl Costs {
             // A head tied to the embeddings is built from the f32 embedding table.
             weight_bytes: linear_bytes * per_layer * layers + if c.tie_word_embeddings { 4.0 } else { linear_bytes } * head + 4.0 * (2.0 * layers + 1.0) * h,
             attn_flops_per_pair: 4.0 * q * layers,
-            kv_bytes_per_token: 4.0 * 2.0 * kv * layers,
+            kv_bytes_per_token: kv_bytes * 2.0 * kv * layers,
         }
     }
 }
@@ -113,12 +114,14 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<()> {
     let c = model.config().clone();
     // The linear layers keep the checkpoint's element type in memory (f32, or half-size bf16/f16).
     let linear_bytes = model::weights::Checkpoint::open(&dir)?.element_bytes("model.layers.0.self_attn.q_proj.weight").unwrap_or(4);
-    let costs = Costs::of(&c, linear_bytes as f64);
-    let f32_costs = Costs::of(&c, 4.0);
+    let kv_bytes = args.kv_dtype.row_dtype().dtype().size() as f64;
+    let costs = Costs::of(&c, linear_bytes as f64, kv_bytes);
+    let f32_costs = Costs::of(&c, 4.0, 4.0);
     let info = ModelInfo {
         source,
         parameters: (f32_costs.weight_bytes / 4.0 + if c.tie_word_embeddings { 0.0 } else { (c.vocab_size * c.hidden_size) as f64 }) as u64,
         weight_bytes: costs.weight_bytes as u64,
+        kv_dtype: args.kv_dtype,
     };
     let mut rows = Vec::new();
     for &batch in &args.batches {
@@ -139,11 +142,25 @@ fn prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
     (0..len).map(|i| (5 + (i * 7919 + salt * 104_729) % (vocab - 5)) as u32).collect()
 }
 
-fn engine_for<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, seqs: usize, tokens: usize, batch_tokens: usize) -> anyhow::Result<Engine<B>> {
-    let layout = model.kv_layout(16);
+fn engine_for<B: Backend>(
+    model: &Arc<Model<B>>,
+    tok: &Arc<Tokenizer>,
+    args: &BenchEngineArgs,
+    seqs: usize,
+    tokens: usize,
+    batch_tokens: usize,
+) -> anyhow::Result<Engine<B>> {
+    let kv_dtype = args.kv_dtype.row_dtype();
+    let layout = model.kv_layout(16, kv_dtype);
     let pages = seqs * tokens.div_ceil(16) + 1;
-    let config =
-        EngineConfig { block_size: 16, pool_bytes: pages * layout.page_bytes(), max_batch_tokens: batch_tokens, max_running: seqs, ..EngineConfig::default() };
+    let config = EngineConfig {
+        block_size: 16,
+        kv_dtype,
+        pool_bytes: pages * layout.page_bytes(),
+        max_batch_tokens: batch_tokens,
+        max_running: seqs,
+        ..EngineConfig::default()
+    };
     Ok(Engine::new(model.clone(), tok.clone(), config)?)
 }
 
@@ -158,7 +175,7 @@ fn decode_row<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, costs: &C
     // Prompts are prefilled a few per step while earlier ones already decode; every sequence
     // gets enough headroom to still be running through the timed steps.
     let new_tokens = warmup + steps + batch + 1;
-    let mut engine = engine_for(model, tok, batch, ctx + new_tokens, ctx * batch.min(16))?;
+    let mut engine = engine_for(model, tok, args, batch, ctx + new_tokens, ctx * batch.min(16))?;
     for s in 0..batch {
         engine.add(request(model, prompt(ctx, model.config().vocab_size, s), new_tokens)?)?;
     }
@@ -195,7 +212,7 @@ fn prefill_row<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, costs: &
     let n = args.prefill_tokens.min(model.config().max_position_embeddings - 1);
     let mut best = f64::INFINITY;
     for rep in 0..3 {
-        let mut engine = engine_for(model, tok, 1, n + 1, n)?;
+        let mut engine = engine_for(model, tok, args, 1, n + 1, n)?;
         engine.add(request(model, prompt(n, model.config().vocab_size, rep), 1)?)?;
         // The scheduler may cut a long prompt into chunks (its step-cost bound): time every step
         // until the first token.
@@ -249,10 +266,11 @@ impl Measured {
 fn print_table(r: &Report) {
     println!("machine: {}", r.host);
     println!(
-        "model: {} ({:.1} M parameters, {:.0} MB of weights read per step)",
+        "model: {} ({:.1} M parameters, {:.0} MB of weights read per step), KV pool in {:?}",
         r.model.source,
         r.model.parameters as f64 / 1e6,
-        r.model.weight_bytes as f64 / 1e6
+        r.model.weight_bytes as f64 / 1e6,
+        r.model.kv_dtype
     );
     println!(
         "{:<8} {:>5} {:>7} {:>10} {:>9} {:>8} {:>6} {:>7} {:>6} {:>6} {:>6}",

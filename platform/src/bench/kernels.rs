@@ -187,7 +187,7 @@ fn measured(kernel: &'static str, name: &str, secs: f64, bytes: u64, copy_gbs: f
 /// Decode attention: `batch` sequences of `context` tokens, 32 heads over 8 KV heads of 128, bf16.
 fn attention_row(g: &CudaBackend, rng: &mut StdRng, batch: usize, context: usize, copy_gbs: f64) -> anyhow::Result<Row> {
     let (heads, kv_heads, hd, block) = (32, 8, 128, 16);
-    let layout = KvLayout { num_layers: 1, num_kv_heads: kv_heads, head_dim: hd, block_size: block };
+    let layout = KvLayout { num_layers: 1, num_kv_heads: kv_heads, head_dim: hd, block_size: block, dtype: RowDType::F32 };
     let blocks = context.div_ceil(block);
     let pages = batch * blocks;
     // Several caches' worth of pages would not fit for the largest shapes; one cache, with the

@@ -123,7 +123,11 @@ pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
     // Bytes the kernels stream per adapter: its packed rows as stored in the pool.
     let adapter_mb = {
         let adapter = loraplex_adapters::LoraAdapter::load(&batch_refs[0].dir, &model.base_shape(), &Default::default())?;
-        let packed = loraplex_adapters::PackedAdapter::pack(&adapter, model.kv_layout(16).page_elems(), loraplex_kernels::LORA_ROW_ALIGN)?;
+        let packed = loraplex_adapters::PackedAdapter::pack(
+            &adapter,
+            model.kv_layout(16, loraplex_kernels::RowDType::F32).page_elems(),
+            loraplex_kernels::LORA_ROW_ALIGN,
+        )?;
         (packed.bytes() - packed.unused() * 4) as f64 / 1e6
     };
     let report = Report {
@@ -312,7 +316,7 @@ impl Bench<'_> {
 /// evicted from the pool while still in host memory.
 fn residency_times(model: &Model<CpuBackend>, adapters: &[AdapterRef]) -> anyhow::Result<Vec<ResidencyTimes>> {
     let backend = model.backend().clone();
-    let layout = model.kv_layout(16);
+    let layout = model.kv_layout(16, loraplex_kernels::RowDType::F32);
     let mut mem = DevicePool::with_bytes(backend.as_ref(), layout, 256 << 20)?;
     let loader = AdapterLoader::new(&LoaderConfig::default(), model.base_shape(), layout.page_elems())?;
     let mut res = AdapterResidency::new(loader, model.config().num_layers, usize::MAX);

@@ -72,7 +72,7 @@ impl Setup {
     }
 
     fn page_bytes(&self, config: &EngineConfig) -> usize {
-        self.model.kv_layout(config.block_size).page_bytes()
+        config.kv_layout(&self.model).page_bytes()
     }
 }
 
@@ -398,7 +398,7 @@ pub fn churn(setup: &Setup, opts: &ChurnOptions) -> anyhow::Result<ChurnResult> 
         dtype: FileDType::Bf16,
     })?;
     let refs: Vec<AdapterRef> = dirs.iter().enumerate().map(|(i, d)| AdapterRef::new(format!("churn/{i}@1"), d)).collect();
-    let page_elems = setup.model.kv_layout(opts.engine.block_size).page_elems();
+    let page_elems = opts.engine.kv_layout(&setup.model).page_elems();
     let adapter = LoraAdapter::load(&refs[0].dir, &setup.model.base_shape(), &Default::default())?;
     let adapter_pages = PackedAdapter::pack(&adapter, page_elems, LORA_ROW_ALIGN)?.num_pages();
     let kv_pages = opts.engine.max_running.min(opts.requests) * setup.blocks(&opts.engine, opts.prompt + opts.max_new_tokens);

@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use loraplex_kernels::{Backend, KernelError, NO_ADAPTER};
+use loraplex_kernels::{Backend, KernelError, KvLayout, NO_ADAPTER, RowDType};
 
 use crate::memory::{
     AdapterLoader, AdapterRef, AdapterResidency, BlockHash, BlockTable, DevicePool, LoaderConfig, LoaderPool, PoolStats, PrefixCache, PrefixStats, Residency,
@@ -42,6 +42,9 @@ pub use sequence::{SeqUsage, TokenEvent};
 pub struct EngineConfig {
     /// Tokens per KV block (page).
     pub block_size: usize,
+    /// How K and V values are stored in the pool (bf16: half the bytes per token, rounded once
+    /// on write). The backend must support it ([`loraplex_kernels::Memory::supports_kv_dtype`]).
+    pub kv_dtype: RowDType,
     /// Bytes of device memory for KV pages.
     pub pool_bytes: usize,
     /// Most tokens one forward carries (prefill chunks plus decodes).
@@ -67,6 +70,11 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
+    /// The layout of one pool page for `model` under this configuration.
+    pub fn kv_layout<B: Backend>(&self, model: &Model<B>) -> KvLayout {
+        model.kv_layout(self.block_size, self.kv_dtype)
+    }
+
     /// Pages of the pool that pins may take, of `total`.
     pub fn max_pinned_pages(&self, total: usize) -> usize {
         total.saturating_mul(self.pinned_percent.min(100) as usize) / 100
@@ -77,6 +85,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         Self {
             block_size: 16,
+            kv_dtype: RowDType::F32,
             pool_bytes: 1 << 30,
             max_batch_tokens: 2048,
             max_running: 256,
@@ -168,7 +177,10 @@ impl<B: Backend> Engine<B> {
         if config.block_size == 0 || config.max_batch_tokens == 0 || config.max_running == 0 {
             return Err(EngineError::Config(format!("block size, batch tokens and running sequences must be positive: {config:?}")));
         }
-        let layout = model.kv_layout(config.block_size);
+        if !model.backend().supports_kv_dtype(config.kv_dtype) {
+            return Err(EngineError::Config(format!("{} cannot keep KV pages in {}", model.backend().device_name(), config.kv_dtype.dtype())));
+        }
+        let layout = config.kv_layout(&model);
         let mem = DevicePool::with_bytes(model.backend().as_ref(), layout, config.pool_bytes)?;
         let loader = match host {
             Some(pool) => AdapterLoader::on(pool),

@@ -1,7 +1,7 @@
 //! Raw logits of one sequence, step by step: what parity checks against a reference compare.
 
 use loraplex_adapters::{LoraAdapter, PackedAdapter};
-use loraplex_kernels::{Backend, LORA_ROW_ALIGN};
+use loraplex_kernels::{Backend, LORA_ROW_ALIGN, RowDType};
 
 use super::EngineError;
 use super::batch::{Chunk, HostBatch};
@@ -17,9 +17,10 @@ pub fn greedy_logits<B: Backend>(
     prompt: &[u32],
     n: usize,
     block_size: usize,
+    kv_dtype: RowDType,
     adapter: Option<&LoraAdapter>,
 ) -> Result<Vec<Vec<f32>>, EngineError> {
-    let layout = model.kv_layout(block_size);
+    let layout = model.kv_layout(block_size, kv_dtype);
     let backend = model.backend().as_ref();
     let total = prompt.len() + n;
     let packed =

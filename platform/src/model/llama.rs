@@ -1,7 +1,7 @@
 //! The Llama-family forward pass.
 
 use loraplex_adapters::{BaseShape, TargetModule};
-use loraplex_kernels::{AttentionParams, Backend, BatchMeta, KernelError, KvLayout};
+use loraplex_kernels::{AttentionParams, Backend, BatchMeta, KernelError, KvLayout, RowDType};
 
 use super::weights::Checkpoint;
 use super::{Linear, LoraBatch, LoraContext, ModelConfig, ModelError, SharedBackend, rope};
@@ -104,9 +104,9 @@ impl<B: Backend> Model<B> {
         &self.backend
     }
 
-    /// The layout of one KV page for this model.
-    pub fn kv_layout(&self, block_size: usize) -> KvLayout {
-        KvLayout { num_layers: self.config.num_layers, num_kv_heads: self.config.num_kv_heads, head_dim: self.config.head_dim, block_size }
+    /// The layout of one KV page for this model, its values stored as `dtype`.
+    pub fn kv_layout(&self, block_size: usize, dtype: RowDType) -> KvLayout {
+        KvLayout { num_layers: self.config.num_layers, num_kv_heads: self.config.num_kv_heads, head_dim: self.config.head_dim, block_size, dtype }
     }
 
     /// The projection shapes adapters are validated against.

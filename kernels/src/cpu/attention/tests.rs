@@ -48,90 +48,159 @@ fn dense_attention(q: &[f32], k: &[f32], v: &[f32], len: usize, new: usize, shap
     out
 }
 
+/// Values as a bf16 KV page holds them: rounded to nearest even.
+fn round_bf16(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect()
+}
+
+/// Writes the cached prefixes and the batch's K/V of three sequences (a decode, a prefill with a
+/// cached prefix, a fresh prefill) into scattered pages of a `dtype` cache and attends; returns
+/// the output and dense attention over the values (rounded first when `round` is set).
+fn paged_case(cpu: &CpuBackend, dtype: RowDType, round: bool, window: Option<usize>) -> (Vec<f32>, Vec<f32>) {
+    let (heads, kv_heads, hd) = (6, 2, 8);
+    let layout = KvLayout { num_layers: 2, num_kv_heads: kv_heads, head_dim: hd, block_size: 4, dtype };
+    let num_pages = 32;
+    // (total length, new tokens)
+    let seqs = [(9usize, 1usize), (13, 5), (7, 7)];
+    let mut seed = 42u64;
+    let mut cache = cpu.zeros(num_pages * layout.page_elems()).unwrap();
+    // Scattered, non-contiguous pages for each sequence.
+    let mut next_page = num_pages as u32 - 1;
+    let mut tables = Vec::new();
+    let max_blocks = 4;
+    let (mut positions, mut slots, mut seq_starts, mut ctx) = (vec![], vec![], vec![0u32], vec![]);
+    let (mut all_q, mut dense) = (vec![], vec![]);
+    let mut ks = vec![];
+    let mut vs = vec![];
+    for &(len, new) in &seqs {
+        let mut table = vec![0u32; max_blocks];
+        for entry in table.iter_mut().take(len.div_ceil(layout.block_size)) {
+            *entry = next_page;
+            next_page -= 3;
+        }
+        let (mut k, mut v) = (rand_vec(len * kv_heads * hd, &mut seed), rand_vec(len * kv_heads * hd, &mut seed));
+        if round {
+            (k, v) = (round_bf16(&k), round_bf16(&v));
+        }
+        let q = rand_vec(new * heads * hd, &mut seed);
+        // The cached prefix goes in through one write, the new tokens through the batch.
+        let prefix = len - new;
+        if prefix > 0 {
+            let pm = BatchMeta {
+                num_seqs: 1,
+                num_tokens: prefix,
+                max_blocks_per_seq: max_blocks,
+                positions: cpu.upload_u32(&(0..prefix as u32).collect::<Vec<_>>()).unwrap(),
+                slots: cpu.upload_u32(&(0..prefix).map(|p| table[p / 4] * 4 + (p % 4) as u32).collect::<Vec<_>>()).unwrap(),
+                seq_starts: cpu.upload_u32(&[0, prefix as u32]).unwrap(),
+                context_lens: cpu.upload_u32(&[prefix as u32]).unwrap(),
+                block_tables: cpu.upload_u32(&table).unwrap(),
+            };
+            let kp = cpu.upload_f32(&k[..prefix * kv_heads * hd]).unwrap();
+            let vp = cpu.upload_f32(&v[..prefix * kv_heads * hd]).unwrap();
+            cpu.write_kv(&kp, &vp, &mut cache, &pm, &layout, 1).unwrap();
+        }
+        for p in prefix..len {
+            positions.push(p as u32);
+            slots.push(table[p / 4] * 4 + (p % 4) as u32);
+        }
+        ks.extend_from_slice(&k[prefix * kv_heads * hd..]);
+        vs.extend_from_slice(&v[prefix * kv_heads * hd..]);
+        seq_starts.push(seq_starts.last().unwrap() + new as u32);
+        ctx.push(len as u32);
+        tables.extend_from_slice(&table);
+        all_q.extend_from_slice(&q);
+        dense.extend(dense_attention(&q, &k, &v, len, new, &Heads { heads, kv_heads, hd }, window));
+    }
+    let tokens = positions.len();
+    let meta = BatchMeta {
+        num_seqs: seqs.len(),
+        num_tokens: tokens,
+        max_blocks_per_seq: max_blocks,
+        positions: cpu.upload_u32(&positions).unwrap(),
+        slots: cpu.upload_u32(&slots).unwrap(),
+        seq_starts: cpu.upload_u32(&seq_starts).unwrap(),
+        context_lens: cpu.upload_u32(&ctx).unwrap(),
+        block_tables: cpu.upload_u32(&tables).unwrap(),
+    };
+    cpu.write_kv(&cpu.upload_f32(&ks).unwrap(), &cpu.upload_f32(&vs).unwrap(), &mut cache, &meta, &layout, 1).unwrap();
+    let params = AttentionParams { layer: 1, num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), sliding_window: window };
+    let mut out = cpu.upload_f32(&vec![f32::NAN; tokens * heads * hd]).unwrap();
+    cpu.attention(&cpu.upload_f32(&all_q).unwrap(), &cache, &mut out, &meta, &layout, &params).unwrap();
+    (cpu.download_f32(&out).unwrap(), dense)
+}
+
+fn max_error(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
+}
+
 #[test]
 fn paged_attention_matches_dense_for_mixed_prefill_and_decode() {
     for cpu in Path::available().into_iter().map(CpuBackend::with_path) {
-        let (heads, kv_heads, hd) = (6, 2, 8);
-        let layout = KvLayout { num_layers: 2, num_kv_heads: kv_heads, head_dim: hd, block_size: 4 };
-        let num_pages = 32;
-        // (total length, new tokens): a decode, a prefill with a cached prefix, a fresh prefill.
-        let seqs = [(9usize, 1usize), (13, 5), (7, 7)];
         for window in [None, Some(3)] {
-            let mut seed = 42u64;
-            let mut cache = cpu.zeros(num_pages * layout.page_elems()).unwrap();
-            // Scattered, non-contiguous pages for each sequence.
-            let mut next_page = num_pages as u32 - 1;
-            let mut tables = Vec::new();
-            let max_blocks = 4;
-            let (mut positions, mut slots, mut seq_starts, mut ctx) = (vec![], vec![], vec![0u32], vec![]);
-            let (mut all_q, mut dense) = (vec![], vec![]);
-            let mut ks = vec![];
-            let mut vs = vec![];
-            for &(len, new) in &seqs {
-                let mut table = vec![0u32; max_blocks];
-                for entry in table.iter_mut().take(len.div_ceil(layout.block_size)) {
-                    *entry = next_page;
-                    next_page -= 3;
-                }
-                let k = rand_vec(len * kv_heads * hd, &mut seed);
-                let v = rand_vec(len * kv_heads * hd, &mut seed);
-                let q = rand_vec(new * heads * hd, &mut seed);
-                // The cached prefix goes in through one write, the new tokens through the batch.
-                let prefix = len - new;
-                if prefix > 0 {
-                    let pm = BatchMeta {
-                        num_seqs: 1,
-                        num_tokens: prefix,
-                        max_blocks_per_seq: max_blocks,
-                        positions: cpu.upload_u32(&(0..prefix as u32).collect::<Vec<_>>()).unwrap(),
-                        slots: cpu.upload_u32(&(0..prefix).map(|p| table[p / 4] * 4 + (p % 4) as u32).collect::<Vec<_>>()).unwrap(),
-                        seq_starts: cpu.upload_u32(&[0, prefix as u32]).unwrap(),
-                        context_lens: cpu.upload_u32(&[prefix as u32]).unwrap(),
-                        block_tables: cpu.upload_u32(&table).unwrap(),
-                    };
-                    let kp = cpu.upload_f32(&k[..prefix * kv_heads * hd]).unwrap();
-                    let vp = cpu.upload_f32(&v[..prefix * kv_heads * hd]).unwrap();
-                    cpu.write_kv(&kp, &vp, &mut cache, &pm, &layout, 1).unwrap();
-                }
-                for p in prefix..len {
-                    positions.push(p as u32);
-                    slots.push(table[p / 4] * 4 + (p % 4) as u32);
-                }
-                ks.extend_from_slice(&k[prefix * kv_heads * hd..]);
-                vs.extend_from_slice(&v[prefix * kv_heads * hd..]);
-                seq_starts.push(seq_starts.last().unwrap() + new as u32);
-                ctx.push(len as u32);
-                tables.extend_from_slice(&table);
-                all_q.extend_from_slice(&q);
-                dense.extend(dense_attention(&q, &k, &v, len, new, &Heads { heads, kv_heads, hd }, window));
-            }
-            let tokens = positions.len();
-            let meta = BatchMeta {
-                num_seqs: seqs.len(),
-                num_tokens: tokens,
-                max_blocks_per_seq: max_blocks,
-                positions: cpu.upload_u32(&positions).unwrap(),
-                slots: cpu.upload_u32(&slots).unwrap(),
-                seq_starts: cpu.upload_u32(&seq_starts).unwrap(),
-                context_lens: cpu.upload_u32(&ctx).unwrap(),
-                block_tables: cpu.upload_u32(&tables).unwrap(),
-            };
-            cpu.write_kv(&cpu.upload_f32(&ks).unwrap(), &cpu.upload_f32(&vs).unwrap(), &mut cache, &meta, &layout, 1).unwrap();
-            let params =
-                AttentionParams { layer: 1, num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), sliding_window: window };
-            let mut out = cpu.upload_f32(&vec![f32::NAN; tokens * heads * hd]).unwrap();
-            cpu.attention(&cpu.upload_f32(&all_q).unwrap(), &cache, &mut out, &meta, &layout, &params).unwrap();
-            let got = cpu.download_f32(&out).unwrap();
-            let err = got.iter().zip(&dense).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            assert!(err < 1e-5, "window {window:?}: max error {err}");
+            let (got, dense) = paged_case(&cpu, RowDType::F32, false, window);
+            let err = max_error(&got, &dense);
+            assert!(err < 1e-5, "{:?}, window {window:?}: max error {err}", cpu.path());
         }
     }
+}
+
+/// A bf16 KV page rounds each value once, on write, to nearest even, and attention widens it
+/// exactly: the result equals f32 attention over the rounded values bit for bit, on every path.
+#[test]
+fn bf16_kv_pages_round_on_write_and_attend_like_f32_pages_of_the_rounded_values() {
+    for cpu in Path::available().into_iter().map(CpuBackend::with_path) {
+        for window in [None, Some(3)] {
+            let (half, dense_raw) = paged_case(&cpu, RowDType::Bf16, false, window);
+            let (full_rounded, dense_rounded) = paged_case(&cpu, RowDType::F32, true, window);
+            assert!(max_error(&full_rounded, &dense_rounded) < 1e-5);
+            let same = half.iter().zip(&full_rounded).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{:?}, window {window:?}: bf16 pages differ from f32 pages of the rounded values", cpu.path());
+            let err = max_error(&half, &dense_raw);
+            assert!(err > 0.0 && err < 2e-2, "{:?}: bf16 KV error {err} against f32 values", cpu.path());
+        }
+    }
+}
+
+/// A bf16 page is half the bytes of an f32 page and every value lands where the layout says.
+#[test]
+fn bf16_kv_layout_halves_the_page_and_writes_only_its_slots() {
+    let cpu = CpuBackend::new();
+    let f32_layout = KvLayout { num_layers: 2, num_kv_heads: 1, head_dim: 4, block_size: 2, dtype: RowDType::F32 };
+    let layout = KvLayout { dtype: RowDType::Bf16, ..f32_layout };
+    assert_eq!(layout.page_values(), f32_layout.page_elems());
+    assert_eq!(2 * layout.page_bytes(), f32_layout.page_bytes());
+    let mut cache = cpu.zeros(3 * layout.page_elems()).unwrap();
+    let meta = BatchMeta {
+        num_seqs: 1,
+        num_tokens: 1,
+        max_blocks_per_seq: 1,
+        positions: cpu.upload_u32(&[1]).unwrap(),
+        slots: cpu.upload_u32(&[2 * 2 + 1]).unwrap(),
+        seq_starts: cpu.upload_u32(&[0, 1]).unwrap(),
+        context_lens: cpu.upload_u32(&[2]).unwrap(),
+        block_tables: cpu.upload_u32(&[2]).unwrap(),
+    };
+    let (k, v) = ([1.0, -2.0, 1.0 + 1.0 / 256.0, 3.0], [0.5, 0.25, -0.125, 1.0 + 3.0 / 256.0]);
+    cpu.write_kv(&cpu.upload_f32(&k).unwrap(), &cpu.upload_f32(&v).unwrap(), &mut cache, &meta, &layout, 1).unwrap();
+    let slots = cpu.download_f32(&cache).unwrap();
+    let values: &[u16] = bytemuck::cast_slice(&slots);
+    let kd = layout.offset(2, 1, 0, 0, 1);
+    let vd = layout.offset(2, 1, 1, 0, 1);
+    let widen = |b: &[u16]| b.iter().map(|&x| f32::from_bits((x as u32) << 16)).collect::<Vec<_>>();
+    // 1 + 1/256 is a tie between 1 and 1 + 1/128: to even (1); 1 + 3/256 rounds up to 1 + 1/64.
+    assert_eq!(widen(&values[kd..kd + 4]), [1.0, -2.0, 1.0, 3.0]);
+    assert_eq!(widen(&values[vd..vd + 4]), [0.5, 0.25, -0.125, 1.0 + 1.0 / 64.0]);
+    let written = values.iter().filter(|&&x| x != 0).count();
+    assert_eq!(written, 8, "only the token's K and V rows are written");
+    assert!(kd >= 2 * layout.page_values() && vd + 4 <= 3 * layout.page_values(), "inside page 2");
 }
 
 #[test]
 fn attention_rejects_positions_beyond_context_and_bad_pages() {
     let cpu = CpuBackend::new();
-    let layout = KvLayout { num_layers: 1, num_kv_heads: 1, head_dim: 2, block_size: 2 };
+    let layout = KvLayout { num_layers: 1, num_kv_heads: 1, head_dim: 2, block_size: 2, dtype: RowDType::F32 };
     let cache = cpu.zeros(2 * layout.page_elems()).unwrap();
     let params = AttentionParams { layer: 0, num_heads: 1, num_kv_heads: 1, head_dim: 2, scale: 1.0, sliding_window: None };
     let meta = |pos: u32, page: u32| BatchMeta {

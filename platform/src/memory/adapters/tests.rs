@@ -2,7 +2,7 @@ use std::path::PathBuf;
 
 use loraplex_adapters::{AdapterLimits, BaseShape};
 use loraplex_kernels::cpu::CpuBackend;
-use loraplex_kernels::{KvLayout, Memory};
+use loraplex_kernels::{KvLayout, Memory, RowDType};
 
 use super::*;
 use crate::memory::{LoaderConfig, PagePool};
@@ -17,7 +17,7 @@ fn shape() -> BaseShape {
 }
 
 fn layout() -> KvLayout {
-    KvLayout { num_layers: 4, num_kv_heads: 2, head_dim: 16, block_size: 16 }
+    KvLayout { num_layers: 4, num_kv_heads: 2, head_dim: 16, block_size: 16, dtype: RowDType::F32 }
 }
 
 fn setup(pages: usize, host_cache_bytes: u64) -> (CpuBackend, DevicePool<CpuBackend>, AdapterResidency) {

@@ -2,6 +2,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use loraplex_adapters::{AdapterLimits, LoraAdapter, LoraModule, TargetModule};
+use loraplex_kernels::RowDType;
 use loraplex_kernels::cpu::CpuBackend;
 use safetensors::SafeTensors;
 use safetensors::tensor::TensorView;
@@ -285,7 +286,7 @@ fn merged(model: &Path, adapter: &LoraAdapter, out: &Path) {
 
 fn greedy(model: &Path, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
     let model = crate::model::load(Arc::new(CpuBackend::new()), model).unwrap();
-    let rows = crate::engine::scoring::greedy_logits(&model, prompt, steps, 16, None).unwrap();
+    let rows = crate::engine::scoring::greedy_logits(&model, prompt, steps, 16, RowDType::F32, None).unwrap();
     let tokens = rows.iter().map(|r| (0..r.len()).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap() as u32).collect();
     (tokens, rows)
 }
