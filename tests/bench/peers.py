@@ -14,7 +14,10 @@ tokens, end of sequence ignored. Workloads: the base model one request at a time
 requests over 128 adapters (32 at a time). Reported per system and workload: tokens/s (all
 generated tokens over the wall time), time to first token and time per output token (medians),
 and whether the output agrees with transformers + PEFT (text, decoded with the model's
-tokenizer). Writes `peers.json` and `peers.png` (throughput against the number of adapters).
+tokenizer). All three run side by side and take turns, workload by workload, several rounds for
+the short workloads (a shared machine's memory bandwidth drifts by tens of percent over
+minutes; taking turns puts the drift on every system alike); a workload's throughput is its
+median round. Writes `peers.json` and `peers.png` (throughput against the number of adapters).
 
 Usage (see README.md, "loraplex bench peers"):
 
@@ -31,6 +34,7 @@ import concurrent.futures as cf
 import http.client
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -43,14 +47,17 @@ PROMPT_TOKENS = 128
 NEW_TOKENS = 128
 CONCURRENCY = 32
 RANK = 16
-# (name, requests, concurrency, distinct adapters; 0 = the base model)
+# (name, requests, concurrency, distinct adapters (0 = the base model), rounds). The systems
+# take turns, workload by workload and round by round, so that a slow drift of the machine's
+# speed (a shared host's memory bandwidth moves by tens of percent over minutes) falls on all
+# of them alike; a workload's figure is its median round.
 WORKLOADS = [
-    ("base-batch-1", 2, 1, 0),
-    ("base-batch-32", 32, CONCURRENCY, 0),
-    ("adapters-1", 32, CONCURRENCY, 1),
-    ("adapters-8", 32, CONCURRENCY, 8),
-    ("adapters-32", 32, CONCURRENCY, 32),
-    ("adapters-128", 128, CONCURRENCY, 128),
+    ("base-batch-1", 2, 1, 0, 5),
+    ("base-batch-32", 32, CONCURRENCY, 0, 2),
+    ("adapters-1", 32, CONCURRENCY, 1, 1),
+    ("adapters-8", 32, CONCURRENCY, 8, 2),
+    ("adapters-32", 32, CONCURRENCY, 32, 1),
+    ("adapters-128", 128, CONCURRENCY, 128, 1),
 ]
 
 
@@ -157,8 +164,23 @@ def summarize(name, system, results, wall, adapters):
     }
 
 
+def summarize_rounds(workload, system, rounds):
+    """A workload's row from its rounds: throughput of the median round, latencies over every
+    request, the texts of the first round."""
+    rows = [summarize(workload[0], system, results, wall, workload[3]) for results, wall in rounds]
+    rates = sorted(r["tokens_per_s"] for r in rows)
+    row = dict(rows[0])
+    row["tokens_per_s"] = statistics.median(rates)
+    row["tokens_per_s_rounds"] = [r["tokens_per_s"] for r in rows]
+    every = [x for results, _ in rounds for x in results]
+    row["ttft_ms_median"] = 1e3 * statistics.median(r["ttft"] for r in every)
+    row["tpot_ms_median"] = 1e3 * statistics.median((r["e2e"] - r["ttft"]) / max(1, NEW_TOKENS - 1) for r in every)
+    row["wall_s"] = sum(wall for _, wall in rounds)
+    return row
+
+
 def run_clients(workload, send):
-    name, count, concurrency, adapters = workload
+    name, count, concurrency, adapters, _ = workload
     jobs = [(i, (i % adapters) if adapters else None) for i in range(count)]
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -179,17 +201,22 @@ def multipart(fields):
     return b"".join(parts), f"multipart/form-data; boundary={boundary}"
 
 
-def run_loraplex(args, model_dir, adapter_dirs, vocab, threads):
-    port = free_port()
-    admin = "bench-" + uuid.uuid4().hex
-    data = Path(args.out) / "loraplex-data"
-    env = {**os.environ, "LORAPLEX_THREADS": str(threads)}
-    cmd = [args.loraplex, "serve", "--model", str(model_dir), "--data-dir", str(data), "--admin-key", admin, "--port", str(port),
-           "--pool-mb", "4096", "--max-running", str(CONCURRENCY), "--max-batch-tokens", "1024"]
-    logf = open(Path(args.out) / "loraplex.log", "w")
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
-    try:
-        wait_http(port, "/health", time.time() + 300, proc)
+class Loraplex:
+    """loraplex's HTTP server with every adapter uploaded."""
+
+    name = "loraplex"
+
+    def __init__(self, args, model_dir, adapter_dirs, vocab, threads):
+        port = free_port()
+        admin = "bench-" + uuid.uuid4().hex
+        data = Path(args.out) / "loraplex-data"
+        shutil.rmtree(data, ignore_errors=True)  # a fresh database: tenants and adapters are made below
+        env = {**os.environ, "LORAPLEX_THREADS": str(threads)}
+        cmd = [args.loraplex, "serve", "--model", str(model_dir), "--data-dir", str(data), "--admin-key", admin, "--port", str(port),
+               "--pool-mb", "4096", "--max-running", str(CONCURRENCY), "--max-batch-tokens", "1024"]
+        log_path = Path(args.out) / "loraplex.log"
+        self.proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+        wait_http(port, "/health", time.time() + 300, self.proc)
         auth = {"Authorization": f"Bearer {admin}"}
         tenant = request_json(port, "POST", "/admin/tenants", {"name": "bench", "limits": {}}, auth)
         key = request_json(port, "POST", f"/admin/tenants/{tenant['id']}/keys", None, auth)["key"]
@@ -215,19 +242,18 @@ def run_loraplex(args, model_dir, adapter_dirs, vocab, threads):
                                             lambda e: e["choices"][0]["text"] if e.get("choices") else None)
             return {"ttft": ttft, "e2e": e2e, "text": text}
 
-        rows = []
+        self.send = send
+        self.adapters = len(names)
         send(0, None)  # warm-up
-        for w in WORKLOADS:
-            if w[3] > len(names):
-                continue
-            log(f"loraplex: {w[0]} ...")
-            results, wall = run_clients(w, send)
-            rows.append(summarize(w[0], "loraplex", results, wall, w[3]))
-        isa = next((l.split(":", 1)[1].strip() for l in (Path(args.out) / "loraplex.log").read_text().splitlines() if l.startswith("CPU kernels:")), "?")
-        return rows, {"kernels": isa}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        isa = next((l.split(":", 1)[1].strip() for l in log_path.read_text().splitlines() if l.startswith("CPU kernels:")), "?")
+        self.info = {"kernels": isa}
+
+    def run(self, w):
+        return run_clients(w, self.send)
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
 
 
 # --- llama.cpp ------------------------------------------------------------------------------
@@ -260,30 +286,33 @@ def convert(src, script, jobs):
     subprocess.run([sys.executable, "-c", code, str(src), str(src / script), json.dumps(jobs)], check=True, stdout=subprocess.DEVNULL)
 
 
-def run_llama(args, model_dir, adapter_dirs, vocab, threads):
-    out = Path(args.out) / "gguf"
-    out.mkdir(parents=True, exist_ok=True)
-    src = Path(args.llama_src)
-    model_gguf = out / "model-f32.gguf"
-    if not model_gguf.exists():
-        log("llama.cpp: converting the model ...")
-        convert(src, "convert_hf_to_gguf.py", [[model_dir, "--outtype", "f32", "--outfile", model_gguf]])
-    loras = [out / f"lora-{i:03d}.gguf" for i in range(len(adapter_dirs))]
-    todo = [[d, "--base", model_dir, "--outtype", "f32", "--outfile", g] for d, g in zip(adapter_dirs, loras) if not g.exists()]
-    if todo:
-        log(f"llama.cpp: converting {len(todo)} adapters ...")
-        convert(src, "convert_lora_to_gguf.py", todo)
-    log(f"llama.cpp: {len(loras)} adapters converted")
-    port = free_port()
-    ctx = CONCURRENCY * (PROMPT_TOKENS + NEW_TOKENS + 8)
-    cmd = [args.llama_server, "-m", str(model_gguf), "--port", str(port), "-t", str(threads), "-tb", str(threads), "-np", str(CONCURRENCY),
-           "-c", str(ctx), "--lora-init-without-apply", "--no-warmup"]
-    for g in loras:
-        cmd += ["--lora", str(g)]
-    logf = open(Path(args.out) / "llama-server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
-    try:
-        wait_http(port, "/health", time.time() + 600, proc)
+class LlamaCpp:
+    """llama.cpp's `llama-server` with every adapter attached, none applied by default."""
+
+    name = "llama.cpp"
+
+    def __init__(self, args, model_dir, adapter_dirs, vocab, threads):
+        out = Path(args.out) / "gguf"
+        out.mkdir(parents=True, exist_ok=True)
+        src = Path(args.llama_src)
+        model_gguf = out / "model-f32.gguf"
+        if not model_gguf.exists():
+            log("llama.cpp: converting the model ...")
+            convert(src, "convert_hf_to_gguf.py", [[model_dir, "--outtype", "f32", "--outfile", model_gguf]])
+        loras = [out / f"lora-{i:03d}.gguf" for i in range(len(adapter_dirs))]
+        todo = [[d, "--base", model_dir, "--outtype", "f32", "--outfile", g] for d, g in zip(adapter_dirs, loras) if not g.exists()]
+        if todo:
+            log(f"llama.cpp: converting {len(todo)} adapters ...")
+            convert(src, "convert_lora_to_gguf.py", todo)
+        log(f"llama.cpp: {len(loras)} adapters converted")
+        port = free_port()
+        ctx = CONCURRENCY * (PROMPT_TOKENS + NEW_TOKENS + 8)
+        cmd = [args.llama_server, "-m", str(model_gguf), "--port", str(port), "-t", str(threads), "-tb", str(threads), "-np", str(CONCURRENCY),
+               "-c", str(ctx), "--lora-init-without-apply", "--no-warmup"]
+        for g in loras:
+            cmd += ["--lora", str(g)]
+        self.proc = subprocess.Popen(cmd, stdout=open(Path(args.out) / "llama-server.log", "w"), stderr=subprocess.STDOUT)
+        wait_http(port, "/health", time.time() + 600, self.proc)
         all_prompts = prompts(max(w[1] for w in WORKLOADS), vocab)
 
         def send(i, adapter):
@@ -293,65 +322,72 @@ def run_llama(args, model_dir, adapter_dirs, vocab, threads):
             ttft, e2e, text, _ = stream_sse(port, "/completion", body, {}, lambda e: e.get("content"))
             return {"ttft": ttft, "e2e": e2e, "text": text}
 
-        rows = []
+        self.send = send
+        self.adapters = len(loras)
         send(0, None)
-        for w in WORKLOADS:
-            if w[3] > len(loras):
-                continue
-            log(f"llama.cpp: {w[0]} ...")
-            results, wall = run_clients(w, send)
-            rows.append(summarize(w[0], "llama.cpp", results, wall, w[3]))
-        return rows, {}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        self.info = {}
+
+    def run(self, w):
+        return run_clients(w, self.send)
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
 
 
 # --- transformers + PEFT --------------------------------------------------------------------
 
 
-def run_peft(args, model_dir, adapter_dirs, vocab, threads):
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class Peft:
+    """transformers + PEFT in this process: every adapter loaded, mixed-adapter `generate`."""
 
-    torch.set_num_threads(threads)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, str(adapter_dirs[0]), adapter_name="a000")
-    for i, d in enumerate(adapter_dirs[1:], start=1):
-        model.load_adapter(str(d), adapter_name=f"a{i:03d}")
-    model.eval()
-    all_prompts = prompts(max(w[1] for w in WORKLOADS), vocab)
+    name = "transformers+peft"
 
-    def generate(ids, names, new):
-        x = torch.tensor(ids)
-        with torch.no_grad():
-            return model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                  adapter_names=names, pad_token_id=0)
+    def __init__(self, args, model_dir, adapter_dirs, vocab, threads):
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    rows = []
-    for name, count, concurrency, adapters in WORKLOADS:
-        if adapters > len(adapter_dirs):
-            continue
-        log(f"peft: {name} ...")
-        results = []
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, str(adapter_dirs[0]), adapter_name="a000")
+        for i, d in enumerate(adapter_dirs[1:], start=1):
+            model.load_adapter(str(d), adapter_name=f"a{i:03d}")
+        model.eval()
+        self.model = model
+        self.adapters = len(adapter_dirs)
+        self.prompts = prompts(max(w[1] for w in WORKLOADS), vocab)
+        self.info = {"torch": torch.__version__}
+
+    def generate(self, ids, names, new):
+        x = self.torch.tensor(ids)
+        with self.torch.no_grad():
+            return self.model.generate(input_ids=x, attention_mask=self.torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
+                                       do_sample=False, adapter_names=names, pad_token_id=0)
+
+    def run(self, w):
+        name, count, concurrency, adapters, _ = w
+        results, wall = [], 0.0
         for start in range(0, count, concurrency):
             idx = list(range(start, min(count, start + concurrency)))
             names = [f"a{i % adapters:03d}" if adapters else "__base__" for i in idx]
-            ids = [all_prompts[i] for i in idx]
+            ids = [self.prompts[i] for i in idx]
             t = time.perf_counter()
-            generate(ids, names, 1)  # the prefill alone: time to first token of the group
+            self.generate(ids, names, 1)  # the prefill alone: time to first token of the group
             ttft = time.perf_counter() - t
             t = time.perf_counter()
-            out = generate(ids, names, NEW_TOKENS)
+            out = self.generate(ids, names, NEW_TOKENS)
             e2e = time.perf_counter() - t
+            # The separate prefill runs are not part of the throughput.
+            wall += e2e
             for row in out[:, PROMPT_TOKENS:].tolist():
-                results.append({"ttft": ttft, "e2e": e2e, "text": tok.decode(row, skip_special_tokens=True)})
-        # The separate prefill runs are not part of the throughput.
-        wall = sum(r["e2e"] for r in results[::concurrency])
-        rows.append(summarize(name, "transformers+peft", results, max(wall, 1e-9), adapters))
-    return rows, {"torch": torch.__version__}
+                results.append({"ttft": ttft, "e2e": e2e, "text": self.tok.decode(row, skip_special_tokens=True)})
+        return results, max(wall, 1e-9)
+
+    def close(self):
+        pass
 
 
 def plot(rows, path):
@@ -402,14 +438,32 @@ def main():
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     report = {"machine": machine(), "threads": args.threads, "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "rank": RANK,
               "preset": args.preset, "precision": "f32", "systems": {}, "rows": []}
-    runners = {"peft": run_peft, "loraplex": run_loraplex, "llama.cpp": run_llama}
-    for system in args.systems.split(","):
-        if system == "llama.cpp" and not (args.llama_server and args.llama_src):
-            log("llama.cpp: skipped (give --llama-server and --llama-src)")
-            continue
-        rows, info = runners[system](args, model_dir, adapter_dirs, vocab, args.threads)
-        report["systems"][system] = info
-        report["rows"] += rows
+    kinds = {"peft": Peft, "loraplex": Loraplex, "llama.cpp": LlamaCpp}
+    systems = []
+    try:
+        for system in args.systems.split(","):
+            if system == "llama.cpp" and not (args.llama_server and args.llama_src):
+                log("llama.cpp: skipped (give --llama-server and --llama-src)")
+                continue
+            log(f"{system}: starting ...")
+            systems.append(kinds[system](args, model_dir, adapter_dirs, vocab, args.threads))
+            report["systems"][systems[-1].name] = systems[-1].info
+        for w in WORKLOADS:
+            rounds = {s.name: [] for s in systems}
+            for r in range(w[4]):
+                # Turns rotate, so no system always runs right after the same other one.
+                for s in systems[r % len(systems):] + systems[:r % len(systems)]:
+                    if w[3] > s.adapters:
+                        continue
+                    log(f"{s.name}: {w[0]}, round {r + 1} of {w[4]} ...")
+                    time.sleep(1)  # the last system's threads stop spinning
+                    rounds[s.name].append(s.run(w))
+            for s in systems:
+                if rounds[s.name]:
+                    report["rows"].append(summarize_rounds(w, s.name, rounds[s.name]))
+    finally:
+        for s in systems:
+            s.close()
     # Agreement with transformers + PEFT, request by request.
     reference = {r["workload"]: r["texts"] for r in report["rows"] if r["system"] == "transformers+peft"}
     for r in report["rows"]:
