@@ -213,7 +213,10 @@ class Loraplex:
         shutil.rmtree(data, ignore_errors=True)  # a fresh database: tenants and adapters are made below
         env = {**os.environ, "LORAPLEX_THREADS": str(threads)}
         cmd = [args.loraplex, "serve", "--model", str(model_dir), "--data-dir", str(data), "--admin-key", admin, "--port", str(port),
-               "--pool-mb", "4096", "--max-running", str(CONCURRENCY), "--max-batch-tokens", "1024"]
+               "--pool-mb", "4096", "--max-running", str(CONCURRENCY), "--max-batch-tokens", "1024",
+               # Rounds repeat the same prompts: no system may answer them from a cache (llama.cpp's
+               # requests say `cache_prompt: false`).
+               "--no-prefix-cache"]
         log_path = Path(args.out) / "loraplex.log"
         self.proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
         wait_http(port, "/health", time.time() + 300, self.proc)

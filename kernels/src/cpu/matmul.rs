@@ -88,7 +88,7 @@ mod tests {
 
     #[test]
     fn matches_naive_product_on_odd_shapes() {
-        for &(rows, k, n) in &[(1, 7, 5), (3, 33, 17), (17, 64, 48), (64, 130, 97), (5, 1, 1), (200, 40, 33)] {
+        for &(rows, k, n) in &[(1, 7, 5), (3, 33, 17), (17, 64, 48), (64, 130, 97), (5, 1, 1), (200, 40, 33), (1, 70, 16 * 43 + 5)] {
             let x = pseudo_random(rows * k, 1);
             let w = pseudo_random(n * k, 2);
             let b = pseudo_random(n, 3);
@@ -110,7 +110,13 @@ mod tests {
     /// same values (widening is exact, the order of the sums the same), on every path.
     #[test]
     fn half_weights_compute_exactly_like_f32_weights_of_the_same_values() {
-        let (rows, k, n) = (13, 67, 70);
+        for rows in [13, 1] {
+            half_weights_like_f32(rows);
+        }
+    }
+
+    fn half_weights_like_f32(rows: usize) {
+        let (k, n) = (67, 16 * 21 + 6);
         let x = pseudo_random(rows * k, 4);
         let w = pseudo_random(n * k, 5);
         let bf16: Vec<u16> = w.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
@@ -155,18 +161,27 @@ mod batch_invariance {
         }
     }
 
+    /// Shapes of one panel and of many (a single row walks several panels side by side, in
+    /// groups of up to 8, the last panel partly filled), with and without a bias.
     fn rows_do_not_depend_on_their_batch_on(cpu: CpuBackend) {
-        let (k, n) = (70, 45);
-        let w: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
-        let x: Vec<f32> = (0..30 * k).map(|i| ((i * 53 % 97) as f32 - 48.0) / 48.0).collect();
-        let weight = cpu.load_weight(&w, n, k).unwrap();
-        let mut all = cpu.zeros(30 * n).unwrap();
-        cpu.matmul(&cpu.upload_f32(&x).unwrap(), &weight, None, &mut all, 30).unwrap();
-        let all = cpu.download_f32(&all).unwrap();
-        for r in [0, 13, 29] {
-            let mut one = cpu.zeros(n).unwrap();
-            cpu.matmul(&cpu.upload_f32(&x[r * k..(r + 1) * k]).unwrap(), &weight, None, &mut one, 1).unwrap();
-            assert_eq!(cpu.download_f32(&one).unwrap(), all[r * n..(r + 1) * n].to_vec(), "{:?} row {r}", cpu.path());
+        for (k, n) in [(70, 45), (70, 16 * 43 + 5)] {
+            let w: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+            let x: Vec<f32> = (0..30 * k).map(|i| ((i * 53 % 97) as f32 - 48.0) / 48.0).collect();
+            let b: Vec<f32> = (0..n).map(|i| ((i * 29 % 31) as f32 - 15.0) / 15.0).collect();
+            let weight = cpu.load_weight(&w, n, k).unwrap();
+            let bias = cpu.upload_f32(&b).unwrap();
+            for bias in [None, Some(&bias)] {
+                let mut all = cpu.zeros(30 * n).unwrap();
+                cpu.matmul(&cpu.upload_f32(&x).unwrap(), &weight, bias, &mut all, 30).unwrap();
+                let all = cpu.download_f32(&all).unwrap();
+                for r in [0, 13, 29] {
+                    let mut one = cpu.upload_f32(&vec![f32::NAN; n]).unwrap();
+                    cpu.matmul(&cpu.upload_f32(&x[r * k..(r + 1) * k]).unwrap(), &weight, bias, &mut one, 1).unwrap();
+                    let one = cpu.download_f32(&one).unwrap();
+                    let same = one.iter().zip(&all[r * n..(r + 1) * n]).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{:?} n {n}, bias {}: row {r} alone differs from the batch", cpu.path(), bias.is_some());
+                }
+            }
         }
     }
 }

@@ -9,9 +9,12 @@
 //! loads of the panel, one broadcast per row, and two FMAs per row. `MR` is 12 on paths with 32
 //! vector registers (AVX-512, NEON) and 6 on those with 16 (AVX2).
 //!
+//! A single row (decode at batch 1) takes another loop over the same panels, several side by
+//! side, to keep more loads in flight (see [`matvec`]).
+//!
 //! Every output element is accumulated in the same order (bias, then `kk = 0, 1, ..`) whatever
-//! the tile height, so a row's result does not depend on which other rows share its batch, on
-//! every path.
+//! the tile height, and in the single-row loop, so a row's result does not depend on which other
+//! rows share its batch, on every path.
 
 use rayon::prelude::*;
 
@@ -147,6 +150,10 @@ fn matmul_typed<E: Elem + Send + Sync>(x: &[f32], packed: &[E], panels: &Panels,
     let mr = mr(path);
     let dst = OutPtr(out.as_mut_ptr());
     let count = n.div_ceil(nr);
+    if rows == 1 {
+        matvec(x, packed, panels, bias, out, k, n);
+        return;
+    }
     let mut xp = Vec::new();
     for r0 in (0..rows).step_by(ROW_CHUNK) {
         let chunk_rows = ROW_CHUNK.min(rows - r0);
@@ -239,6 +246,112 @@ impl<E: Elem> Kernel for PanelTask<'_, E> {
                     11 => tile.run::<S, 11>(s, out, out_rs),
                     _ => tile.run::<S, MAX_MR>(s, out, out_rs),
                 }
+            }
+        }
+    }
+}
+
+/// One row times the weight (a decode step at batch 1, bound by how fast the panels stream
+/// from memory). A tile of one row keeps only two FMA chains in flight and one panel streaming
+/// at a time, which leaves most of the memory bandwidth unused; here each task walks `G`
+/// neighbouring panels side by side (`2 G` accumulators, `G` streams). Every output element
+/// still starts from its bias and adds `kk = 0, 1, ..` in order, exactly as in a tile, so the
+/// row's result is the same bits as when it shares a batch.
+fn matvec<E: Elem + Send + Sync>(x: &[f32], packed: &[E], panels: &Panels, bias: Option<&[f32]>, out: &mut [f32], k: usize, n: usize) {
+    let (nr, path) = (panels.nr, panels.path);
+    let count = n.div_ceil(nr);
+    // Accumulators and the broadcast row value must fit in the registers; every thread gets
+    // at least one group (a small weight is not left to one thread).
+    let most = if path.registers() >= 32 { 8 } else { 6 };
+    let per = count.div_ceil(rayon::current_num_threads()).clamp(1, most);
+    let dst = OutPtr(out.as_mut_ptr());
+    (0..count.div_ceil(per)).into_par_iter().for_each(|g| {
+        let p0 = g * per;
+        let group = per.min(count - p0);
+        path.run(RowGroup {
+            x: &x[..k],
+            panels: &packed[p0 * k * nr..(p0 + group) * k * nr],
+            bias: bias.map(|b| &b[p0 * nr..n]),
+            // SAFETY: column p0 * nr lies inside out (n elements).
+            out: unsafe { dst.at(p0 * nr) },
+            cols: n - p0 * nr,
+            k,
+            group,
+        });
+    });
+}
+
+/// One row against `group` neighbouring panels (at most 8).
+struct RowGroup<'a, E> {
+    x: &'a [f32],
+    panels: &'a [E],
+    /// The bias from the group's first column on.
+    bias: Option<&'a [f32]>,
+    /// The group's first output column.
+    out: OutPtr,
+    /// Output columns from the group's first one to the end of the row.
+    cols: usize,
+    k: usize,
+    group: usize,
+}
+
+impl<E: Elem> Kernel for RowGroup<'_, E> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run<S: Isa>(self, s: S) {
+        match self.group {
+            8 => self.panels_side_by_side::<S, 8>(s),
+            7 => self.panels_side_by_side::<S, 7>(s),
+            6 => self.panels_side_by_side::<S, 6>(s),
+            5 => self.panels_side_by_side::<S, 5>(s),
+            4 => self.panels_side_by_side::<S, 4>(s),
+            3 => self.panels_side_by_side::<S, 3>(s),
+            2 => self.panels_side_by_side::<S, 2>(s),
+            _ => self.panels_side_by_side::<S, 1>(s),
+        }
+    }
+}
+
+impl<E: Elem> RowGroup<'_, E> {
+    #[inline(always)]
+    fn panels_side_by_side<S: Isa, const G: usize>(&self, s: S) {
+        let lanes = S::F32_LANES;
+        let nr = 2 * lanes;
+        let k = self.k;
+        // Real columns of panel g, split over its two registers.
+        let split = |g: usize| {
+            let c = nr.min(self.cols - g * nr);
+            (c.min(lanes), c.saturating_sub(lanes))
+        };
+        let mut acc: [[S::f32s; 2]; G] = std::array::from_fn(|g| match self.bias {
+            Some(b) => {
+                let (lo, hi) = split(g);
+                let b = &b[g * nr..];
+                [s.partial_load_f32s(&b[..lo]), s.partial_load_f32s(&b[lo..lo + hi])]
+            }
+            None => [s.splat_f32s(0.0); 2],
+        });
+        assert!(self.panels.len() >= G * k * nr && self.x.len() >= k && self.cols > (G - 1) * nr);
+        let w = self.panels.as_ptr();
+        // SAFETY: reads are x[kk] for kk < k and panel g's row kk, w[g * k * nr + kk * nr ..
+        // + nr] for g < G (checked above); the writes are panel g's real columns, inside the
+        // output row, which only this task writes.
+        unsafe {
+            for kk in 0..k {
+                let xv = s.splat_f32s(*self.x.as_ptr().add(kk));
+                for (g, a) in acc.iter_mut().enumerate() {
+                    let p = w.add(g * k * nr + kk * nr);
+                    a[0] = s.mul_add_e_f32s(xv, E::load(s, p), a[0]);
+                    a[1] = s.mul_add_e_f32s(xv, E::load(s, p.add(lanes)), a[1]);
+                }
+            }
+            for (g, a) in acc.iter().enumerate() {
+                let (lo, hi) = split(g);
+                let row = std::slice::from_raw_parts_mut(self.out.0.add(g * nr), lo + hi);
+                let (l, h) = row.split_at_mut(lo);
+                s.partial_store_f32s(l, a[0]);
+                s.partial_store_f32s(h, a[1]);
             }
         }
     }
