@@ -428,6 +428,7 @@ def main():
     p.add_argument("--preset", default="bench")
     p.add_argument("--systems", default="peft,loraplex,llama.cpp")
     p.add_argument("--out", default="peers-out")
+    p.add_argument("--workloads", default=",".join(w[0] for w in WORKLOADS), help="the workloads to run (default: all)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -451,7 +452,11 @@ def main():
             log(f"{system}: starting ...")
             systems.append(kinds[system](args, model_dir, adapter_dirs, vocab, args.threads))
             report["systems"][systems[-1].name] = systems[-1].info
-        for w in WORKLOADS:
+        chosen = set(args.workloads.split(","))
+        unknown = chosen - {w[0] for w in WORKLOADS}
+        if unknown:
+            raise SystemExit(f"unknown workloads: {', '.join(sorted(unknown))}")
+        for w in [w for w in WORKLOADS if w[0] in chosen]:
             rounds = {s.name: [] for s in systems}
             for r in range(w[4]):
                 # Turns rotate, so no system always runs right after the same other one.
