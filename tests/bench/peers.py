@@ -19,7 +19,7 @@ the short workloads (a shared machine's memory bandwidth drifts by tens of perce
 minutes; taking turns puts the drift on every system alike); a workload's throughput is its
 median round. Writes `peers.json` and `peers.png` (throughput against the number of adapters).
 
-Usage (see README.md, "loraplex bench peers"):
+Usage (see README.md, "tests/bench/peers.py"):
 
     python tests/bench/peers.py --loraplex target/release/loraplex \
         [--llama-server PATH --llama-src DIR] [--threads 2] [--out peers-out] \
@@ -148,35 +148,24 @@ def prompts(count, vocab):
     return out
 
 
-def summarize(name, system, results, wall, adapters):
-    ttfts = [r["ttft"] for r in results]
-    tpots = [(r["e2e"] - r["ttft"]) / max(1, NEW_TOKENS - 1) for r in results]
+def summarize(workload, system, rounds):
+    """A workload's row from its rounds, each (results, wall seconds): the throughput of the
+    median round, latencies over every request, the texts of the first round."""
+    name, count, _, adapters, _ = workload
+    rates = [len(results) * NEW_TOKENS / wall for results, wall in rounds]
+    every = [r for results, _ in rounds for r in results]
     return {
         "workload": name,
         "system": system,
         "adapters": adapters,
-        "requests": len(results),
-        "tokens_per_s": len(results) * NEW_TOKENS / wall,
-        "wall_s": wall,
-        "ttft_ms_median": 1e3 * statistics.median(ttfts),
-        "tpot_ms_median": 1e3 * statistics.median(tpots),
-        "texts": [r["text"] for r in results],
+        "requests": count,
+        "tokens_per_s": statistics.median(rates),
+        "tokens_per_s_rounds": rates,
+        "wall_s": sum(wall for _, wall in rounds),
+        "ttft_ms_median": 1e3 * statistics.median(r["ttft"] for r in every),
+        "tpot_ms_median": 1e3 * statistics.median((r["e2e"] - r["ttft"]) / max(1, NEW_TOKENS - 1) for r in every),
+        "texts": [r["text"] for r in rounds[0][0]],
     }
-
-
-def summarize_rounds(workload, system, rounds):
-    """A workload's row from its rounds: throughput of the median round, latencies over every
-    request, the texts of the first round."""
-    rows = [summarize(workload[0], system, results, wall, workload[3]) for results, wall in rounds]
-    rates = sorted(r["tokens_per_s"] for r in rows)
-    row = dict(rows[0])
-    row["tokens_per_s"] = statistics.median(rates)
-    row["tokens_per_s_rounds"] = [r["tokens_per_s"] for r in rows]
-    every = [x for results, _ in rounds for x in results]
-    row["ttft_ms_median"] = 1e3 * statistics.median(r["ttft"] for r in every)
-    row["tpot_ms_median"] = 1e3 * statistics.median((r["e2e"] - r["ttft"]) / max(1, NEW_TOKENS - 1) for r in every)
-    row["wall_s"] = sum(wall for _, wall in rounds)
-    return row
 
 
 def run_clients(workload, send):
@@ -201,7 +190,28 @@ def multipart(fields):
     return b"".join(parts), f"multipart/form-data; boundary={boundary}"
 
 
-class Loraplex:
+# Every server started, stopped at the end even when its system fails to get ready.
+SERVERS = []
+
+
+class HttpServer:
+    """A system behind an HTTP server this harness started: `send(i, adapter)` streams request
+    `i`, and `proc` is the server."""
+
+    def start(self, cmd, log_path, env=None):
+        self.proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+        SERVERS.append(self)
+        return self.proc
+
+    def run(self, w):
+        return run_clients(w, self.send)
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+class Loraplex(HttpServer):
     """loraplex's HTTP server with every adapter uploaded."""
 
     name = "loraplex"
@@ -218,8 +228,7 @@ class Loraplex:
                # requests say `cache_prompt: false`).
                "--no-prefix-cache"]
         log_path = Path(args.out) / "loraplex.log"
-        self.proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
-        wait_http(port, "/health", time.time() + 300, self.proc)
+        wait_http(port, "/health", time.time() + 300, self.start(cmd, log_path, env))
         auth = {"Authorization": f"Bearer {admin}"}
         tenant = request_json(port, "POST", "/admin/tenants", {"name": "bench", "limits": {}}, auth)
         key = request_json(port, "POST", f"/admin/tenants/{tenant['id']}/keys", None, auth)["key"]
@@ -250,13 +259,6 @@ class Loraplex:
         send(0, None)  # warm-up
         isa = next((l.split(":", 1)[1].strip() for l in log_path.read_text().splitlines() if l.startswith("CPU kernels:")), "?")
         self.info = {"kernels": isa}
-
-    def run(self, w):
-        return run_clients(w, self.send)
-
-    def close(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
 
 
 # --- llama.cpp ------------------------------------------------------------------------------
@@ -289,7 +291,7 @@ def convert(src, script, jobs):
     subprocess.run([sys.executable, "-c", code, str(src), str(src / script), json.dumps(jobs)], check=True, stdout=subprocess.DEVNULL)
 
 
-class LlamaCpp:
+class LlamaCpp(HttpServer):
     """llama.cpp's `llama-server` with every adapter attached, none applied by default."""
 
     name = "llama.cpp"
@@ -314,8 +316,7 @@ class LlamaCpp:
                "-c", str(ctx), "--lora-init-without-apply", "--no-warmup"]
         for g in loras:
             cmd += ["--lora", str(g)]
-        self.proc = subprocess.Popen(cmd, stdout=open(Path(args.out) / "llama-server.log", "w"), stderr=subprocess.STDOUT)
-        wait_http(port, "/health", time.time() + 600, self.proc)
+        wait_http(port, "/health", time.time() + 600, self.start(cmd, Path(args.out) / "llama-server.log"))
         all_prompts = prompts(max(w[1] for w in WORKLOADS), vocab)
 
         def send(i, adapter):
@@ -329,13 +330,6 @@ class LlamaCpp:
         self.adapters = len(loras)
         send(0, None)
         self.info = {}
-
-    def run(self, w):
-        return run_clients(w, self.send)
-
-    def close(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
 
 
 # --- transformers + PEFT --------------------------------------------------------------------
@@ -468,9 +462,9 @@ def main():
                     rounds[s.name].append(s.run(w))
             for s in systems:
                 if rounds[s.name]:
-                    report["rows"].append(summarize_rounds(w, s.name, rounds[s.name]))
+                    report["rows"].append(summarize(w, s.name, rounds[s.name]))
     finally:
-        for s in systems:
+        for s in SERVERS:
             s.close()
     # Agreement with transformers + PEFT, request by request.
     reference = {r["workload"]: r["texts"] for r in report["rows"] if r["system"] == "transformers+peft"}
