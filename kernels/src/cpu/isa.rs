@@ -116,6 +116,23 @@ impl<S: Isa, K: Kernel> NullaryFnOnce for Call<S, K> {
     }
 }
 
+/// What [`Path`] tells of its instruction set, read from the `Isa` it dispatches to.
+struct Facts;
+
+struct IsaFacts {
+    name: &'static str,
+    lanes: usize,
+    registers: usize,
+}
+
+impl Kernel for Facts {
+    type Output = IsaFacts;
+
+    fn run<S: Isa>(self, _: S) -> IsaFacts {
+        IsaFacts { name: S::NAME, lanes: S::F32_LANES, registers: S::REGISTER_COUNT }
+    }
+}
+
 /// An instruction set this CPU has, holding the proof that it has it.
 #[derive(Clone, Copy)]
 pub enum Path {
@@ -190,15 +207,7 @@ impl Path {
     }
 
     pub fn name(self) -> &'static str {
-        match self {
-            Path::Scalar => Scalar::NAME,
-            #[cfg(target_arch = "x86_64")]
-            Path::Avx2(_) => V3::NAME,
-            #[cfg(target_arch = "x86_64")]
-            Path::Avx512(_) => V4::NAME,
-            #[cfg(target_arch = "aarch64")]
-            Path::Neon(_) => Neon::NAME,
-        }
+        self.run(Facts).name
     }
 
     /// The name [`ISA_ENV`] takes.
@@ -212,28 +221,12 @@ impl Path {
 
     /// f32 lanes per register.
     pub fn lanes(self) -> usize {
-        match self {
-            Path::Scalar => <Scalar as Simd>::F32_LANES,
-            #[cfg(target_arch = "x86_64")]
-            Path::Avx2(_) => <V3 as Simd>::F32_LANES,
-            #[cfg(target_arch = "x86_64")]
-            Path::Avx512(_) => <V4 as Simd>::F32_LANES,
-            #[cfg(target_arch = "aarch64")]
-            Path::Neon(_) => <Neon as Simd>::F32_LANES,
-        }
+        self.run(Facts).lanes
     }
 
     /// Vector registers of the path.
     pub fn registers(self) -> usize {
-        match self {
-            Path::Scalar => <Scalar as Simd>::REGISTER_COUNT,
-            #[cfg(target_arch = "x86_64")]
-            Path::Avx2(_) => <V3 as Simd>::REGISTER_COUNT,
-            #[cfg(target_arch = "x86_64")]
-            Path::Avx512(_) => <V4 as Simd>::REGISTER_COUNT,
-            #[cfg(target_arch = "aarch64")]
-            Path::Neon(_) => <Neon as Simd>::REGISTER_COUNT,
-        }
+        self.run(Facts).registers
     }
 
     /// Runs `kernel` compiled for this path.
