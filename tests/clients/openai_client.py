@@ -90,6 +90,7 @@ assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens ==
 assert len(r.choices[0].logprobs.content) == 4 and len(r.choices[0].logprobs.content[0].top_logprobs) == 2
 count(r.usage)
 stream = client.chat.completions.create(model="support", messages=messages, max_tokens=4, temperature=0, stream=True,
+                                        presence_penalty=0.5, frequency_penalty=0.5,
                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
 parts = list(stream)
 assert parts[0].choices[0].delta.role == "assistant"

@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
@@ -347,13 +347,14 @@ impl CudaBackend {
             f(i)?;
         }
         let mut events = Vec::with_capacity(iters + 1);
+        // Events created without flags cannot time (cudarc's default is CU_EVENT_DISABLE_TIMING).
         for i in 0..iters {
-            let e = self.ctx.new_event(None).map_err(|e| dev_err(OP, e))?;
+            let e = self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err(OP, e))?;
             e.record(&self.stream).map_err(|e| dev_err(OP, e))?;
             events.push(e);
             f(warmup + i)?;
         }
-        let end = self.ctx.new_event(None).map_err(|e| dev_err(OP, e))?;
+        let end = self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err(OP, e))?;
         end.record(&self.stream).map_err(|e| dev_err(OP, e))?;
         events.push(end);
         self.synchronize()?;
