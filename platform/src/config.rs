@@ -233,6 +233,10 @@ pub struct SynthArgs {
     pub out: PathBuf,
     #[arg(long, value_enum, default_value_t = Preset::Tiny)]
     pub preset: Preset,
+    /// Key/value heads instead of the preset's (grouped-query attention; must divide the
+    /// attention heads), e.g. 8 for a 7b with Llama 3's grouping.
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
     /// Element type of the model's saved weights.
     #[arg(long, value_enum, default_value_t = FileDType::F32)]
     pub dtype: FileDType,
@@ -666,9 +670,15 @@ pub struct BenchEngineArgs {
     /// Measure this model directory instead of a synthesized one.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Key/value heads of the synthesized model instead of the preset's (see `synth --kv-heads`).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
     /// Element type of the KV pool (see `serve --kv-dtype`).
     #[arg(long, value_enum, default_value_t = KvDType::F32)]
     pub kv_dtype: KvDType,
+    /// The device to measure: cpu, or cuda / cuda:N (the CUDA backend runs the model in f32).
+    #[arg(long, default_value = "cpu")]
+    pub device: Device,
     /// Decode batch sizes to measure.
     #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
     pub batches: Vec<usize>,

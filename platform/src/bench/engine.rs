@@ -6,11 +6,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use loraplex_kernels::Backend;
 use loraplex_kernels::cpu::{CpuBackend, probe};
+use loraplex_kernels::cuda::{self, CudaBackend};
+use loraplex_kernels::{Backend, DenseOps, Memory};
 use serde::Serialize;
 
-use crate::config::BenchEngineArgs;
+use crate::config::{BenchEngineArgs, Device};
 use crate::engine::{Engine, EngineConfig};
 use crate::model::{self, Model, ModelConfig};
 use crate::request::{GenerationRequest, StopConditions};
@@ -25,17 +26,39 @@ const MBU_TARGET: f64 = 0.6;
 /// minutes, so each figure is compared with limits taken under the same conditions.
 #[derive(Debug, Serialize)]
 struct Machine {
+    /// The device the rows ran on (`cpu`, or the GPU's name).
+    device: String,
+    /// CPU threads (the CPU backend), 0 on a GPU.
     threads: usize,
     matmul_peak_gflops: f64,
+    /// On the CPU, a read-only sweep; on a GPU, a device-to-device copy counting bytes read
+    /// and written.
     read_bandwidth_gbs: f64,
 }
 
 impl Machine {
-    fn measure(backend: &CpuBackend) -> anyhow::Result<Self> {
+    fn measure_cpu(backend: &CpuBackend) -> anyhow::Result<Self> {
         Ok(Machine {
+            device: "cpu".into(),
             threads: rayon::current_num_threads(),
             matmul_peak_gflops: probe::matmul_peak(backend, 2048, 3)? / 1e9,
             read_bandwidth_gbs: probe::read_bandwidth(1 << 30, 3) / 1e9,
+        })
+    }
+
+    /// The GPU's limits in the model's own arithmetic: the backend's matmul (cuBLAS, f32
+    /// operands as the model runs them) on a 4096×4096×4096 product, and a 1 GiB copy.
+    fn measure_cuda(g: &CudaBackend) -> anyhow::Result<Self> {
+        const N: usize = 4096;
+        let x = g.upload_f32(&(0..N * N).map(|i| ((i % 97) as f32 - 48.0) / 64.0).collect::<Vec<_>>())?;
+        let w = g.load_weight(&(0..N * N).map(|i| ((i % 89) as f32 - 44.0) / 512.0).collect::<Vec<_>>(), N, N)?;
+        let mut out = g.zeros(N * N)?;
+        let secs = g.time_runs(2, 10, |_| g.matmul(&x, &w, None, &mut out, N))?;
+        Ok(Machine {
+            device: g.device_name(),
+            threads: 0,
+            matmul_peak_gflops: 2.0 * (N * N * N) as f64 / secs / 1e9,
+            read_bandwidth_gbs: g.copy_bandwidth(1 << 30)? / 1e9,
         })
     }
 }
@@ -107,13 +130,37 @@ impl Costs {
 pub fn run(args: &BenchEngineArgs) -> anyhow::Result<()> {
     crate::config::init_threads(args.threads)?;
     let tmp = tempfile::tempdir().context("creating a directory for the synthesized model")?;
-    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, args.model_dtype, tmp.path())?;
-    let backend = Arc::new(CpuBackend::new());
-    let model = Arc::new(model::load(backend.clone(), &dir)?);
-    let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);
+    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, args.model_dtype, args.kv_heads, tmp.path())?;
+    match args.device {
+        Device::Cpu => {
+            // The linear layers keep the checkpoint's element type in memory (f32, or half-size
+            // bf16/f16).
+            let linear_bytes = model::weights::Checkpoint::open(&dir)?.element_bytes("model.layers.0.self_attn.q_proj.weight").unwrap_or(4);
+            measure(Arc::new(CpuBackend::new()), Machine::measure_cpu, &dir, source, linear_bytes, args)
+        }
+        Device::Cuda(n) => {
+            cuda::probe().map_err(|why| anyhow::anyhow!("bench engine --device {}: CUDA is not usable here: {why}", args.device))?;
+            let g = Arc::new(CudaBackend::new(n.unwrap_or(0), cuda::compile::default_cache_dir())?);
+            g.warm_up()?;
+            // The CUDA backend widens every checkpoint to f32 weights.
+            measure(g, Machine::measure_cuda, &dir, source, 4, args)
+        }
+        Device::Auto => anyhow::bail!("bench engine measures one named device: use --device cpu, cuda or cuda:N"),
+    }
+}
+
+fn measure<B: Backend>(
+    backend: Arc<B>,
+    limits: impl Fn(&B) -> anyhow::Result<Machine>,
+    dir: &std::path::Path,
+    source: String,
+    linear_bytes: usize,
+    args: &BenchEngineArgs,
+) -> anyhow::Result<()> {
+    eprintln!("loading {source} ...");
+    let model = Arc::new(model::load(backend.clone(), dir)?);
+    let tokenizer = Arc::new(Tokenizer::from_dir(dir)?);
     let c = model.config().clone();
-    // The linear layers keep the checkpoint's element type in memory (f32, or half-size bf16/f16).
-    let linear_bytes = model::weights::Checkpoint::open(&dir)?.element_bytes("model.layers.0.self_attn.q_proj.weight").unwrap_or(4);
     let kv_bytes = args.kv_dtype.row_dtype().dtype().size() as f64;
     let costs = Costs::of(&c, linear_bytes as f64, kv_bytes);
     let f32_costs = Costs::of(&c, 4.0, 4.0);
@@ -126,10 +173,10 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for &batch in &args.batches {
         eprintln!("decode, batch {batch} ...");
-        rows.push(decode_row(&model, &tokenizer, &costs, Machine::measure(&backend)?, batch, args)?);
+        rows.push(decode_row(&model, &tokenizer, &costs, limits(&backend)?, batch, args)?);
     }
     eprintln!("prefill, {} tokens ...", args.prefill_tokens);
-    rows.push(prefill_row(&model, &tokenizer, &costs, Machine::measure(&backend)?, args)?);
+    rows.push(prefill_row(&model, &tokenizer, &costs, limits(&backend)?, args)?);
     let report = Report { host: super::Machine::here(), model: info, rows, mfu_target_at_largest_batch: MFU_TARGET, mbu_target_at_batch_1: MBU_TARGET };
     print_table(&report);
     std::fs::write(&args.out, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", args.out.display()))?;
@@ -152,7 +199,9 @@ fn engine_for<B: Backend>(
 ) -> anyhow::Result<Engine<B>> {
     let kv_dtype = args.kv_dtype.row_dtype();
     let layout = model.kv_layout(16, kv_dtype);
-    let pages = seqs * tokens.div_ceil(16) + 1;
+    // A page of headroom per sequence: a prompt that fills its last page exactly still needs
+    // the next one for its first generated token.
+    let pages = seqs * (tokens.div_ceil(16) + 1) + 1;
     let config = EngineConfig {
         block_size: 16,
         kv_dtype,
@@ -292,7 +341,13 @@ fn print_table(r: &Report) {
             row.machine.read_bandwidth_gbs
         );
     }
-    println!("(peak: matmul GFLOP/s and bw: read GB/s, measured right before each row on {} threads)", r.rows.first().map_or(0, |x| x.machine.threads));
+    match r.rows.first() {
+        Some(x) if x.machine.threads > 0 => {
+            println!("(peak: matmul GFLOP/s and bw: read GB/s, measured right before each row on {} threads)", x.machine.threads)
+        }
+        Some(x) => println!("(peak: matmul GFLOP/s in f32 and bw: copy GB/s read + written, measured right before each row on {})", x.machine.device),
+        None => {}
+    }
     let decode: Vec<&Row> = r.rows.iter().filter(|x| x.phase == "decode").collect();
     if let Some(largest) = decode.iter().max_by_key(|x| x.batch) {
         println!("target: MFU >= {:.0}% at batch {}: {:.1}%", MFU_TARGET * 100.0, largest.batch, largest.mfu * 100.0);

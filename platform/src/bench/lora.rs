@@ -76,7 +76,7 @@ pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
     crate::config::init_threads(args.threads)?;
     ensure!(args.batch > 0 && args.steps > 0 && args.rank > 0, "--batch, --steps and --rank must be positive");
     let tmp = tempfile::tempdir().context("creating a directory for the synthesized model and adapters")?;
-    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, args.model_dtype, tmp.path())?;
+    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, args.model_dtype, None, tmp.path())?;
     let backend = Arc::new(CpuBackend::new());
     let model = Arc::new(model::load(backend.clone(), &dir)?);
     let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);

@@ -16,13 +16,19 @@ use crate::synth::{self, ModelDims, Preset};
 
 /// The model a benchmark measures: `model` if given, else one of `preset`'s size synthesized
 /// under `scratch`. Returns its directory and how the report names it.
-pub(crate) fn model_dir(model: Option<&PathBuf>, preset: Preset, dtype: synth::FileDType, scratch: &Path) -> anyhow::Result<(PathBuf, String)> {
+pub(crate) fn model_dir(
+    model: Option<&PathBuf>,
+    preset: Preset,
+    dtype: synth::FileDType,
+    kv_heads: Option<usize>,
+    scratch: &Path,
+) -> anyhow::Result<(PathBuf, String)> {
     if let Some(dir) = model {
         return Ok((dir.clone(), dir.display().to_string()));
     }
     eprintln!("synthesizing the {preset:?} model in {dtype:?} ...");
     let out = scratch.join("model");
-    synth::synthesize_model(&synth::SynthOptions { out: out.clone(), preset, seed: 0, dtype })?;
+    synth::synthesize_model(&synth::SynthOptions { out: out.clone(), preset, seed: 0, dtype, kv_heads })?;
     Ok((out, format!("synth {preset:?} {dtype:?}").to_lowercase()))
 }
 

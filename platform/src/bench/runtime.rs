@@ -560,7 +560,7 @@ struct Report {
 pub fn run(args: &BenchRuntimeArgs) -> anyhow::Result<()> {
     crate::config::init_threads(args.threads)?;
     let tmp = tempfile::tempdir().context("creating a scratch directory")?;
-    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, args.model_dtype, tmp.path())?;
+    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, args.model_dtype, None, tmp.path())?;
     let setup = load_setup(&dir, tmp.path())?;
     let engine =
         EngineConfig { max_batch_tokens: args.max_batch_tokens, max_running: args.max_running, pool_bytes: args.pool_mb << 20, ..EngineConfig::default() };

@@ -9,9 +9,10 @@ use anyhow::Context;
 pub fn synth(args: &crate::config::SynthArgs) -> anyhow::Result<()> {
     use crate::synth::{AdapterSynthOptions, SynthOptions};
 
+    let dims = args.preset.dims().with_kv_heads(args.kv_heads)?;
     let adapters = AdapterSynthOptions {
         out: args.adapters_out.clone().unwrap_or_else(|| args.out.join("adapters")),
-        dims: args.preset.dims(),
+        dims,
         count: args.adapters,
         ranks: args.ranks.clone(),
         targets: args.targets,
@@ -20,10 +21,16 @@ pub fn synth(args: &crate::config::SynthArgs) -> anyhow::Result<()> {
     };
     // Refuse bad adapter options before spending time on the model.
     crate::synth::check_adapter_options(&adapters).context("--adapters/--ranks/--targets")?;
-    let summary = crate::synth::synthesize_model(&SynthOptions { out: args.out.clone(), preset: args.preset, seed: args.seed, dtype: args.dtype })?;
+    let summary = crate::synth::synthesize_model(&SynthOptions {
+        out: args.out.clone(),
+        preset: args.preset,
+        seed: args.seed,
+        dtype: args.dtype,
+        kv_heads: args.kv_heads,
+    })?;
     println!(
-        "wrote a {:?} model ({:.1} M parameters, {:.1} MB) to {}",
-        args.preset,
+        "wrote a {} model ({:.1} M parameters, {:.1} MB) to {}",
+        clap::ValueEnum::to_possible_value(&args.preset).map_or_else(|| format!("{:?}", args.preset), |v| v.get_name().to_string()),
         summary.parameters as f64 / 1e6,
         summary.bytes as f64 / 1e6,
         args.out.display()

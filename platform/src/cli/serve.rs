@@ -39,8 +39,14 @@ fn model_dir(args: &ServeArgs) -> anyhow::Result<(PathBuf, String)> {
     if !dir.join("config.json").is_file() {
         let scratch = args.data_dir.join("model.partial");
         let _ = std::fs::remove_dir_all(&scratch);
-        crate::synth::synthesize_model(&SynthOptions { out: scratch.clone(), preset: Preset::Tiny, seed: 0, dtype: crate::synth::FileDType::F32 })
-            .context("generating the synthetic model")?;
+        crate::synth::synthesize_model(&SynthOptions {
+            out: scratch.clone(),
+            preset: Preset::Tiny,
+            seed: 0,
+            dtype: crate::synth::FileDType::F32,
+            kv_heads: None,
+        })
+        .context("generating the synthetic model")?;
         std::fs::rename(&scratch, &dir).with_context(|| format!("moving the synthetic model to {}", dir.display()))?;
         println!("no --model given: generated a synthetic tiny model in {} (random weights, for trying the API)", dir.display());
     } else {

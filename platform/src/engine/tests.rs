@@ -19,7 +19,8 @@ fn request(model: &Model<CpuBackend>, first: u32, max_new_tokens: u32) -> ValidR
 fn a_sequence_that_fails_inside_a_step_ends_alone_and_the_batch_goes_on() {
     let dir = tempfile::tempdir().unwrap();
     let m = dir.path().join("m");
-    crate::synth::synthesize_model(&SynthOptions { out: m.clone(), preset: Preset::Tiny, seed: 0, dtype: crate::synth::FileDType::F32 }).unwrap();
+    crate::synth::synthesize_model(&SynthOptions { out: m.clone(), preset: Preset::Tiny, seed: 0, dtype: crate::synth::FileDType::F32, kv_heads: None })
+        .unwrap();
     // A tokenizer with fewer tokens than the model has logits: a sequence whose next token is
     // one it cannot decode fails, inside the step.
     const KNOWN: u32 = 300;

@@ -35,6 +35,14 @@ pub enum Preset {
     Small,
     /// vocab 32000, hidden 1024, 8 layers (about 156M parameters, 620 MB in f32).
     Bench,
+    /// TinyLlama's shapes: vocab 32000, hidden 2048, intermediate 5632, 22 layers, 32 heads over
+    /// 4 KV heads (about 1.1B parameters, 2.2 GB in bf16).
+    #[value(name = "1b")]
+    OneB,
+    /// Llama 2 7B's shapes: vocab 32000, hidden 4096, intermediate 11008, 32 layers, 32 heads and
+    /// 32 KV heads (about 6.7B parameters, 13.5 GB in bf16).
+    #[value(name = "7b")]
+    SevenB,
 }
 
 /// The architecture hyper-parameters of a synthesized Llama model.
@@ -59,6 +67,8 @@ impl Preset {
             Preset::Tiny => (512, 128, 344, 4, 8, 2, 512),
             Preset::Small => (4096, 512, 1408, 6, 8, 2, 2048),
             Preset::Bench => (32000, 1024, 2816, 8, 16, 4, 4096),
+            Preset::OneB => (32000, 2048, 5632, 22, 32, 4, 4096),
+            Preset::SevenB => (32000, 4096, 11008, 32, 32, 32, 4096),
         };
         ModelDims {
             vocab_size: vocab,
@@ -76,6 +86,17 @@ impl Preset {
 }
 
 impl ModelDims {
+    /// These dimensions with `kv_heads` key/value heads (grouped-query attention) when given.
+    pub fn with_kv_heads(mut self, kv_heads: Option<usize>) -> Result<Self, SynthError> {
+        if let Some(n) = kv_heads {
+            if n == 0 || !self.num_attention_heads.is_multiple_of(n) {
+                return Err(SynthError::Options(format!("--kv-heads {n} must divide the {} attention heads", self.num_attention_heads)));
+            }
+            self.num_key_value_heads = n;
+        }
+        Ok(self)
+    }
+
     /// Total number of weights, embeddings and `lm_head` included.
     pub fn parameter_count(&self) -> u64 {
         weights::tensor_specs(self).iter().map(|t| t.numel() as u64).sum()
@@ -93,6 +114,8 @@ pub struct SynthOptions {
     /// Element type of the weights (norms and embeddings included, as real checkpoints store
     /// them).
     pub dtype: FileDType,
+    /// Key/value heads instead of the preset's (see [`ModelDims::with_kv_heads`]).
+    pub kv_heads: Option<usize>,
 }
 
 /// What [`synthesize_model`] wrote.
@@ -132,7 +155,7 @@ pub(crate) fn io_err(path: &Path) -> impl FnOnce(io::Error) -> SynthError + '_ {
 /// the largest tensor; weights are generated in parallel in fixed-size blocks, each with its own
 /// random stream, so the bytes do not depend on the number of threads.
 pub fn synthesize_model(opts: &SynthOptions) -> Result<SynthSummary, SynthError> {
-    let dims = opts.preset.dims();
+    let dims = opts.preset.dims().with_kv_heads(opts.kv_heads)?;
     std::fs::create_dir_all(&opts.out).map_err(io_err(&opts.out))?;
     let mut files = Vec::new();
     let mut bytes = 0;

@@ -24,7 +24,7 @@ fn tiny() -> &'static (tempfile::TempDir, SynthSummary) {
     static TINY: OnceLock<(tempfile::TempDir, SynthSummary)> = OnceLock::new();
     TINY.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
-        let opts = SynthOptions { out: dir.path().join("model"), preset: Preset::Tiny, seed: 7, dtype: crate::synth::FileDType::F32 };
+        let opts = SynthOptions { out: dir.path().join("model"), preset: Preset::Tiny, seed: 7, dtype: crate::synth::FileDType::F32, kv_heads: None };
         let summary = synthesize_model(&opts).unwrap();
         (dir, summary)
     })
@@ -80,6 +80,31 @@ fn preset_dimensions() {
     assert_eq!((b.head_dim, b.max_position_embeddings), (64, 4096));
     let params = b.parameter_count();
     assert!((150_000_000..160_000_000).contains(&params), "{params}");
+    // Llama 2 7B's and TinyLlama's shapes, and their published parameter counts.
+    let s = Preset::SevenB.dims();
+    assert_eq!((s.vocab_size, s.hidden_size, s.intermediate_size, s.num_hidden_layers), (32000, 4096, 11008, 32));
+    assert_eq!((s.num_attention_heads, s.num_key_value_heads, s.head_dim), (32, 32, 128));
+    assert_eq!(s.parameter_count(), 6_738_415_616);
+    let o = Preset::OneB.dims();
+    assert_eq!((o.hidden_size, o.intermediate_size, o.num_hidden_layers, o.num_key_value_heads), (2048, 5632, 22, 4));
+    assert_eq!(o.parameter_count(), 1_100_048_384);
+}
+
+#[test]
+fn kv_heads_override_the_preset_and_must_divide_the_heads() {
+    let gqa = Preset::SevenB.dims().with_kv_heads(Some(8)).unwrap();
+    assert_eq!((gqa.num_attention_heads, gqa.num_key_value_heads, gqa.head_dim), (32, 8, 128));
+    assert_eq!(Preset::SevenB.dims().with_kv_heads(None).unwrap(), Preset::SevenB.dims());
+    for bad in [0, 5, 64] {
+        let err = Preset::SevenB.dims().with_kv_heads(Some(bad)).unwrap_err().to_string();
+        assert!(err.contains("must divide the 32 attention heads"), "{err}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("m");
+    synthesize_model(&SynthOptions { out: out.clone(), preset: Preset::Tiny, seed: 1, dtype: crate::synth::FileDType::F32, kv_heads: Some(8) }).unwrap();
+    let config: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["num_key_value_heads"], 8);
+    assert_eq!(crate::model::ModelConfig::from_dir(&out).unwrap().num_kv_heads, 8);
 }
 
 /// The tensors of a Llama checkpoint, derived here independently of the writer.
@@ -217,7 +242,7 @@ fn same_seed_gives_identical_files_and_another_seed_other_weights() {
     let dir = tempfile::tempdir().unwrap();
     let write = |sub: &str, seed| {
         let out = dir.path().join(sub);
-        synthesize_model(&SynthOptions { out: out.clone(), preset: Preset::Tiny, seed, dtype: crate::synth::FileDType::F32 }).unwrap();
+        synthesize_model(&SynthOptions { out: out.clone(), preset: Preset::Tiny, seed, dtype: crate::synth::FileDType::F32, kv_heads: None }).unwrap();
         out
     };
     let again = write("again", 7);
@@ -235,7 +260,7 @@ fn same_seed_gives_identical_files_and_another_seed_other_weights() {
         }
     }
     // Rewriting into an existing directory replaces the files.
-    synthesize_model(&SynthOptions { out: other.clone(), preset: Preset::Tiny, seed: 7, dtype: crate::synth::FileDType::F32 }).unwrap();
+    synthesize_model(&SynthOptions { out: other.clone(), preset: Preset::Tiny, seed: 7, dtype: crate::synth::FileDType::F32, kv_heads: None }).unwrap();
     let a = std::fs::read(tiny_dir().join("model.safetensors")).unwrap();
     assert_eq!(a, std::fs::read(other.join("model.safetensors")).unwrap());
 }
@@ -258,6 +283,7 @@ fn unwritable_output_is_an_io_error() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("not-a-dir");
     std::fs::write(&file, b"x").unwrap();
-    let err = synthesize_model(&SynthOptions { out: file.join("m"), preset: Preset::Tiny, seed: 0, dtype: crate::synth::FileDType::F32 }).unwrap_err();
+    let err = synthesize_model(&SynthOptions { out: file.join("m"), preset: Preset::Tiny, seed: 0, dtype: crate::synth::FileDType::F32, kv_heads: None })
+        .unwrap_err();
     assert!(matches!(err, SynthError::Io { .. }), "{err}");
 }

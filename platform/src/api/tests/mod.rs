@@ -52,7 +52,14 @@ impl Harness {
 
     pub async fn on(dir: tempfile::TempDir, url: &str, settings: ApiSettings) -> Self {
         let model_dir = dir.path().join("model");
-        crate::synth::synthesize_model(&SynthOptions { out: model_dir.clone(), preset: Preset::Tiny, seed: 0, dtype: crate::synth::FileDType::F32 }).unwrap();
+        crate::synth::synthesize_model(&SynthOptions {
+            out: model_dir.clone(),
+            preset: Preset::Tiny,
+            seed: 0,
+            dtype: crate::synth::FileDType::F32,
+            kv_heads: None,
+        })
+        .unwrap();
         let model = Arc::new(crate::model::load(Arc::new(CpuBackend::new()), &model_dir).unwrap());
         let tokenizer = Arc::new(Tokenizer::from_dir(&model_dir).unwrap());
         let config =

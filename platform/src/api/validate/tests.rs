@@ -83,6 +83,7 @@ fn model() -> ModelConfig {
         preset: crate::synth::Preset::Tiny,
         seed: 0,
         dtype: crate::synth::FileDType::F32,
+        kv_heads: None,
     })
     .unwrap();
     ModelConfig::from_dir(&dir.path().join("m")).unwrap()

@@ -224,7 +224,7 @@ fn delta_spectral_norm(m: &LoraModule) -> f64 {
 /// A synthesized tiny model (seed 7) in `dir/model`.
 fn tiny_model(dir: &Path) -> PathBuf {
     let out = dir.join("model");
-    synthesize_model(&SynthOptions { out: out.clone(), preset: Preset::Tiny, seed: 7, dtype: crate::synth::FileDType::F32 }).unwrap();
+    synthesize_model(&SynthOptions { out: out.clone(), preset: Preset::Tiny, seed: 7, dtype: crate::synth::FileDType::F32, kv_heads: None }).unwrap();
     out
 }
 
