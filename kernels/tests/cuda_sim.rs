@@ -404,8 +404,10 @@ fn lora_kernels_match_the_cpu() {
             let mut args = vec![sv, spool, sdir, sb, sdt, et, sy];
             args.extend(tail(out_f));
             sim.launch(&format!("lora_expand_{s}"), &plan::lora_expand("t", expand_tiles.len() / 3, out_f).unwrap(), &args);
-            // BGMV: shrink and expand over row tiles.
-            let (sxd, syd, svd) = (sim.floats(&xd, dtype), sim.floats(&yd, dtype), sim.floats(&vec![0.0; decode.len() * max_rank], DType::F32));
+            // BGMV: shrink and expand over row tiles. The backend's v is a reused scratch buffer,
+            // never zeroed: poisoned here, so a value expand reads that shrink did not write
+            // turns the output NaN.
+            let (sxd, syd, svd) = (sim.floats(&xd, dtype), sim.floats(&yd, dtype), sim.nans(decode.len() * max_rank, DType::F32));
             let rt = plan::row_tiles(&decode, active);
             let srt = sim.u32s(&rt);
             let mut args = vec![sxd, spool, sdir, sa, sdt, srt, svd];

@@ -95,6 +95,14 @@ impl CudaBuffer {
         }
     }
 
+    /// The device data of an f32 buffer.
+    fn f32_slice(&self, op: &'static str) -> Result<&CudaSlice<f32>> {
+        match &self.data {
+            Data::F32(s) => Ok(s),
+            _ => Err(KernelError::DType { op, expected: DType::F32, actual: self.dtype() }),
+        }
+    }
+
     fn expect(&self, op: &'static str, dtype: DType) -> Result<()> {
         if self.dtype() != dtype {
             return Err(KernelError::DType { op, expected: dtype, actual: self.dtype() });
@@ -161,6 +169,10 @@ pub struct CudaBackend {
     /// Recently uploaded index lists (LoRA tiles, token maps): every layer of a step launches
     /// with the same lists, so each is uploaded once per step, not once per op.
     meta_cache: Mutex<Vec<MetaEntry>>,
+    /// BGMV's rank buffer `v` (`[rows, max_rank]` f32), reused by every call and grown
+    /// geometrically; the lock is held from the shrink's launch to the expand's, so two threads
+    /// never interleave their use of it on the stream.
+    lora_scratch: Mutex<Option<CudaSlice<f32>>>,
 }
 
 /// An uploaded index list and its host copy.
@@ -168,6 +180,13 @@ type MetaEntry = (Vec<u32>, Arc<CudaSlice<u32>>);
 
 /// Index lists kept uploaded.
 const META_CACHE: usize = 16;
+
+/// Smallest device buffer of an uploaded index list, in u32s: lists are stored in power-of-two
+/// buffers so an evicted one can take the next list without a new allocation.
+const META_MIN: usize = 256;
+
+/// Smallest BGMV rank buffer, in f32s.
+const SCRATCH_MIN: usize = 4096;
 
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -211,6 +230,7 @@ impl CudaBackend {
             functions: Mutex::new(HashMap::new()),
             smem_raised: Mutex::new(HashMap::new()),
             meta_cache: Mutex::new(Vec::new()),
+            lora_scratch: Mutex::new(None),
         })
     }
 
@@ -286,6 +306,15 @@ impl CudaBackend {
 
     /// Uploads host u32 data (kernel metadata that is not an op argument: tiles, token maps),
     /// or finds the same list uploaded recently. Lists are never written by kernels.
+    ///
+    /// A list not in the cache takes the device buffer of the least recently used entry when
+    /// nothing else holds that buffer and it is large enough (buffers are power-of-two sized),
+    /// so a new list (every step's first layer) costs one host-to-device copy on the stream, not
+    /// an allocation. Overwriting it is safe: every kernel that read the old list was queued
+    /// earlier on this backend's one stream, so the copy lands after they finished; and no
+    /// launch still to come can hold it, since `Arc::get_mut` proves the cache holds the only
+    /// reference (clones are handed out only under this lock). The copy reads pageable host
+    /// memory, which the driver stages before `memcpy_htod` returns, so `data` may go at once.
     fn upload_meta(&self, op: &'static str, data: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
         let mut cache = self.meta_cache.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(i) = cache.iter().position(|(k, _)| k == data) {
@@ -294,13 +323,53 @@ impl CudaBackend {
             cache.push(entry);
             return Ok(dev);
         }
-        let padded = if data.is_empty() { &[0u32][..] } else { data };
-        let dev = Arc::new(self.stream.clone_htod(padded).map_err(|e| dev_err(op, e))?);
-        if cache.len() == META_CACHE {
-            cache.remove(0);
+        let copy = |slice: &mut CudaSlice<u32>| match data.is_empty() {
+            true => Ok(()),
+            false => self.stream.memcpy_htod(data, &mut slice.slice_mut(0..data.len())).map_err(|e| dev_err(op, e)),
+        };
+        let mut reused = None;
+        if cache.len() >= META_CACHE {
+            let (key, mut dev) = cache.remove(0);
+            if dev.len() >= data.len()
+                && let Some(slice) = Arc::get_mut(&mut dev)
+            {
+                copy(slice)?;
+                reused = Some((key, dev));
+            }
         }
-        cache.push((data.to_vec(), dev.clone()));
+        let (mut key, dev) = match reused {
+            Some(entry) => entry,
+            None => {
+                let cap = data.len().next_power_of_two().max(META_MIN);
+                let mut fresh = self.stream.alloc_zeros::<u32>(cap).map_err(|_| KernelError::OutOfMemory { device: self.device_name_str(), bytes: cap * 4 })?;
+                copy(&mut fresh)?;
+                (Vec::with_capacity(data.len()), Arc::new(fresh))
+            }
+        };
+        key.clear();
+        key.extend_from_slice(data);
+        cache.push((key, dev.clone()));
         Ok(dev)
+    }
+
+    /// Runs `f` with the backend's f32 scratch buffer of at least `len` elements, holding its
+    /// lock throughout (so what `f` queues on the stream is not interleaved with another
+    /// caller's use). The buffer's contents are whatever an earlier call left: `f` must write
+    /// every element it reads. A buffer too small is freed (stream-ordered: kernels queued
+    /// before still read it) and replaced by one at least twice its size.
+    fn with_lora_scratch<R>(&self, len: usize, f: impl FnOnce(&CudaSlice<f32>) -> Result<R>) -> Result<R> {
+        let mut guard = self.lora_scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let old = guard.as_ref().map_or(0, |s| s.len());
+        if old < len.max(1) {
+            *guard = None;
+            let cap = len.max(old.saturating_mul(2)).max(SCRATCH_MIN);
+            let fresh = self.stream.alloc_zeros::<f32>(cap).map_err(|_| KernelError::OutOfMemory { device: self.device_name_str(), bytes: cap * 4 })?;
+            *guard = Some(fresh);
+        }
+        match guard.as_ref() {
+            Some(scratch) => f(scratch),
+            None => unreachable!("the scratch buffer was just made"),
+        }
     }
 
     /// A zero-filled buffer of `len` elements of `dtype`.
@@ -415,6 +484,19 @@ fn suffix(dtype: DType) -> &'static str {
     }
 }
 
+/// The name of `lora_shrink` (or `lora_expand` when `shrink` is false) for a storage type,
+/// without formatting a string per launch.
+fn lora_kernel(shrink: bool, dtype: DType) -> &'static str {
+    match (shrink, dtype) {
+        (true, DType::F16) => "lora_shrink_f16",
+        (true, DType::Bf16) => "lora_shrink_bf16",
+        (true, _) => "lora_shrink_f32",
+        (false, DType::F16) => "lora_expand_f16",
+        (false, DType::Bf16) => "lora_expand_bf16",
+        (false, _) => "lora_expand_f32",
+    }
+}
+
 /// Indices into [`compile::SOURCES`].
 const DENSE: usize = 0;
 const ATTENTION: usize = 1;
@@ -464,5 +546,9 @@ mod tests {
             assert!(seen.insert(n.clone()), "{n} twice");
         }
         assert!(names.iter().any(|(m, n)| *m == "lora" && n == "lora_shrink_bf16"));
+        for dt in [DType::F32, DType::F16, DType::Bf16] {
+            assert_eq!(lora_kernel(true, dt), format!("lora_shrink_{}", suffix(dt)));
+            assert_eq!(lora_kernel(false, dt), format!("lora_expand_{}", suffix(dt)));
+        }
     }
 }

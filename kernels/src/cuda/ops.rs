@@ -3,7 +3,7 @@
 //! for its buffers' storage type.
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::driver::{DevicePtr, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
 
 use super::plan::{self, AttentionPlan};
 use super::{ATTENTION, CudaBackend, CudaBuffer, CudaWeight, DENSE, Data, LORA, SAMPLING, dev_err, suffix};
@@ -530,7 +530,8 @@ impl CudaBackend {
         }
     }
 
-    /// The shrink over `tiles`: `v[t, r]` for every token the tiles cover.
+    /// The shrink over `n_tiles` uploaded tiles: `v[t, r]` for every token the tiles cover and
+    /// every `r < max_rank` (zeros for `r` at or past the tile's adapter's rank).
     #[allow(clippy::too_many_arguments)]
     fn lora_shrink(
         &self,
@@ -538,61 +539,56 @@ impl CudaBackend {
         x: &CudaBuffer,
         pool: &CudaBuffer,
         rows: &LoraRows<CudaBuffer>,
-        tiles: &[u32],
+        tiles: &CudaSlice<u32>,
+        n_tiles: usize,
         target: &LoraTarget,
-        v: &CudaBuffer,
+        v: &CudaSlice<f32>,
     ) -> Result<()> {
-        if tiles.is_empty() {
-            return Ok(());
-        }
         let dtype = x.float(op)?;
-        let name = format!("lora_shrink_{}", suffix(dtype));
-        let f = self.function(LORA, &name)?;
-        let l = plan::lora_shrink(op, tiles.len() / 3, target.max_rank)?;
-        let tiles = self.upload_meta(op, tiles)?;
+        let name = super::lora_kernel(true, dtype);
+        let l = plan::lora_shrink(op, n_tiles, target.max_rank)?;
+        let f = self.function(LORA, name)?;
         let (inf, mr, nl, layer, module) =
             (target.in_features as u32, target.max_rank as u32, rows.num_layers as u32, target.layer as u32, target.module as u32);
-        self.launch(op, &name, &f, &l, |b| {
+        self.launch(op, name, &f, &l, |b| {
             x.push(b);
             pool.push(b);
             rows.directory.push(b);
             rows.a_rows.push(b);
             rows.slot_dtypes.push(b);
-            b.arg(&*tiles);
-            v.push(b);
+            b.arg(tiles);
+            b.arg(v);
             b.arg(&inf).arg(&mr).arg(&nl).arg(&layer).arg(&module);
         })
     }
 
-    /// The expand over `tiles`: `y[t] += v[t] · Bᵀ` for every token the tiles cover.
+    /// The expand over `n_tiles` uploaded tiles: `y[t] += v[t] · Bᵀ` for every token the tiles
+    /// cover; reads `v[t, r]` only for those tokens and `r` below their adapter's rank.
     #[allow(clippy::too_many_arguments)]
     fn lora_expand(
         &self,
         op: &'static str,
-        v: &CudaBuffer,
+        v: &CudaSlice<f32>,
         pool: &CudaBuffer,
         rows: &LoraRows<CudaBuffer>,
-        tiles: &[u32],
+        tiles: &CudaSlice<u32>,
+        n_tiles: usize,
         target: &LoraTarget,
         y: &CudaBuffer,
     ) -> Result<()> {
-        if tiles.is_empty() {
-            return Ok(());
-        }
         let dtype = y.float(op)?;
-        let name = format!("lora_expand_{}", suffix(dtype));
-        let f = self.function(LORA, &name)?;
-        let l = plan::lora_expand(op, tiles.len() / 3, target.out_features)?;
-        let tiles = self.upload_meta(op, tiles)?;
+        let name = super::lora_kernel(false, dtype);
+        let l = plan::lora_expand(op, n_tiles, target.out_features)?;
+        let f = self.function(LORA, name)?;
         let (outf, mr, nl, layer, module) =
             (target.out_features as u32, target.max_rank as u32, rows.num_layers as u32, target.layer as u32, target.module as u32);
-        self.launch(op, &name, &f, &l, |b| {
-            v.push(b);
+        self.launch(op, name, &f, &l, |b| {
+            b.arg(v);
             pool.push(b);
             rows.directory.push(b);
             rows.b_rows.push(b);
             rows.slot_dtypes.push(b);
-            b.arg(&*tiles);
+            b.arg(tiles);
             y.push(b);
             b.arg(&outf).arg(&mr).arg(&nl).arg(&layer).arg(&module);
         })
@@ -619,7 +615,11 @@ impl LoraOps for CudaBackend {
         ensure_rows(OP, "v", v.len, segs.tokens, target.max_rank)?;
         // Every token's row of v is written, zeros where there is no adapter.
         let tiles = plan::segment_tiles(segs.starts, segs.slots, |_| true);
-        self.lora_shrink(OP, x, pool, rows, &tiles, target, v)
+        if tiles.is_empty() {
+            return Ok(());
+        }
+        let dev_tiles = self.upload_meta(OP, &tiles)?;
+        self.lora_shrink(OP, x, pool, rows, &dev_tiles, tiles.len() / 3, target, v.f32_slice(OP)?)
     }
 
     fn sgmv_expand(
@@ -640,7 +640,11 @@ impl LoraOps for CudaBackend {
         ensure_rows(OP, "v", v.len, segs.tokens, target.max_rank)?;
         ensure_rows(OP, "y", y.len, segs.tokens, target.out_features)?;
         let tiles = plan::segment_tiles(segs.starts, segs.slots, |s| dir.active(s));
-        self.lora_expand(OP, v, pool, rows, &tiles, target, y)
+        if tiles.is_empty() {
+            return Ok(());
+        }
+        let dev_tiles = self.upload_meta(OP, &tiles)?;
+        self.lora_expand(OP, v.f32_slice(OP)?, pool, rows, &dev_tiles, tiles.len() / 3, target, y)
     }
 
     fn bgmv(&self, x: &CudaBuffer, pool: &CudaBuffer, rows: &LoraRows<CudaBuffer>, slots: &CudaBuffer, target: &LoraTarget, y: &mut CudaBuffer) -> Result<()> {
@@ -657,9 +661,21 @@ impl LoraOps for CudaBackend {
         if tiles.is_empty() {
             return Ok(());
         }
-        let v = self.zeros_as(n * target.max_rank, DType::F32)?;
-        self.lora_shrink(OP, x, pool, rows, &tiles, target, &v)?;
-        self.lora_expand(OP, &v, pool, rows, &tiles, target, y)
+        // One upload (or cache hit) serves both launches.
+        let n_tiles = tiles.len() / 3;
+        let dev_tiles = self.upload_meta(OP, &tiles)?;
+        // The rank buffer v ([n, max_rank]) is the backend's reused scratch, neither allocated
+        // nor zeroed here: its old contents are never read. Shrink and expand run over the same
+        // tiles; shrink's grid covers every r < max_rank (ceil(max_rank / SHRINK_WARPS) blocks
+        // of SHRINK_WARPS warps, one r per warp) and writes v[t, r] for every token t of its
+        // tile, x[t]·A[r] for r < rank and 0 for r >= rank. Expand reads v[t, r] only for the
+        // tokens of its tiles and r < rank, and rank <= max_rank (`Directory::read` checks it).
+        // Rows whose slot is NO_ADAPTER or inactive get no tile: neither kernel touches them.
+        // kernels/tests/cuda_sim.rs runs this pair with v poisoned with NaN.
+        self.with_lora_scratch(n * target.max_rank, |v| {
+            self.lora_shrink(OP, x, pool, rows, &dev_tiles, n_tiles, target, v)?;
+            self.lora_expand(OP, v, pool, rows, &dev_tiles, n_tiles, target, y)
+        })
     }
 }
 
