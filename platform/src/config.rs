@@ -633,6 +633,12 @@ pub struct BenchLoraArgs {
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Decode batch size; also the number of distinct adapters.
+    /// Key/value heads of the synthesized model instead of the preset's (see `synth --kv-heads`).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// The device to measure: cpu, or cuda / cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: Device,
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
     /// Rank of every adapter (all seven modules targeted).

@@ -7,10 +7,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use loraplex_kernels::cpu::CpuBackend;
+use loraplex_kernels::cuda::{self, CudaBackend};
+use loraplex_kernels::{Backend, Memory};
 use serde::Serialize;
 
 use super::{dims_of, prompt};
-use crate::config::BenchLoraArgs;
+use crate::config::{BenchLoraArgs, Device};
 use crate::engine::{Engine, EngineConfig, SeqId};
 use crate::memory::{AdapterLoader, AdapterRef, AdapterResidency, DevicePool, LoaderConfig, Residency, ResidencyEvent, Tier};
 use crate::model::{self, Model};
@@ -49,6 +51,8 @@ struct ResidencyTimes {
 #[derive(Debug, Serialize)]
 struct Report {
     machine: super::Machine,
+    /// `cpu`, or the GPU's name.
+    device: String,
     model: String,
     threads: usize,
     batch: usize,
@@ -76,16 +80,37 @@ pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
     crate::config::init_threads(args.threads)?;
     ensure!(args.batch > 0 && args.steps > 0 && args.rank > 0, "--batch, --steps and --rank must be positive");
     let tmp = tempfile::tempdir().context("creating a directory for the synthesized model and adapters")?;
-    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, args.model_dtype, None, tmp.path())?;
-    let backend = Arc::new(CpuBackend::new());
-    let model = Arc::new(model::load(backend.clone(), &dir)?);
-    let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);
+    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, args.model_dtype, args.kv_heads, tmp.path())?;
+    match args.device {
+        Device::Cpu => measure(Arc::new(CpuBackend::new()), "cpu".into(), &dir, source, tmp.path(), args),
+        Device::Cuda(n) => {
+            cuda::probe().map_err(|why| anyhow::anyhow!("bench lora --device {}: CUDA is not usable here: {why}", args.device))?;
+            let g = CudaBackend::new(n.unwrap_or(0), cuda::compile::default_cache_dir())?;
+            g.warm_up()?;
+            let name = g.device_name();
+            measure(Arc::new(g), name, &dir, source, tmp.path(), args)
+        }
+        Device::Auto => anyhow::bail!("bench lora measures one named device: use --device cpu, cuda or cuda:N"),
+    }
+}
+
+fn measure<B: Backend>(
+    backend: Arc<B>,
+    device: String,
+    dir: &std::path::Path,
+    source: String,
+    tmp: &std::path::Path,
+    args: &BenchLoraArgs,
+) -> anyhow::Result<()> {
+    eprintln!("loading {source} onto {device} ...");
+    let model = Arc::new(model::load(backend, dir)?);
+    let tokenizer = Arc::new(Tokenizer::from_dir(dir)?);
     // Adapters for the batch, plus fresh ones for the residency timings (never loaded before).
     let timed = 8;
     eprintln!("synthesizing {} rank-{} adapters on all seven modules ...", args.batch + timed, args.rank);
     let synth_adapters = |dir: &str, count: usize, dtype: FileDType| -> anyhow::Result<Vec<AdapterRef>> {
         let dirs = synth::synthesize_adapters(&AdapterSynthOptions {
-            out: tmp.path().join(dir),
+            out: tmp.join(dir),
             dims: dims_of(model.config()),
             count,
             ranks: vec![args.rank],
@@ -132,6 +157,7 @@ pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
     };
     let report = Report {
         machine: super::Machine::here(),
+        device,
         model: source,
         threads: rayon::current_num_threads(),
         batch: args.batch,
@@ -157,18 +183,18 @@ pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-struct Bench<'a> {
-    model: &'a Arc<Model<CpuBackend>>,
+struct Bench<'a, B: Backend> {
+    model: &'a Arc<Model<B>>,
     tokenizer: &'a Arc<Tokenizer>,
     args: &'a BenchLoraArgs,
 }
 
-impl Bench<'_> {
+impl<B: Backend> Bench<'_, B> {
     fn config(&self) -> EngineConfig {
         EngineConfig { pool_bytes: self.args.pool_mb << 20, max_batch_tokens: self.args.context * 8, max_running: self.args.batch, ..EngineConfig::default() }
     }
 
-    fn engine(&self) -> anyhow::Result<Engine<CpuBackend>> {
+    fn engine(&self) -> anyhow::Result<Engine<B>> {
         Ok(Engine::new(self.model.clone(), self.tokenizer.clone(), self.config())?)
     }
 
@@ -230,7 +256,7 @@ impl Bench<'_> {
     }
 
     /// Makes every adapter of `rows` resident before timing, so that only compute is measured.
-    fn make_resident(&self, engine: &mut Engine<CpuBackend>, rows: &[Option<AdapterRef>]) -> anyhow::Result<()> {
+    fn make_resident(&self, engine: &mut Engine<B>, rows: &[Option<AdapterRef>]) -> anyhow::Result<()> {
         for a in rows.iter().flatten() {
             engine.load_adapter(a)?;
         }
@@ -245,7 +271,7 @@ impl Bench<'_> {
         Ok(())
     }
 
-    fn add(&self, engine: &mut Engine<CpuBackend>, rows: &[Option<AdapterRef>], new_tokens: usize) -> anyhow::Result<Vec<SeqId>> {
+    fn add(&self, engine: &mut Engine<B>, rows: &[Option<AdapterRef>], new_tokens: usize) -> anyhow::Result<Vec<SeqId>> {
         let mut ids = Vec::new();
         for (i, adapter) in rows.iter().enumerate() {
             ids.push(engine.add(self.request(i, adapter.clone(), new_tokens)?)?);
@@ -254,7 +280,7 @@ impl Bench<'_> {
     }
 
     /// Prefills every row, takes the warm-up steps, then times decode steps: the median step.
-    fn decode_steps(&self, engine: &mut Engine<CpuBackend>, rows: usize) -> anyhow::Result<f64> {
+    fn decode_steps(&self, engine: &mut Engine<B>, rows: usize) -> anyhow::Result<f64> {
         let mut started = std::collections::HashSet::new();
         while started.len() < rows {
             for e in engine.step()? {
@@ -314,7 +340,7 @@ impl Bench<'_> {
 /// Times "requested" to "resident" for adapters never loaded before (from disk: read,
 /// validate, pack on a loader thread, then copy into pool pages), and again after they were
 /// evicted from the pool while still in host memory.
-fn residency_times(model: &Model<CpuBackend>, adapters: &[AdapterRef]) -> anyhow::Result<Vec<ResidencyTimes>> {
+fn residency_times<B: Backend>(model: &Model<B>, adapters: &[AdapterRef]) -> anyhow::Result<Vec<ResidencyTimes>> {
     let backend = model.backend().clone();
     let layout = model.kv_layout(16, loraplex_kernels::RowDType::F32);
     let mut mem = DevicePool::with_bytes(backend.as_ref(), layout, 256 << 20)?;
@@ -354,7 +380,7 @@ fn residency_times(model: &Model<CpuBackend>, adapters: &[AdapterRef]) -> anyhow
 }
 
 fn print_report(r: &Report) {
-    println!("machine: {}", r.machine);
+    println!("machine: {}; device: {}", r.machine, r.device);
     println!(
         "model: {}, {} threads; batch {} decode at context {}; rank-{} {:?} adapters on all seven modules ({:.1} MB of rows each)",
         r.model, r.threads, r.batch, r.context, r.rank, r.adapter_dtype, r.adapter_mb
