@@ -12,8 +12,10 @@
 // f32, or bf16 packed two per f32 slot, per slot_dtypes[slot]. Ranks differ per adapter and are
 // never padded: a tile costs only its own adapter's rank.
 //
-// shrink: grid (tiles, ceil(max_rank / warps)), block (warps * 32). Warp w of block y computes
-//         v[t, r] = x[t] · A[r] for r = y * warps + w and the tile's tokens, zeros for r >= rank.
+// shrink: grid (tiles, max_rank), block (warps * 32). Block (i, r) computes v[t, r] = x[t] · A[r]
+//         for the tokens of tile i, zeros for r >= rank: its threads split the input features
+//         (4 consecutive per thread, strided by the block), and the partial sums meet in shared
+//         memory. A whole block per (tile, rank row) keeps the GPU busy when tiles are few.
 // expand: grid (tiles, ceil(out_features / (threads * 4))), block (threads). Each thread owns 4
 //         consecutive outputs of every token of the tile: y[t, o] += Σ_r v[t, r] · Bᵀ[r, o].
 
@@ -51,9 +53,9 @@ template <typename T>
 __device__ void lora_shrink_impl(const T* __restrict__ x, const float* __restrict__ pool, const u32* __restrict__ directory,
                                  const u32* __restrict__ a_rows, const u32* __restrict__ slot_dtypes, const u32* __restrict__ tiles,
                                  float* __restrict__ v, u32 in_features, u32 max_rank, u32 num_layers, u32 layer, u32 module) {
-    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, warps = blockDim.x >> 5;
     const u32 slot = tiles[blockIdx.x * 3], t0 = tiles[blockIdx.x * 3 + 1], count = tiles[blockIdx.x * 3 + 2];
-    const u32 r = blockIdx.y * warps + warp;
+    const u32 r = blockIdx.y;
     if (r >= max_rank) return;
     u32 first = 0, rank = 0;
     if (slot != NO_ADAPTER) {
@@ -61,8 +63,9 @@ __device__ void lora_shrink_impl(const T* __restrict__ x, const float* __restric
         first = directory[e];
         rank = directory[e + 1];
     }
+    // Uniform over the block: every thread returns, or none does (the barrier below).
     if (r >= rank) {
-        if (lane < count) v[(u64)(t0 + lane) * max_rank + r] = 0.0f;
+        if (tid < count) v[(u64)(t0 + tid) * max_rank + r] = 0.0f;
         return;
     }
     const u32 row_off = a_rows[first + r];
@@ -70,7 +73,7 @@ __device__ void lora_shrink_impl(const T* __restrict__ x, const float* __restric
     float acc[LORA_TILE];
 #pragma unroll
     for (int i = 0; i < LORA_TILE; ++i) acc[i] = 0.0f;
-    for (u32 c = lane * 4; c < in_features; c += 128) {
+    for (u32 c = tid * 4; c < in_features; c += blockDim.x * 4) {
         float a[4];
         load4_row(pool, row_off, bf16, c, in_features, a);
 #pragma unroll
@@ -84,10 +87,20 @@ __device__ void lora_shrink_impl(const T* __restrict__ x, const float* __restric
             }
         }
     }
+    // Per-warp sums, then warp 0 adds the warps' sums of each token.
+    __shared__ float part[LORA_TILE][32];
 #pragma unroll
     for (int i = 0; i < LORA_TILE; ++i) {
         const float s = warp_sum(acc[i]);
-        if (lane == 0 && (u32)i < count) v[(u64)(t0 + i) * max_rank + r] = s;
+        if (lane == 0) part[i][warp] = s;
+    }
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+        for (int i = 0; i < LORA_TILE; ++i) {
+            const float s = warp_sum(lane < warps ? part[i][lane] : 0.0f);
+            if (lane == 0 && (u32)i < count) v[(u64)(t0 + i) * max_rank + r] = s;
+        }
     }
 }
 

@@ -666,9 +666,8 @@ impl LoraOps for CudaBackend {
         let dev_tiles = self.upload_meta(OP, &tiles)?;
         // The rank buffer v ([n, max_rank]) is the backend's reused scratch, neither allocated
         // nor zeroed here: its old contents are never read. Shrink and expand run over the same
-        // tiles; shrink's grid covers every r < max_rank (ceil(max_rank / SHRINK_WARPS) blocks
-        // of SHRINK_WARPS warps, one r per warp) and writes v[t, r] for every token t of its
-        // tile, x[t]·A[r] for r < rank and 0 for r >= rank. Expand reads v[t, r] only for the
+        // tiles; shrink's grid covers every r < max_rank (one block per tile and r) and writes
+        // v[t, r] for every token t of its tile, x[t]·A[r] for r < rank and 0 for r >= rank. Expand reads v[t, r] only for the
         // tokens of its tiles and r < rank, and rank <= max_rank (`Directory::read` checks it).
         // Rows whose slot is NO_ADAPTER or inactive get no tile: neither kernel touches them.
         // kernels/tests/cuda_sim.rs runs this pair with v poisoned with NaN.

@@ -21,7 +21,7 @@ pub const DECODE_WARPS: usize = 4;
 pub const DECODE_MIN_PART: usize = 256;
 /// Tokens per LoRA tile (`LORA_TILE`).
 pub const LORA_TILE: usize = 8;
-/// Warps (ranks) of a LoRA shrink block.
+/// Warps of a LoRA shrink block (one block per tile and rank row; the warps split its inputs).
 pub const SHRINK_WARPS: usize = 8;
 /// Threads of a LoRA expand block; each owns 4 outputs.
 pub const EXPAND_THREADS: usize = 128;
@@ -191,11 +191,7 @@ pub fn row_tiles(slots: &[u32], keep: impl Fn(u32) -> bool) -> Vec<u32> {
 
 /// The shrink launch over `tiles` (a list of triples) for a target of `max_rank`.
 pub fn lora_shrink(op: &'static str, tiles: usize, max_rank: usize) -> Result<Launch> {
-    Ok(Launch {
-        grid: (dim(op, "tiles", tiles, MAX_GRID_X)?, dim(op, "rank blocks", max_rank.div_ceil(SHRINK_WARPS), MAX_GRID_YZ)?, 1),
-        block: (SHRINK_WARPS * 32) as u32,
-        smem: 0,
-    })
+    Ok(Launch { grid: (dim(op, "tiles", tiles, MAX_GRID_X)?, dim(op, "rank rows", max_rank, MAX_GRID_YZ)?, 1), block: (SHRINK_WARPS * 32) as u32, smem: 0 })
 }
 
 /// The expand launch over `tiles` for a target of `out_features` outputs.
@@ -303,7 +299,7 @@ mod tests {
     #[test]
     fn lora_launches_cover_ranks_and_outputs() {
         let s = lora_shrink("t", 5, 17).unwrap();
-        assert_eq!(s.grid, (5, 3, 1));
+        assert_eq!(s.grid, (5, 17, 1));
         assert_eq!(s.block as usize, SHRINK_WARPS * 32);
         let e = lora_expand("t", 5, 4097).unwrap();
         assert_eq!(e.grid, (5, 9, 1));
