@@ -17,7 +17,8 @@
 //         (4 consecutive per thread, strided by the block), and the partial sums meet in shared
 //         memory. A whole block per (tile, rank row) keeps the GPU busy when tiles are few.
 // expand: grid (tiles, ceil(out_features / (threads * 4))), block (threads). Each thread owns 4
-//         consecutive outputs of every token of the tile: y[t, o] += Σ_r v[t, r] · Bᵀ[r, o].
+//         consecutive outputs of every token of the tile: y[t, o] += Σ_r v[t, r] · Bᵀ[r, o], the
+//         B-row offsets and v values staged in shared memory a chunk of ranks at a time.
 
 #define LORA_TILE 8
 
@@ -104,34 +105,63 @@ __device__ void lora_shrink_impl(const T* __restrict__ x, const float* __restric
     }
 }
 
+// Ranks whose B-row offsets and v values an expand block stages in shared memory at a time. The
+// CPU simulator stages fewer, so that the small ranks of its tests cross chunk boundaries.
+#ifdef LORAPLEX_SIM
+#define EXPAND_CHUNK 8
+#else
+#define EXPAND_CHUNK 64
+#endif
+
 template <typename T>
 __device__ void lora_expand_impl(const float* __restrict__ v, const float* __restrict__ pool, const u32* __restrict__ directory,
                                  const u32* __restrict__ b_rows, const u32* __restrict__ slot_dtypes, const u32* __restrict__ tiles,
                                  T* __restrict__ y, u32 out_features, u32 max_rank, u32 num_layers, u32 layer, u32 module) {
     const u32 slot = tiles[blockIdx.x * 3], t0 = tiles[blockIdx.x * 3 + 1], count = tiles[blockIdx.x * 3 + 2];
+    // Uniform over the block, like every return before the barriers below.
     if (slot == NO_ADAPTER) return;
     const u64 e = (((u64)slot * num_layers + layer) * 7 + module) * 2;
     const u32 first = directory[e], rank = directory[e + 1];
+    if (rank == 0) return;
     const u32 o = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
-    if (rank == 0 || o >= out_features) return;
+    const bool active = o < out_features;
     const u32 bf16 = slot_dtypes[slot];
+    // A chunk of ranks at a time, the block loads the row offsets and the tile's v values once
+    // into shared memory: the loop over ranks then issues only the B-row loads, independent of
+    // each other, instead of chains of dependent global loads per rank.
+    __shared__ u32 s_rows[EXPAND_CHUNK];
+    __shared__ float s_v[LORA_TILE][EXPAND_CHUNK];
     float acc[LORA_TILE][4];
 #pragma unroll
     for (int i = 0; i < LORA_TILE; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
-    for (u32 r = 0; r < rank; ++r) {
-        float b[4];
-        load4_row(pool, b_rows[first + r], bf16, o, out_features, b);
+    for (u32 r0 = 0; r0 < rank; r0 += EXPAND_CHUNK) {
+        const u32 n = rank - r0 < EXPAND_CHUNK ? rank - r0 : EXPAND_CHUNK;
+        __syncthreads();  // the previous chunk's readers are done with it
+        for (u32 k = threadIdx.x; k < n; k += blockDim.x) s_rows[k] = b_rows[first + r0 + k];
+        for (u32 k = threadIdx.x; k < LORA_TILE * EXPAND_CHUNK; k += blockDim.x) {
+            const u32 i = k / EXPAND_CHUNK, r = k % EXPAND_CHUNK;
+            if (i < count && r < n) s_v[i][r] = v[(u64)(t0 + i) * max_rank + r0 + r];
+        }
+        __syncthreads();
+        if (active) {
+#pragma unroll 4
+            for (u32 r = 0; r < n; ++r) {
+                float b[4];
+                load4_row(pool, s_rows[r], bf16, o, out_features, b);
 #pragma unroll
-        for (int i = 0; i < LORA_TILE; ++i) {
-            if ((u32)i < count) {
-                const float vr = v[(u64)(t0 + i) * max_rank + r];
+                for (int i = 0; i < LORA_TILE; ++i) {
+                    if ((u32)i < count) {
+                        const float vr = s_v[i][r];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) acc[i][j] += vr * b[j];
+                        for (int j = 0; j < 4; ++j) acc[i][j] += vr * b[j];
+                    }
+                }
             }
         }
     }
+    if (!active) return;
 #pragma unroll
     for (int i = 0; i < LORA_TILE; ++i) {
         if ((u32)i < count) {
