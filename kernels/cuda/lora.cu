@@ -16,9 +16,10 @@
 //         for the tokens of tile i, zeros for r >= rank: its threads split the input features
 //         (4 consecutive per thread, strided by the block), and the partial sums meet in shared
 //         memory. A whole block per (tile, rank row) keeps the GPU busy when tiles are few.
-// expand: grid (tiles, ceil(out_features / (threads * 4))), block (threads). Each thread owns 4
-//         consecutive outputs of every token of the tile: y[t, o] += Σ_r v[t, r] · Bᵀ[r, o], the
-//         B-row offsets and v values staged in shared memory a chunk of ranks at a time.
+// expand: grid (tiles, ceil(out_features / threads)), block (threads). Each thread owns one output
+//         of every token of the tile: y[t, o] += Σ_r v[t, r] · Bᵀ[r, o], the B-row offsets and
+//         v values staged in shared memory a chunk of ranks at a time. One output per thread
+//         (not four) gives four times the blocks: at decode sizes the grid is what limits it.
 
 #define LORA_TILE 8
 
@@ -48,6 +49,11 @@ __device__ __forceinline__ void load4_row(const float* pool, u32 row_off, u32 bf
             for (int j = 0; j < 4; ++j) a[j] = c + j < len ? row[c + j] : 0.0f;
         }
     }
+}
+
+__device__ __forceinline__ float load1_row(const float* pool, u32 row_off, u32 bf16, u32 c) {
+    if (bf16) return bf16_bits_to_f32(reinterpret_cast<const u16*>(pool)[(u64)row_off * LORA_ROW_ALIGN * 2 + c]);
+    return pool[(u64)row_off * LORA_ROW_ALIGN + c];
 }
 
 template <typename T>
@@ -123,7 +129,7 @@ __device__ void lora_expand_impl(const float* __restrict__ v, const float* __res
     const u64 e = (((u64)slot * num_layers + layer) * 7 + module) * 2;
     const u32 first = directory[e], rank = directory[e + 1];
     if (rank == 0) return;
-    const u32 o = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
+    const u32 o = blockIdx.y * blockDim.x + threadIdx.x;
     const bool active = o < out_features;
     const u32 bf16 = slot_dtypes[slot];
     // A chunk of ranks at a time, the block loads the row offsets and the tile's v values once
@@ -131,11 +137,9 @@ __device__ void lora_expand_impl(const float* __restrict__ v, const float* __res
     // each other, instead of chains of dependent global loads per rank.
     __shared__ u32 s_rows[EXPAND_CHUNK];
     __shared__ float s_v[LORA_TILE][EXPAND_CHUNK];
-    float acc[LORA_TILE][4];
+    float acc[LORA_TILE];
 #pragma unroll
-    for (int i = 0; i < LORA_TILE; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    for (int i = 0; i < LORA_TILE; ++i) acc[i] = 0.0f;
     for (u32 r0 = 0; r0 < rank; r0 += EXPAND_CHUNK) {
         const u32 n = rank - r0 < EXPAND_CHUNK ? rank - r0 : EXPAND_CHUNK;
         __syncthreads();  // the previous chunk's readers are done with it
@@ -148,15 +152,10 @@ __device__ void lora_expand_impl(const float* __restrict__ v, const float* __res
         if (active) {
 #pragma unroll 4
             for (u32 r = 0; r < n; ++r) {
-                float b[4];
-                load4_row(pool, s_rows[r], bf16, o, out_features, b);
+                const float b = load1_row(pool, s_rows[r], bf16, o);
 #pragma unroll
                 for (int i = 0; i < LORA_TILE; ++i) {
-                    if ((u32)i < count) {
-                        const float vr = s_v[i][r];
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) acc[i][j] += vr * b[j];
-                    }
+                    if ((u32)i < count) acc[i] += s_v[i][r] * b;
                 }
             }
         }
@@ -166,10 +165,7 @@ __device__ void lora_expand_impl(const float* __restrict__ v, const float* __res
     for (int i = 0; i < LORA_TILE; ++i) {
         if ((u32)i < count) {
             T* yr = y + (u64)(t0 + i) * out_features + o;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                if (o + j < out_features) yr[j] = from_f32<T>(to_f32(yr[j]) + acc[i][j]);
-            }
+            *yr = from_f32<T>(to_f32(*yr) + acc[i]);
         }
     }
 }

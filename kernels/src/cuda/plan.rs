@@ -23,7 +23,7 @@ pub const DECODE_MIN_PART: usize = 256;
 pub const LORA_TILE: usize = 8;
 /// Warps of a LoRA shrink block (one block per tile and rank row; the warps split its inputs).
 pub const SHRINK_WARPS: usize = 8;
-/// Threads of a LoRA expand block; each owns 4 outputs.
+/// Threads of a LoRA expand block; each owns one output.
 pub const EXPAND_THREADS: usize = 128;
 /// Shared memory a block gets without opting in.
 pub const DEFAULT_SMEM: usize = 48 * 1024;
@@ -197,7 +197,7 @@ pub fn lora_shrink(op: &'static str, tiles: usize, max_rank: usize) -> Result<La
 /// The expand launch over `tiles` for a target of `out_features` outputs.
 pub fn lora_expand(op: &'static str, tiles: usize, out_features: usize) -> Result<Launch> {
     Ok(Launch {
-        grid: (dim(op, "tiles", tiles, MAX_GRID_X)?, dim(op, "output blocks", out_features.div_ceil(EXPAND_THREADS * 4), MAX_GRID_YZ)?, 1),
+        grid: (dim(op, "tiles", tiles, MAX_GRID_X)?, dim(op, "output blocks", out_features.div_ceil(EXPAND_THREADS), MAX_GRID_YZ)?, 1),
         block: EXPAND_THREADS as u32,
         smem: 0,
     })
@@ -302,7 +302,7 @@ mod tests {
         assert_eq!(s.grid, (5, 17, 1));
         assert_eq!(s.block as usize, SHRINK_WARPS * 32);
         let e = lora_expand("t", 5, 4097).unwrap();
-        assert_eq!(e.grid, (5, 9, 1));
+        assert_eq!(e.grid, (5, 33, 1));
         assert!(lora_shrink("t", 0, 8).is_err());
     }
 }
