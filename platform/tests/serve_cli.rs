@@ -139,6 +139,31 @@ fn the_official_openai_python_client_works_unchanged() {
     eprintln!("{stdout}");
 }
 
+/// The script a GPU run checks `serve --device cuda` with (`.ci/gpu-run`), kept honest here on
+/// the CPU: it passes where the tokens are transformers + PEFT's, and fails on a model whose
+/// tokens are not (the bf16 checkpoint, asked as if it were the f32 one).
+#[test]
+fn the_device_parity_script_passes_on_the_cpu_and_catches_other_tokens() {
+    let Some(python) = std::env::var_os("LORAPLEX_TEST_PYTHON") else {
+        eprintln!("LORAPLEX_TEST_PYTHON is not set: the parity script test is skipped (.ci/run sets it)");
+        return;
+    };
+    let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/reference/llama");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/clients/device_parity.py");
+    let admin = "operator-key-0123456789";
+    let run = |model: &str, variants: &[&str]| {
+        let data = tempfile::tempdir().unwrap();
+        let server = start(data.path(), &["--admin-key", admin, "--model", &format!("{fixtures}/{model}")]);
+        let out = Command::new(&python).arg(script).arg(format!("http://{}", server.addr)).arg(admin).arg(fixtures).args(variants).output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr))
+    };
+    let (ok, said) = run("model-f32", &[]);
+    assert!(ok && said.contains("compute type cpu; 0 mismatch(es)"), "{said}");
+    assert_eq!(said.matches(" ok\n").count(), 24, "base and three adapters, six prompts each: {said}");
+    let (ok, said) = run("model-bf16", &["base"]);
+    assert!(!ok && said.contains("differs at token"), "{said}");
+}
+
 #[test]
 fn without_cuda_auto_serves_on_the_cpu_and_cuda_is_a_clear_error() {
     let data = tempfile::tempdir().unwrap();
