@@ -18,8 +18,9 @@ import json
 import math
 import os
 import sys
-import urllib.request
 import uuid
+
+import loraplex_http
 
 BASE, ADMIN, ARCH = sys.argv[1], sys.argv[2], sys.argv[3]
 ref = json.load(open(os.path.join(ARCH, "reference.json")))
@@ -31,24 +32,8 @@ except ImportError:  # logprob checks are skipped
     np = None
 
 
-def http(method, path, key, body=None, content_type="application/json"):
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(BASE + path, data=data, method=method)
-    req.add_header("Authorization", f"Bearer {key}")
-    if data is not None:
-        req.add_header("Content-Type", content_type)
-    with urllib.request.urlopen(req) as res:
-        return dict(res.headers), json.loads(res.read())
-
-
-def multipart(fields):
-    boundary = uuid.uuid4().hex
-    out = b""
-    for name, value in fields:
-        out += f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{name}"\r\n\r\n'.encode()
-        out += value + b"\r\n"
-    out += f"--{boundary}--\r\n".encode()
-    return out, f"multipart/form-data; boundary={boundary}"
+def http(method, path, key, body=None):
+    return loraplex_http.http(BASE, method, path, key, body)
 
 
 _, tenant = http("POST", "/admin/tenants", ADMIN, {"name": f"parity-{uuid.uuid4().hex[:8]}"})
@@ -65,13 +50,7 @@ for variant in variants:
     adapter = None
     if spec["kind"] != "base":
         adapter = variant.replace("_", "-")
-        path = os.path.join(ARCH, spec["adapter_dir"])
-        body, ctype = multipart([
-            ("name", adapter.encode()),
-            ("config", open(os.path.join(path, "adapter_config.json"), "rb").read()),
-            ("weights", open(os.path.join(path, "adapter_model.safetensors"), "rb").read()),
-        ])
-        http("POST", "/v1/adapters", key, body, ctype)
+        loraplex_http.upload_adapter(BASE, key, adapter, os.path.join(ARCH, spec["adapter_dir"]))
     for i, (prompt, want) in enumerate(zip(ref["prompts"], spec["results"])):
         params = {"max_new_tokens": len(want["greedy_new_tokens"]), "ignore_eos_token": True, "details": True}
         if adapter:

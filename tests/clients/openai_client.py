@@ -7,44 +7,22 @@ endpoints through the client (completions, chat, streams, logprobs, errors) and 
 bill. Exits non-zero on the first failure.
 """
 
-import json
 import sys
-import urllib.request
-import uuid
 
 import openai
+
+import loraplex_http
 
 BASE, ADMIN, ADAPTER = sys.argv[1], sys.argv[2], sys.argv[3]
 
 
-def http(method, path, key, body=None, content_type="application/json"):
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(BASE + path, data=data, method=method)
-    req.add_header("Authorization", f"Bearer {key}")
-    if data is not None:
-        req.add_header("Content-Type", content_type)
-    with urllib.request.urlopen(req) as res:
-        return json.loads(res.read())
-
-
-def multipart(fields):
-    boundary = uuid.uuid4().hex
-    out = b""
-    for name, value in fields:
-        out += f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{name}"\r\n\r\n'.encode()
-        out += value + b"\r\n"
-    out += f"--{boundary}--\r\n".encode()
-    return out, f"multipart/form-data; boundary={boundary}"
+def http(method, path, key, body=None):
+    return loraplex_http.http(BASE, method, path, key, body)[1]
 
 
 tenant = http("POST", "/admin/tenants", ADMIN, {"name": "openai-client", "plan": "standard"})
 key = http("POST", f"/admin/tenants/{tenant['id']}/keys", ADMIN)["key"]
-body, ctype = multipart([
-    ("name", b"support"),
-    ("config", open(f"{ADAPTER}/adapter_config.json", "rb").read()),
-    ("weights", open(f"{ADAPTER}/adapter_model.safetensors", "rb").read()),
-])
-assert http("POST", "/v1/adapters", key, body, ctype)["version"] == 1
+assert loraplex_http.upload_adapter(BASE, key, "support", ADAPTER)["version"] == 1
 
 client = openai.OpenAI(base_url=BASE + "/v1", api_key=key)
 models = [m.id for m in client.models.list()]

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use loraplex_kernels::cpu::{CpuBackend, probe};
-use loraplex_kernels::cuda::{self, CudaBackend};
+use loraplex_kernels::cuda::CudaBackend;
 use loraplex_kernels::{Backend, DenseOps, Memory};
 use serde::Serialize;
 
@@ -139,9 +139,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<()> {
             measure(Arc::new(CpuBackend::new()), Machine::measure_cpu, &dir, source, linear_bytes, args)
         }
         Device::Cuda(n) => {
-            cuda::probe().map_err(|why| anyhow::anyhow!("bench engine --device {}: CUDA is not usable here: {why}", args.device))?;
-            let g = Arc::new(CudaBackend::new(n.unwrap_or(0), cuda::compile::default_cache_dir())?);
-            g.warm_up()?;
+            let g = Arc::new(super::open_cuda(n.unwrap_or(0), &format!("bench engine --device {}", args.device))?);
             // The CUDA backend widens every checkpoint to f32 weights.
             measure(g, Machine::measure_cuda, &dir, source, 4, args)
         }

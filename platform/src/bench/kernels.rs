@@ -11,7 +11,7 @@ use std::io::Write;
 use std::process::{Command, Stdio};
 
 use anyhow::{Context, bail};
-use loraplex_kernels::cuda::{self, CudaBackend, CudaBuffer};
+use loraplex_kernels::cuda::{CudaBackend, CudaBuffer};
 use loraplex_kernels::{
     AttentionOps, AttentionParams, BatchMeta, DType, KvLayout, LORA_ROW_ALIGN, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory, NUM_MODULES, RowDType,
 };
@@ -239,9 +239,7 @@ pub fn run(args: &BenchKernelsArgs) -> anyhow::Result<()> {
         Device::Cuda(n) => n.unwrap_or(0),
         other => bail!("bench kernels measures a CUDA device: use --device cuda or cuda:N, not {other}"),
     };
-    cuda::probe().map_err(|why| anyhow::anyhow!("bench kernels needs CUDA: {why}"))?;
-    let g = CudaBackend::new(ordinal, cuda::compile::default_cache_dir())?;
-    g.warm_up()?;
+    let g = super::open_cuda(ordinal, "bench kernels")?;
     let copy_gbs = g.copy_bandwidth(1 << 30)? / 1e9;
     println!("{}: device-to-device copy {copy_gbs:.0} GB/s (read + write)", g.device_name());
     let mut rng = StdRng::seed_from_u64(args.seed);

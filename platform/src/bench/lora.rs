@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use loraplex_kernels::cpu::CpuBackend;
-use loraplex_kernels::cuda::{self, CudaBackend};
 use loraplex_kernels::{Backend, Memory};
 use serde::Serialize;
 
@@ -84,9 +83,7 @@ pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
     match args.device {
         Device::Cpu => measure(Arc::new(CpuBackend::new()), "cpu".into(), &dir, source, tmp.path(), args),
         Device::Cuda(n) => {
-            cuda::probe().map_err(|why| anyhow::anyhow!("bench lora --device {}: CUDA is not usable here: {why}", args.device))?;
-            let g = CudaBackend::new(n.unwrap_or(0), cuda::compile::default_cache_dir())?;
-            g.warm_up()?;
+            let g = super::open_cuda(n.unwrap_or(0), &format!("bench lora --device {}", args.device))?;
             let name = g.device_name();
             measure(Arc::new(g), name, &dir, source, tmp.path(), args)
         }

@@ -32,6 +32,16 @@ pub(crate) fn model_dir(
     Ok((out, format!("synth {preset:?} {dtype:?}").to_lowercase()))
 }
 
+/// CUDA device `ordinal` for a benchmark, its kernels compiled: `what` names the benchmark in
+/// the error when CUDA is not usable here.
+pub(crate) fn open_cuda(ordinal: usize, what: &str) -> anyhow::Result<loraplex_kernels::cuda::CudaBackend> {
+    use loraplex_kernels::cuda;
+    cuda::probe().map_err(|why| anyhow::anyhow!("{what} needs CUDA, which is not usable here: {why}"))?;
+    let g = cuda::CudaBackend::new(ordinal, cuda::compile::default_cache_dir())?;
+    g.warm_up()?;
+    Ok(g)
+}
+
 /// The synthesis dimensions of a loaded model, so adapters can be made for any checkpoint.
 pub(crate) fn dims_of(c: &ModelConfig) -> ModelDims {
     ModelDims {
