@@ -79,8 +79,15 @@ pub struct EngineArgs {
     /// How much longer a tenant's prompt work may make a step that also serves a tenant ahead
     /// of it in the fair order, as a fraction of a step's fixed time (`inf`: no limit). Keeps a
     /// light tenant's decodes from waiting on a heavy tenant's long prompts.
-    #[arg(long, env = "LORAPLEX_SHARED_SLOWDOWN", default_value_t = 0.5, value_parser = non_negative)]
+    #[arg(long, env = "LORAPLEX_SHARED_SLOWDOWN", default_value_t = 0.25, value_parser = non_negative)]
     pub shared_slowdown: f64,
+    /// When the decodes of tenants behind another one in the fair order would lengthen a step
+    /// that runs that tenant's prompt by at least this fraction of the step's fixed time, they
+    /// wait for the next step (never two in a row; `inf`: never). On a CPU, where each row of
+    /// a step costs time, a light tenant's first token then does not wait for a heavy tenant's
+    /// batch as well.
+    #[arg(long, env = "LORAPLEX_DEFER_DECODES", default_value_t = 0.5, value_parser = non_negative)]
+    pub defer_decodes: f64,
     /// A step's fixed time in units of a token's cost (default: measured from the steps run).
     #[arg(long, env = "LORAPLEX_STEP_OVERHEAD", value_parser = non_negative)]
     pub step_overhead: Option<f64>,
@@ -130,6 +137,7 @@ impl EngineArgs {
             pinned_percent: 0,
             attention_cost: self.attention_cost,
             shared_slowdown: self.shared_slowdown.is_finite().then_some(self.shared_slowdown),
+            defer_decodes: self.defer_decodes.is_finite().then_some(self.defer_decodes),
             step_overhead: self.step_overhead,
         }
     }

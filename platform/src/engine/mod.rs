@@ -65,6 +65,8 @@ pub struct EngineConfig {
     pub attention_cost: Option<f64>,
     /// See [`SchedulerConfig::shared_slowdown`].
     pub shared_slowdown: Option<f64>,
+    /// See [`SchedulerConfig::defer_decodes`].
+    pub defer_decodes: Option<f64>,
     /// See [`SchedulerConfig::step_overhead`].
     pub step_overhead: Option<f64>,
 }
@@ -93,7 +95,8 @@ impl Default for EngineConfig {
             prefix_cache: true,
             pinned_percent: 0,
             attention_cost: None,
-            shared_slowdown: Some(0.5),
+            shared_slowdown: Some(0.25),
+            defer_decodes: Some(0.5),
             step_overhead: None,
         }
     }
@@ -201,6 +204,7 @@ impl<B: Backend> Engine<B> {
                 max_running: config.max_running,
                 attention_cost,
                 shared_slowdown: config.shared_slowdown,
+                defer_decodes: config.defer_decodes,
                 step_overhead: config.step_overhead,
                 ..SchedulerConfig::default()
             }),

@@ -101,11 +101,29 @@ pub struct SchedulerConfig {
     /// between two requests still keeps the steps short, so its next request does not wait for
     /// a long one.
     pub presence: f64,
+    /// When the decodes of the tenants behind another one in the fair order would lengthen a
+    /// step that runs that tenant's prompt by at least this fraction of the step's fixed time,
+    /// they wait for the next step (`None`: never). Prompt work is cut to fit
+    /// [`shared_slowdown`](Self::shared_slowdown); a decode cannot be, so it waits whole. Where
+    /// every row of a step costs time (a CPU), a newcomer's first token then waits for its own
+    /// prompt only, not for the heavy tenant's batch as well; where rows cost little beside the
+    /// fixed time (a GPU at small batches), decodes ride along. A sequence is never deferred
+    /// two steps in a row.
+    pub defer_decodes: Option<f64>,
 }
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
-        Self { max_batch_tokens: 2048, max_running: 256, prefetch_ahead: 16, attention_cost: 0.0, shared_slowdown: None, step_overhead: None, presence: 1.0 }
+        Self {
+            max_batch_tokens: 2048,
+            max_running: 256,
+            prefetch_ahead: 16,
+            attention_cost: 0.0,
+            shared_slowdown: None,
+            step_overhead: None,
+            presence: 1.0,
+            defer_decodes: None,
+        }
     }
 }
 
@@ -206,11 +224,22 @@ pub struct Scheduler<S> {
     /// When each tenant last had work in a step (on `clock`), for those seen within
     /// `presence`.
     seen: HashMap<TenantId, f64>,
+    /// The decodes left out of the last step (see [`SchedulerConfig::defer_decodes`]).
+    deferred: HashSet<SeqId>,
 }
 
 impl<S: Schedulable> Scheduler<S> {
     pub fn new(config: SchedulerConfig) -> Self {
-        Self { config, queues: FairQueues::default(), running: Vec::new(), next_arrival: 0, timer: StepTimer::default(), clock: 0.0, seen: HashMap::new() }
+        Self {
+            config,
+            queues: FairQueues::default(),
+            running: Vec::new(),
+            next_arrival: 0,
+            timer: StepTimer::default(),
+            clock: 0.0,
+            seen: HashMap::new(),
+            deferred: HashSet::new(),
+        }
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -335,7 +364,10 @@ impl<S: Schedulable> Scheduler<S> {
                 step.join(t.clone(), (self.queues.counter(t).unwrap_or(0.0), in_service.get(t).copied().unwrap_or(0)));
             }
         }
-        let decoding: Vec<SeqId> = self.running.iter().filter(|j| pending(j) == 1).map(|j| j.seq.id()).collect();
+        let mut decoding: Vec<SeqId> = self.running.iter().filter(|j| pending(j) == 1).map(|j| j.seq.id()).collect();
+        // The decodes that wait for a prompt ahead of them in the fair order.
+        let deferred: HashSet<SeqId> = self.defer(slot.as_ref(), &decoding, mem, &in_service).into_iter().flatten().collect();
+        decoding.retain(|id| !deferred.contains(id));
         for id in decoding {
             if tokens == 0 {
                 break;
@@ -389,6 +421,11 @@ impl<S: Schedulable> Scheduler<S> {
                     self.queues.push_front(q);
                 }
                 let Some((_, id)) = best_running else { break };
+                if deferred.contains(&id) {
+                    // A deferred decode does not come back as prompt work.
+                    done.insert(id);
+                    continue;
+                }
                 let Some(tenant) = self.tenant_of(id).cloned() else { break };
                 let rank = self.rank(&tenant, &in_service);
                 let Some((at, pending)) = self.get(id).map(|s| (s.computed(), s.num_tokens() - s.computed())) else { break };
@@ -426,6 +463,22 @@ impl<S: Schedulable> Scheduler<S> {
                 }
             }
         }
+        if !deferred.is_empty() && !prompt_given {
+            // The prompt could not start after all (the pool is short): the decodes run.
+            for &id in &deferred {
+                if tokens == 0 {
+                    break;
+                }
+                let at = self.get(id).map_or(0, |s| s.computed());
+                if self.give(id, 1, mem, &mut plan, &mut done) {
+                    tokens -= 1;
+                    plan.cost += self.config.cost(at, 1);
+                }
+            }
+            self.deferred.clear();
+        } else {
+            self.deferred = deferred;
+        }
         for &(id, _) in &plan.chunks {
             if let Some(t) = self.tenant_of(id) {
                 self.seen.insert(t.clone(), clock);
@@ -437,6 +490,45 @@ impl<S: Schedulable> Scheduler<S> {
         }
         self.prefetch(mem);
         plan
+    }
+
+    /// The decodes this step leaves out (see [`SchedulerConfig::defer_decodes`]): those of the
+    /// tenants behind the prompt work that goes first (the sequence given a slot, a running
+    /// prefill, or a queued request that can start now), unless they waited last step. `None`
+    /// when there is no such prompt, nobody decoding behind it, or when their decodes would
+    /// cost too little of the step to matter.
+    fn defer(&self, slot: Option<&Job<S>>, decoding: &[SeqId], mem: &mut impl StepMemory<S>, in_service: &HashMap<TenantId, usize>) -> Option<Vec<SeqId>> {
+        let threshold = self.config.defer_decodes? * self.step_overhead();
+        let short = |k: (Priority, f64, usize, u64)| (k.0, k.1, k.2);
+        let mut lead: Option<(TenantId, Key)> = None;
+        let mut consider = |tenant: &TenantId, key: Key| {
+            if lead.as_ref().is_none_or(|(_, l)| ahead(key, *l)) {
+                lead = Some((tenant.clone(), key));
+            }
+        };
+        if let Some(job) = slot {
+            consider(&job.tenant, short(self.key(job, in_service)));
+        }
+        for job in self.running.iter().filter(|j| pending(j) > 1) {
+            consider(&job.tenant, short(self.key(job, in_service)));
+        }
+        if slot.is_none() && self.running.len() < self.config.max_running {
+            let first_ready =
+                self.queues.in_pick_order().into_iter().take(self.config.prefetch_ahead.max(1)).find(|j| mem.readiness(&j.seq) == Readiness::Ready);
+            if let Some(job) = first_ready {
+                consider(&job.tenant, short(self.key(job, in_service)));
+            }
+        }
+        let (tenant, key) = lead?;
+        let mut cost = 0.0;
+        let mut ids = Vec::new();
+        for j in self.running.iter().filter(|j| decoding.contains(&j.seq.id())) {
+            if j.tenant != tenant && ahead(key, short(self.key(j, in_service))) && !self.deferred.contains(&j.seq.id()) {
+                cost += self.config.cost(j.seq.computed(), 1);
+                ids.push(j.seq.id());
+            }
+        }
+        (!ids.is_empty() && cost >= threshold).then_some(ids)
     }
 
     /// A tenant's place in the fair order: its counter, then its sequences running.
@@ -633,6 +725,14 @@ impl<S: Schedulable> Scheduler<S> {
             mem.prefetch(&job.seq);
         }
     }
+}
+
+/// A place in the fair order: class, tenant counter, the tenant's sequences running.
+type Key = (Priority, f64, usize);
+
+/// Whether `a` comes strictly before `b` in the fair order.
+fn ahead(a: Key, b: Key) -> bool {
+    a.0 < b.0 || (a.0 == b.0 && (a.1 < b.1 || (a.1 == b.1 && a.2 < b.2)))
 }
 
 /// The tenants a step serves so far, and what it gave to the prompt work of tenants behind

@@ -501,3 +501,65 @@ fn a_token_dearer_than_a_step_still_moves() {
     }
     assert!(sim.sched.get(b).is_some(), "b was still decoding: a moved behind its decodes");
 }
+
+/// Eight sequences of `a` decoding (with `config`), then `b` arrives with a 20-token prompt:
+/// the ids of a's sequences and b's.
+fn a_decoding_then_b_arrives(config: SchedulerConfig) -> (Sim, Vec<SeqId>, SeqId) {
+    let mut sim = Sim::new(config, Mem::new(100_000, 16));
+    let a: Vec<SeqId> = (0..8).map(|_| sim.add("a", 1.0, Priority::Interactive, 4, 1000, None)).collect();
+    for _ in 0..40 {
+        sim.step();
+    }
+    assert!(a.iter().all(|&id| sim.sched.get(id).is_some_and(|s| s.len - s.computed == 1)), "a decodes");
+    let b = sim.add("b", 1.0, Priority::Interactive, 20, 10, None);
+    (sim, a, b)
+}
+
+/// Where a step's rows cost time, a newcomer ahead in the fair order gets its prompt's step to
+/// itself: the decodes of the tenant behind it wait one step, and never two in a row.
+#[test]
+fn a_newcomers_prompt_runs_without_the_decodes_behind_it_for_one_step() {
+    let defer = SchedulerConfig { defer_decodes: Some(0.25), step_overhead: Some(16.0), ..config(64, 16) };
+    let (mut sim, a, b) = a_decoding_then_b_arrives(defer.clone());
+    assert_eq!(sim.step().chunks, [(b, 20)], "b's prompt alone");
+    let plan = sim.step();
+    assert!(a.iter().all(|id| plan.chunks.contains(&(*id, 1))), "a's decodes are back the step after: {:?}", plan.chunks);
+    assert!(plan.chunks.contains(&(b, 1)));
+    // Off: b's prompt shares its step with a's decodes.
+    let (mut sim, a, b) = a_decoding_then_b_arrives(SchedulerConfig { defer_decodes: None, ..defer.clone() });
+    let plan = sim.step();
+    assert!(plan.chunks.contains(&(b, 20)) && a.iter().all(|id| plan.chunks.contains(&(*id, 1))), "{:?}", plan.chunks);
+
+    // Where a step's fixed time dwarfs its rows (a GPU: 400 tokens' worth), eight decodes are
+    // not worth a step: they ride along.
+    let (mut sim, a, b) = a_decoding_then_b_arrives(SchedulerConfig { step_overhead: Some(400.0), ..defer });
+    let plan = sim.step();
+    assert!(plan.chunks.contains(&(b, 20)) && a.iter().all(|id| plan.chunks.contains(&(*id, 1))), "{:?}", plan.chunks);
+}
+
+/// A flood of prompts from a newcomer defers the decodes of the tenant running only while the
+/// newcomer is ahead in the fair order (its one step of credit), never two steps in a row;
+/// once it has had its share, the decodes run in every step.
+#[test]
+fn a_flood_of_prompts_defers_others_decodes_only_while_it_is_ahead() {
+    let defer = SchedulerConfig { defer_decodes: Some(0.0), step_overhead: Some(16.0), ..config(64, 16) };
+    let mut sim = Sim::new(defer, Mem::new(100_000, 16));
+    let b: Vec<SeqId> = (0..4).map(|_| sim.add("b", 1.0, Priority::Interactive, 4, 1000, None)).collect();
+    for _ in 0..3 {
+        sim.step();
+    }
+    for _ in 0..200 {
+        sim.add("a", 1.0, Priority::Interactive, 30, 4, None);
+    }
+    let mut waited = Vec::new();
+    for step in 0..100 {
+        let plan = sim.step();
+        let b_in = b.iter().filter(|id| plan.chunks.contains(&(**id, 1))).count();
+        assert!(b_in == 0 || b_in == b.len(), "step {step}: {:?}", plan.chunks);
+        if b_in == 0 {
+            assert!(step == 0 || waited.last() != Some(&(step - 1)), "b waited two steps in a row at {step}");
+            waited.push(step);
+        }
+    }
+    assert!(!waited.is_empty() && waited.len() <= 2, "b's decodes waited in steps {waited:?}");
+}
