@@ -366,7 +366,7 @@ impl<S: Schedulable> Scheduler<S> {
         }
         let mut decoding: Vec<SeqId> = self.running.iter().filter(|j| pending(j) == 1).map(|j| j.seq.id()).collect();
         // The decodes that wait for a prompt ahead of them in the fair order.
-        let deferred: HashSet<SeqId> = self.defer(slot.as_ref(), &decoding, mem, &in_service).into_iter().flatten().collect();
+        let deferred: HashSet<SeqId> = self.defer(slot.as_ref(), mem, &in_service).into_iter().flatten().collect();
         decoding.retain(|id| !deferred.contains(id));
         for id in decoding {
             if tokens == 0 {
@@ -497,7 +497,7 @@ impl<S: Schedulable> Scheduler<S> {
     /// prefill, or a queued request that can start now), unless they waited last step. `None`
     /// when there is no such prompt, nobody decoding behind it, or when their decodes would
     /// cost too little of the step to matter.
-    fn defer(&self, slot: Option<&Job<S>>, decoding: &[SeqId], mem: &mut impl StepMemory<S>, in_service: &HashMap<TenantId, usize>) -> Option<Vec<SeqId>> {
+    fn defer(&self, slot: Option<&Job<S>>, mem: &mut impl StepMemory<S>, in_service: &HashMap<TenantId, usize>) -> Option<Vec<SeqId>> {
         let threshold = self.config.defer_decodes? * self.step_overhead();
         let short = |k: (Priority, f64, usize, u64)| (k.0, k.1, k.2);
         let mut lead: Option<(TenantId, Key)> = None;
@@ -522,7 +522,7 @@ impl<S: Schedulable> Scheduler<S> {
         let (tenant, key) = lead?;
         let mut cost = 0.0;
         let mut ids = Vec::new();
-        for j in self.running.iter().filter(|j| decoding.contains(&j.seq.id())) {
+        for j in self.running.iter().filter(|j| pending(j) == 1) {
             if j.tenant != tenant && ahead(key, short(self.key(j, in_service))) && !self.deferred.contains(&j.seq.id()) {
                 cost += self.config.cost(j.seq.computed(), 1);
                 ids.push(j.seq.id());
