@@ -7,6 +7,7 @@ use clap::{Args, Parser, Subcommand};
 
 use loraplex_adapters::AdapterLimits;
 use loraplex_kernels::RowDType;
+use loraplex_kernels::cpu::{CpuBackend, MatmulInputs};
 
 use crate::engine::EngineConfig;
 use crate::memory::LoaderConfig;
@@ -58,6 +59,9 @@ pub struct EngineArgs {
     /// key and value once when it is written; f32 is exact. The CPU backend only for now.
     #[arg(long, env = "LORAPLEX_KV_DTYPE", value_enum, default_value_t = KvDType::F32)]
     pub kv_dtype: KvDType,
+    /// What activations enter the matmuls of bf16 weights as (see [`MatmulDType`]).
+    #[arg(long, env = "LORAPLEX_MATMUL_DTYPE", value_enum, default_value_t = MatmulDType::F32)]
+    pub matmul_dtype: MatmulDType,
     /// Most tokens in one forward step (prompt chunks plus decodes).
     #[arg(long, env = "LORAPLEX_MAX_BATCH_TOKENS", default_value_t = 2048)]
     pub max_batch_tokens: usize,
@@ -108,6 +112,32 @@ impl KvDType {
             KvDType::F32 => RowDType::F32,
             KvDType::Bf16 => RowDType::Bf16,
         }
+    }
+}
+
+/// What the CPU backend multiplies bf16 weights with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MatmulDType {
+    /// Activations in f32: exact, bf16 weights give the same bits as f32 weights.
+    F32,
+    /// Activations rounded to bf16 at each matmul of a bf16 weight, products summed in f32 (as
+    /// PyTorch and llama.cpp run bf16 models); on CPUs with AVX-512 BF16 its dot product does
+    /// twice the multiply-adds of f32. Other weights stay exact. The CPU backend only.
+    Bf16,
+}
+
+impl MatmulDType {
+    pub fn inputs(self) -> MatmulInputs {
+        match self {
+            MatmulDType::F32 => MatmulInputs::F32,
+            MatmulDType::Bf16 => MatmulInputs::Bf16,
+        }
+    }
+
+    /// The CPU backend on the widest instruction set, multiplying bf16 weights this way.
+    pub fn cpu_backend(self) -> CpuBackend {
+        CpuBackend::new().with_matmul_inputs(self.inputs())
     }
 }
 
@@ -492,6 +522,9 @@ pub struct BenchRuntimeArgs {
     /// CPU, half the bytes read per token).
     #[arg(long, value_enum, default_value_t = FileDType::F32)]
     pub model_dtype: FileDType,
+    /// What activations enter the matmuls of bf16 weights as (see `serve --matmul-dtype`).
+    #[arg(long, value_enum, default_value_t = MatmulDType::F32)]
+    pub matmul_dtype: MatmulDType,
     /// Measure this model directory instead of a synthesized one.
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -637,6 +670,9 @@ pub struct BenchLoraArgs {
     /// CPU, half the bytes read per token).
     #[arg(long, value_enum, default_value_t = FileDType::F32)]
     pub model_dtype: FileDType,
+    /// What activations enter the matmuls of bf16 weights as (see `serve --matmul-dtype`).
+    #[arg(long, value_enum, default_value_t = MatmulDType::F32)]
+    pub matmul_dtype: MatmulDType,
     /// Measure this model directory instead of a synthesized one (adapters are synthesized for it).
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -681,6 +717,9 @@ pub struct BenchEngineArgs {
     /// CPU, half the bytes read per token).
     #[arg(long, value_enum, default_value_t = FileDType::F32)]
     pub model_dtype: FileDType,
+    /// What activations enter the matmuls of bf16 weights as (see `serve --matmul-dtype`).
+    #[arg(long, value_enum, default_value_t = MatmulDType::F32)]
+    pub matmul_dtype: MatmulDType,
     /// Measure this model directory instead of a synthesized one.
     #[arg(long)]
     pub model: Option<PathBuf>,

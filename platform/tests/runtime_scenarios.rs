@@ -11,7 +11,7 @@ use loraplex::synth::{self, Preset, SynthOptions};
 fn setup(dir: &tempfile::TempDir) -> Setup {
     let model = dir.path().join("model");
     synth::synthesize_model(&SynthOptions { out: model.clone(), preset: Preset::Tiny, seed: 0, dtype: synth::FileDType::F32, kv_heads: None }).unwrap();
-    runtime::load_setup(&model, dir.path()).unwrap()
+    runtime::load_setup(loraplex_kernels::cpu::CpuBackend::new(), &model, dir.path()).unwrap()
 }
 
 fn engine() -> EngineConfig {

@@ -1,7 +1,7 @@
 //! `out[rows, n] = x[rows, k] · Wᵀ (+ bias)` on the CPU.
 
 use super::isa::Path;
-use super::{CpuBackend, CpuBuffer, ensure_len, packed};
+use super::{CpuBackend, CpuBuffer, MatmulInputs, ensure_len, packed};
 use crate::{KernelError, Result, WeightData};
 
 /// A linear layer's weight, packed into panels for the instruction set of the backend that
@@ -14,11 +14,11 @@ pub struct CpuWeight {
 }
 
 impl CpuWeight {
-    pub(crate) fn pack(path: Path, data: WeightData<'_>, out_features: usize, in_features: usize) -> Result<Self> {
+    pub(crate) fn pack(path: Path, data: WeightData<'_>, out_features: usize, in_features: usize, inputs: MatmulInputs) -> Result<Self> {
         if out_features.checked_mul(in_features) != Some(data.len()) || out_features == 0 || in_features == 0 {
             return Err(KernelError::Shape { op: "load_weight", detail: format!("{} elements for a [{out_features}, {in_features}] weight", data.len()) });
         }
-        Ok(Self { panels: packed::pack(path, data, out_features, in_features), out_features, in_features })
+        Ok(Self { panels: packed::pack(path, data, out_features, in_features, inputs), out_features, in_features })
     }
 
     pub fn out_features(&self) -> usize {
@@ -135,6 +135,44 @@ mod tests {
         }
     }
 
+    /// With bf16 matmul inputs, bf16 weights multiply the activations rounded to bf16 (to
+    /// nearest, ties to even), with products summed in f32: on the dot-product kernel where the
+    /// CPU has one, and by rounding then widening on every other path. Other weight types stay
+    /// exact.
+    #[test]
+    fn bf16_inputs_multiply_the_rounded_activations() {
+        for &(rows, k, n) in &[(1, 67, 16 * 43 + 5), (13, 67, 45), (30, 128, 100), (2, 1, 3)] {
+            let x: Vec<f32> = pseudo_random(rows * k, 6).iter().map(|v| v * 3.0).collect();
+            let b = pseudo_random(n, 8);
+            let bits: Vec<u16> = pseudo_random(n * k, 7).iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+            let w: Vec<f32> = bits.iter().map(|&v| half::bf16::from_bits(v).to_f32()).collect();
+            let rounded: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+            let want = reference(&rounded, &w, Some(&b), rows, k, n);
+            let exact = reference(&x, &w, Some(&b), rows, k, n);
+            // The rounding moves some output by far more than the tolerance below.
+            assert!(want.iter().zip(&exact).any(|(a, e)| (a - e).abs() > 1e-3 * (1.0 + e.abs())));
+            for path in Path::available() {
+                let cpu = CpuBackend::with_path(path).with_matmul_inputs(MatmulInputs::Bf16);
+                let weight = cpu.load_weight_data(WeightData::Bf16(&bits), n, k).unwrap();
+                if k % 2 == 0 {
+                    assert_eq!(2 * weight.bytes(), cpu.load_weight(&w, n, k).unwrap().bytes(), "{path:?}: half-size, and f32 weights keep f32 panels");
+                }
+                let bias = cpu.upload_f32(&b).unwrap();
+                let mut out = cpu.upload_f32(&vec![f32::NAN; rows * n]).unwrap();
+                cpu.matmul(&cpu.upload_f32(&x).unwrap(), &weight, Some(&bias), &mut out, rows).unwrap();
+                for (i, (g, w)) in cpu.download_f32(&out).unwrap().iter().zip(&want).enumerate() {
+                    assert!((g - w).abs() <= 2e-6 * (1.0 + k as f32) * (1.0 + w.abs()), "{}: rows={rows} k={k} n={n} [{i}]: {g} vs {w}", cpu.describe());
+                }
+                // f32 weights ignore the setting.
+                let f32_weight = cpu.load_weight(&w, n, k).unwrap();
+                cpu.matmul(&cpu.upload_f32(&x).unwrap(), &f32_weight, Some(&bias), &mut out, rows).unwrap();
+                for (g, e) in cpu.download_f32(&out).unwrap().iter().zip(&exact) {
+                    assert!((g - e).abs() <= 1e-4 * (1.0 + e.abs()), "{path:?} f32 weights: {g} vs {e}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn rejects_short_buffers() {
         let cpu = CpuBackend::new();
@@ -157,18 +195,28 @@ mod batch_invariance {
     #[test]
     fn rows_do_not_depend_on_their_batch() {
         for path in super::Path::available() {
-            rows_do_not_depend_on_their_batch_on(CpuBackend::with_path(path));
+            rows_do_not_depend_on_their_batch_on(CpuBackend::with_path(path), false);
+        }
+    }
+
+    /// The same with bf16 weights and bf16 matmul inputs (the bf16 dot-product kernel where the
+    /// CPU has one, which pairs the inputs: odd `k` included).
+    #[test]
+    fn rows_do_not_depend_on_their_batch_with_bf16_inputs() {
+        for path in super::Path::available() {
+            rows_do_not_depend_on_their_batch_on(CpuBackend::with_path(path).with_matmul_inputs(MatmulInputs::Bf16), true);
         }
     }
 
     /// Shapes of one panel and of many (a single row walks several panels side by side, in
     /// groups of up to 8, the last panel partly filled), with and without a bias.
-    fn rows_do_not_depend_on_their_batch_on(cpu: CpuBackend) {
-        for (k, n) in [(70, 45), (70, 16 * 43 + 5)] {
+    fn rows_do_not_depend_on_their_batch_on(cpu: CpuBackend, bf16: bool) {
+        for (k, n) in [(70, 45), (70, 16 * 43 + 5), (67, 16 * 43 + 5)] {
             let w: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
             let x: Vec<f32> = (0..30 * k).map(|i| ((i * 53 % 97) as f32 - 48.0) / 48.0).collect();
             let b: Vec<f32> = (0..n).map(|i| ((i * 29 % 31) as f32 - 15.0) / 15.0).collect();
-            let weight = cpu.load_weight(&w, n, k).unwrap();
+            let bits: Vec<u16> = w.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+            let weight = if bf16 { cpu.load_weight_data(WeightData::Bf16(&bits), n, k).unwrap() } else { cpu.load_weight(&w, n, k).unwrap() };
             let bias = cpu.upload_f32(&b).unwrap();
             for bias in [None, Some(&bias)] {
                 let mut all = cpu.zeros(30 * n).unwrap();
@@ -179,7 +227,7 @@ mod batch_invariance {
                     cpu.matmul(&cpu.upload_f32(&x[r * k..(r + 1) * k]).unwrap(), &weight, bias, &mut one, 1).unwrap();
                     let one = cpu.download_f32(&one).unwrap();
                     let same = one.iter().zip(&all[r * n..(r + 1) * n]).all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "{:?} n {n}, bias {}: row {r} alone differs from the batch", cpu.path(), bias.is_some());
+                    assert!(same, "{} k {k} n {n}, bias {}: row {r} alone differs from the batch", cpu.describe(), bias.is_some());
                 }
             }
         }

@@ -23,22 +23,55 @@ pub use matmul::CpuWeight;
 #[derive(Debug, Default, Clone)]
 pub struct CpuBackend {
     path: Path,
+    inputs: MatmulInputs,
+}
+
+/// What the activations enter a matmul with bf16 weights as.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub enum MatmulInputs {
+    /// f32, exact: bf16 weights give the same bits as f32 weights of the same values.
+    #[default]
+    F32,
+    /// Rounded to bf16 (to nearest, ties to even), products summed in f32: what PyTorch and
+    /// llama.cpp do with bf16 weights. Where the CPU has a bf16 dot product (AVX-512 BF16) it
+    /// does twice the multiply-adds per instruction of f32. Weights of other types are
+    /// multiplied exactly, as with `F32`.
+    Bf16,
 }
 
 impl CpuBackend {
     /// A backend on the widest instruction set of this CPU (or the one [`isa::ISA_ENV`] names).
     pub fn new() -> Self {
-        Self { path: Path::detect() }
+        Self { path: Path::detect(), inputs: MatmulInputs::F32 }
     }
 
     /// A backend on one instruction set (from [`Path::available`]): to test or measure each.
     pub fn with_path(path: Path) -> Self {
-        Self { path }
+        Self { path, inputs: MatmulInputs::F32 }
+    }
+
+    /// This backend with bf16 weights multiplied by `inputs` (weights loaded afterwards).
+    pub fn with_matmul_inputs(self, inputs: MatmulInputs) -> Self {
+        Self { inputs, ..self }
     }
 
     /// The instruction set this backend's kernels run with.
     pub fn path(&self) -> Path {
         self.path
+    }
+
+    pub fn matmul_inputs(&self) -> MatmulInputs {
+        self.inputs
+    }
+
+    /// The kernels this backend runs, as benchmarks and `serve` print them: the instruction set,
+    /// and with bf16 matmul inputs, whether a bf16 dot product multiplies them.
+    pub fn describe(&self) -> String {
+        match self.inputs {
+            MatmulInputs::F32 => self.path.name().to_string(),
+            MatmulInputs::Bf16 if packed::bf16_dot(self.path) => format!("{}, bf16 matmul inputs on AVX-512 BF16 dot products", self.path.name()),
+            MatmulInputs::Bf16 => format!("{}, bf16 matmul inputs rounded and widened (no bf16 dot product on this path)", self.path.name()),
+        }
     }
 }
 
@@ -165,11 +198,11 @@ impl Memory for CpuBackend {
     }
 
     fn load_weight(&self, data: &[f32], out_features: usize, in_features: usize) -> Result<CpuWeight> {
-        CpuWeight::pack(self.path, WeightData::F32(data), out_features, in_features)
+        CpuWeight::pack(self.path, WeightData::F32(data), out_features, in_features, self.inputs)
     }
 
     fn load_weight_data(&self, data: WeightData<'_>, out_features: usize, in_features: usize) -> Result<CpuWeight> {
-        CpuWeight::pack(self.path, data, out_features, in_features)
+        CpuWeight::pack(self.path, data, out_features, in_features, self.inputs)
     }
 }
 

@@ -18,9 +18,13 @@
 
 use rayon::prelude::*;
 
+use super::MatmulInputs;
 use super::isa::{Isa, Kernel, Path};
 use super::simd::Elem;
 use crate::WeightData;
+
+#[cfg(target_arch = "x86_64")]
+mod pairs;
 
 /// Activation rows kept hot in L2 while every panel passes over them.
 const ROW_CHUNK: usize = 96;
@@ -42,16 +46,20 @@ struct Aligned<T> {
 }
 
 impl<T: Copy + Default + Send + Sync> Aligned<T> {
-    /// Packs `w` (`[n, k]`, row-major) into `nr`-wide panels.
-    fn pack(w: &[T], n: usize, k: usize, nr: usize) -> Self {
-        let len = n.div_ceil(nr) * k * nr;
+    /// `len` zeros (`T::default()`), on huge pages where the OS gives them.
+    fn zeroed(len: usize) -> Self {
         let pad = 64 / std::mem::size_of::<T>();
         let mut storage: Vec<T> = Vec::with_capacity(len + pad);
         super::advise_huge_pages(storage.spare_capacity_mut());
         storage.resize(len + pad, T::default());
         let offset = storage.as_ptr().align_offset(64).min(pad);
-        let out = &mut storage[offset..offset + len];
-        out.par_chunks_mut(k * nr).enumerate().for_each(|(p, panel)| {
+        Aligned { storage, offset, len }
+    }
+
+    /// Packs `w` (`[n, k]`, row-major) into `nr`-wide panels.
+    fn pack(w: &[T], n: usize, k: usize, nr: usize) -> Self {
+        let mut out = Self::zeroed(n.div_ceil(nr) * k * nr);
+        out.as_mut_slice().par_chunks_mut(k * nr).enumerate().for_each(|(p, panel)| {
             for j in 0..nr.min(n - p * nr) {
                 let row = &w[(p * nr + j) * k..(p * nr + j + 1) * k];
                 for (kk, &v) in row.iter().enumerate() {
@@ -59,11 +67,15 @@ impl<T: Copy + Default + Send + Sync> Aligned<T> {
                 }
             }
         });
-        Aligned { storage, offset, len }
+        out
     }
 
     fn as_slice(&self) -> &[T] {
         &self.storage[self.offset..self.offset + self.len]
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [T] {
+        &mut self.storage[self.offset..self.offset + self.len]
     }
 }
 
@@ -74,6 +86,9 @@ enum Data {
     F32(Aligned<f32>),
     Bf16(Aligned<u16>),
     F16(Aligned<half::f16>),
+    /// bf16 weights in pairs of inputs, for the bf16 dot-product kernel (`pairs`).
+    #[cfg(target_arch = "x86_64")]
+    Bf16Pairs(Aligned<u16>),
 }
 
 /// A weight packed into panels for one instruction set.
@@ -83,6 +98,9 @@ pub struct Panels {
     /// The path the panels were packed for (their width is two of its registers).
     path: Path,
     nr: usize,
+    /// Round the activations to bf16 before the generic kernels multiply them (bf16 inputs
+    /// asked for where the CPU has no bf16 dot product).
+    round_inputs: bool,
 }
 
 impl Panels {
@@ -92,19 +110,38 @@ impl Panels {
             Data::F32(d) => 4 * d.len,
             Data::Bf16(d) => 2 * d.len,
             Data::F16(d) => 2 * d.len,
+            #[cfg(target_arch = "x86_64")]
+            Data::Bf16Pairs(d) => 2 * d.len,
         }
     }
 }
 
-/// Packs `w` (`[n, k]`, row-major) into panels for `path`, in `w`'s own element type.
-pub fn pack(path: Path, w: WeightData<'_>, n: usize, k: usize) -> Panels {
+/// Whether `path` multiplies bf16 weights with a bf16 dot-product instruction when asked for
+/// bf16 inputs (AVX-512 BF16); elsewhere the inputs are rounded and widened again.
+pub fn bf16_dot(path: Path) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(path, Path::Avx512(_)) {
+        return pairs::available();
+    }
+    let _ = path;
+    false
+}
+
+/// Packs `w` (`[n, k]`, row-major) into panels for `path`, in `w`'s own element type. With
+/// bf16 `inputs`, a bf16 weight is packed for the bf16 dot product where `path` has one.
+pub fn pack(path: Path, w: WeightData<'_>, n: usize, k: usize, inputs: MatmulInputs) -> Panels {
     let nr = 2 * path.lanes();
+    let bf16_inputs = inputs == MatmulInputs::Bf16 && matches!(w, WeightData::Bf16(_));
     let data = match w {
+        #[cfg(target_arch = "x86_64")]
+        WeightData::Bf16(w) if bf16_inputs && bf16_dot(path) => {
+            return Panels { data: Data::Bf16Pairs(pairs::pack(w, n, k)), path, nr: pairs::NR, round_inputs: false };
+        }
         WeightData::F32(w) => Data::F32(Aligned::pack(w, n, k, nr)),
         WeightData::Bf16(w) => Data::Bf16(Aligned::pack(w, n, k, nr)),
         WeightData::F16(w) => Data::F16(Aligned::pack(w, n, k, nr)),
     };
-    Panels { data, path, nr }
+    Panels { data, path, nr, round_inputs: bf16_inputs }
 }
 
 /// Destination pointer shared by the tasks of one matmul; each task writes only the columns of
@@ -135,10 +172,19 @@ unsafe impl Sync for OutPtr {}
 /// every length: `x.len() >= rows * k`, `out.len() >= rows * n`, `bias.len() >= n`, and that
 /// the panels were packed for `[n, k]`.
 pub fn matmul(x: &[f32], panels: &Panels, bias: Option<&[f32]>, out: &mut [f32], rows: usize, k: usize, n: usize) {
+    let rounded: Vec<f32>;
+    let x = if panels.round_inputs {
+        rounded = x[..rows * k].par_iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+        &rounded[..]
+    } else {
+        x
+    };
     match &panels.data {
         Data::F32(d) => matmul_typed(x, d.as_slice(), panels, bias, out, rows, k, n),
         Data::Bf16(d) => matmul_typed(x, d.as_slice(), panels, bias, out, rows, k, n),
         Data::F16(d) => matmul_typed(x, d.as_slice(), panels, bias, out, rows, k, n),
+        #[cfg(target_arch = "x86_64")]
+        Data::Bf16Pairs(d) => pairs::matmul(x, d.as_slice(), bias, out, rows, k, n),
     }
 }
 

@@ -5,8 +5,8 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use super::{CpuBackend, simd};
-use crate::{DenseOps, Memory, Result};
+use super::{CpuBackend, MatmulInputs, simd};
+use crate::{DenseOps, Memory, Result, WeightData};
 
 /// Read bandwidth of main memory in bytes/s: the best of `reps` parallel passes summing a buffer
 /// of `bytes` (make it several times the last-level cache). The buffer is backed by huge pages
@@ -59,10 +59,15 @@ pub fn gemm_crate_peak(n: usize, reps: usize) -> f64 {
     2.0 * (n * n * n) as f64 / best
 }
 
-/// The backend's matmul throughput in FLOP/s on an `n`×`n`×`n` product, best of `reps` runs.
+/// The backend's matmul throughput in FLOP/s on an `n`×`n`×`n` product, best of `reps` runs:
+/// with f32 weights, or bf16 ones when the backend multiplies those with bf16 inputs (the
+/// bf16 dot product's peak, where the CPU has one).
 pub fn backend_matmul_peak(cpu: &CpuBackend, n: usize, reps: usize) -> Result<f64> {
     let x = cpu.upload_f32(&vec![0.5; n * n])?;
-    let w = cpu.load_weight(&vec![0.25; n * n], n, n)?;
+    let w = match cpu.matmul_inputs() {
+        MatmulInputs::F32 => cpu.load_weight(&vec![0.25; n * n], n, n)?,
+        MatmulInputs::Bf16 => cpu.load_weight_data(WeightData::Bf16(&vec![half::bf16::from_f32(0.25).to_bits(); n * n]), n, n)?,
+    };
     let mut out = cpu.zeros(n * n)?;
     cpu.matmul(&x, &w, None, &mut out, n)?;
     let mut best = f64::INFINITY;

@@ -136,12 +136,15 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<()> {
             // The linear layers keep the checkpoint's element type in memory (f32, or half-size
             // bf16/f16).
             let linear_bytes = model::weights::Checkpoint::open(&dir)?.element_bytes("model.layers.0.self_attn.q_proj.weight").unwrap_or(4);
-            measure(Arc::new(CpuBackend::new()), Machine::measure_cpu, &dir, source, linear_bytes, args)
+            let backend = args.matmul_dtype.cpu_backend();
+            let host = super::Machine::with_kernels(backend.describe());
+            measure(Arc::new(backend), Machine::measure_cpu, host, &dir, source, linear_bytes, args)
         }
+        Device::Cuda(_) if args.matmul_dtype != crate::config::MatmulDType::F32 => anyhow::bail!("--matmul-dtype is an option of the CPU backend"),
         Device::Cuda(n) => {
             let g = Arc::new(super::open_cuda(n.unwrap_or(0), &format!("bench engine --device {}", args.device))?);
             // The CUDA backend widens every checkpoint to f32 weights.
-            measure(g, Machine::measure_cuda, &dir, source, 4, args)
+            measure(g, Machine::measure_cuda, super::Machine::here(), &dir, source, 4, args)
         }
         Device::Auto => anyhow::bail!("bench engine measures one named device: use --device cpu, cuda or cuda:N"),
     }
@@ -150,6 +153,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<()> {
 fn measure<B: Backend>(
     backend: Arc<B>,
     limits: impl Fn(&B) -> anyhow::Result<Machine>,
+    host: super::Machine,
     dir: &std::path::Path,
     source: String,
     linear_bytes: usize,
@@ -175,7 +179,7 @@ fn measure<B: Backend>(
     }
     eprintln!("prefill, {} tokens ...", args.prefill_tokens);
     rows.push(prefill_row(&model, &tokenizer, &costs, limits(&backend)?, args)?);
-    let report = Report { host: super::Machine::here(), model: info, rows, mfu_target_at_largest_batch: MFU_TARGET, mbu_target_at_batch_1: MBU_TARGET };
+    let report = Report { host, model: info, rows, mfu_target_at_largest_batch: MFU_TARGET, mbu_target_at_batch_1: MBU_TARGET };
     print_table(&report);
     std::fs::write(&args.out, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", args.out.display()))?;
     println!("report written to {}", args.out.display());

@@ -81,11 +81,16 @@ pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
     let tmp = tempfile::tempdir().context("creating a directory for the synthesized model and adapters")?;
     let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, args.model_dtype, args.kv_heads, tmp.path())?;
     match args.device {
-        Device::Cpu => measure(Arc::new(CpuBackend::new()), "cpu".into(), &dir, source, tmp.path(), args),
+        Device::Cpu => {
+            let backend = args.matmul_dtype.cpu_backend();
+            let kernels = backend.describe();
+            measure(Arc::new(backend), "cpu".into(), kernels, &dir, source, tmp.path(), args)
+        }
+        Device::Cuda(_) if args.matmul_dtype != crate::config::MatmulDType::F32 => anyhow::bail!("--matmul-dtype is an option of the CPU backend"),
         Device::Cuda(n) => {
             let g = super::open_cuda(n.unwrap_or(0), &format!("bench lora --device {}", args.device))?;
             let name = g.device_name();
-            measure(Arc::new(g), name, &dir, source, tmp.path(), args)
+            measure(Arc::new(g), name, CpuBackend::new().describe(), &dir, source, tmp.path(), args)
         }
         Device::Auto => anyhow::bail!("bench lora measures one named device: use --device cpu, cuda or cuda:N"),
     }
@@ -94,6 +99,7 @@ pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
 fn measure<B: Backend>(
     backend: Arc<B>,
     device: String,
+    kernels: String,
     dir: &std::path::Path,
     source: String,
     tmp: &std::path::Path,
@@ -153,7 +159,7 @@ fn measure<B: Backend>(
         (packed.bytes() - packed.unused() * 4) as f64 / 1e6
     };
     let report = Report {
-        machine: super::Machine::here(),
+        machine: super::Machine::with_kernels(kernels),
         device,
         model: source,
         threads: rayon::current_num_threads(),

@@ -79,17 +79,22 @@ pub(crate) fn quantile(values: &[f64], q: f64) -> f64 {
 pub(crate) struct Machine {
     pub cpu: String,
     pub cores: usize,
-    /// The instruction set the CPU kernels run with here.
-    pub isa: &'static str,
+    /// The instruction set the CPU kernels run with here (and how bf16 weights are multiplied,
+    /// when not exactly).
+    pub isa: String,
 }
 
 impl Machine {
     pub fn here() -> Machine {
+        Machine::with_kernels(loraplex_kernels::cpu::Path::detect().name().to_string())
+    }
+
+    /// This machine, its CPU kernels described as `isa`.
+    pub fn with_kernels(isa: String) -> Machine {
         let cpu = std::fs::read_to_string("/proc/cpuinfo")
             .ok()
             .and_then(|s| s.lines().find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())))
             .unwrap_or_else(|| "unknown".into());
-        let isa = loraplex_kernels::cpu::Path::detect().name();
         Machine { cpu, cores: std::thread::available_parallelism().map_or(1, |n| n.get()), isa }
     }
 }

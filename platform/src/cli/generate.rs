@@ -53,7 +53,7 @@ pub fn adapter_ref(dir: &Path) -> anyhow::Result<AdapterRef> {
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     crate::config::init_threads(args.engine.threads)?;
-    let backend = Arc::new(CpuBackend::new());
+    let backend = Arc::new(args.engine.matmul_dtype.cpu_backend());
     let model = Arc::new(model::load(backend, &args.model)?);
     let tokenizer = Arc::new(Tokenizer::from_dir(&args.model)?);
     if let Some(path) = &args.input.batch {

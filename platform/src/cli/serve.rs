@@ -10,11 +10,10 @@ use std::time::Duration;
 use actix_web::middleware::from_fn;
 use actix_web::{App, HttpServer, web};
 use anyhow::{Context, bail};
-use loraplex_kernels::cpu::CpuBackend;
 use loraplex_kernels::cuda::{self, CudaBackend};
 
 use crate::api::{self, AdmissionConfig, ApiSettings, AppState, Serving};
-use crate::config::{Device, Resolved, ServeArgs};
+use crate::config::{Device, MatmulDType, Resolved, ServeArgs};
 use crate::model;
 use crate::runtime::Runtime;
 use crate::store::Store;
@@ -76,11 +75,14 @@ fn start_runtime(args: &ServeArgs, dir: &Path) -> anyhow::Result<(Arc<dyn Servin
             if let (Device::Auto, Err(why)) = (args.device, &probe) {
                 println!("--device auto: using the CPU ({why})");
             }
-            let backend = CpuBackend::new();
-            println!("CPU kernels: {}", backend.path().name());
+            let backend = args.engine.matmul_dtype.cpu_backend();
+            println!("CPU kernels: {}", backend.describe());
             let model = Arc::new(model::load(Arc::new(backend), dir).with_context(|| load("the CPU"))?);
             let devices = vec![model; args.workers];
             Arc::new(Runtime::start(devices, tokenizer.clone(), engine_config(args)).context("starting the workers")?)
+        }
+        Resolved::Cuda(_) if args.engine.matmul_dtype != MatmulDType::F32 => {
+            bail!("--matmul-dtype {:?} is an option of the CPU backend; CUDA multiplies in f32", args.engine.matmul_dtype)
         }
         Resolved::Cuda(ordinals) => {
             let mut devices = Vec::new();
