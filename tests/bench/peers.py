@@ -4,7 +4,7 @@
 - loraplex through its HTTP server (`/v1/completions`, streamed);
 - llama.cpp's `llama-server` (`/completion`, streamed, adapters attached per request through
   its `lora` field), with the model and adapters converted by llama.cpp's own converters at the
-  same precision (f32);
+  same precision (`--precision f32`, the default, or `bf16`);
 - transformers + PEFT, mixed-adapter `generate` (`adapter_names`), the baseline of the S-LoRA
   and Punica papers.
 
@@ -23,7 +23,11 @@ Usage (see README.md, "tests/bench/peers.py"):
 
     python tests/bench/peers.py --loraplex target/release/loraplex \
         [--llama-server PATH --llama-src DIR] [--threads 2] [--out peers-out] \
-        [--systems loraplex,llama.cpp,peft] [--preset bench]
+        [--systems loraplex,llama.cpp,peft] [--preset bench] [--precision f32|bf16]
+
+With `--precision bf16` the model and adapters are synthesized in bf16; transformers + PEFT loads
+the model in bf16 (its adapters as PEFT casts them), llama.cpp gets bf16 GGUF files, and loraplex
+runs with `--matmul-dtype bf16` (activations rounded to bf16 at each matmul, as the other two do).
 
 It needs `torch`, `transformers`, `peft`, `safetensors`, `numpy`, `sentencepiece` and `pyyaml`
 (for the PEFT system and llama.cpp's converters) and `matplotlib` (for the plot), all from PyPI.
@@ -223,7 +227,7 @@ class Loraplex(HttpServer):
         shutil.rmtree(data, ignore_errors=True)  # a fresh database: tenants and adapters are made below
         env = {**os.environ, "LORAPLEX_THREADS": str(threads)}
         cmd = [args.loraplex, "serve", "--model", str(model_dir), "--data-dir", str(data), "--admin-key", admin, "--port", str(port),
-               "--pool-mb", "4096", "--max-running", str(CONCURRENCY), "--max-batch-tokens", "1024",
+               "--matmul-dtype", args.precision, "--pool-mb", "4096", "--max-running", str(CONCURRENCY), "--max-batch-tokens", "1024",
                # Rounds repeat the same prompts: no system may answer them from a cache (llama.cpp's
                # requests say `cache_prompt: false`).
                "--no-prefix-cache"]
@@ -300,12 +304,13 @@ class LlamaCpp(HttpServer):
         out = Path(args.out) / "gguf"
         out.mkdir(parents=True, exist_ok=True)
         src = Path(args.llama_src)
-        model_gguf = out / "model-f32.gguf"
+        prec = args.precision
+        model_gguf = out / f"model-{prec}.gguf"
         if not model_gguf.exists():
             log("llama.cpp: converting the model ...")
-            convert(src, "convert_hf_to_gguf.py", [[model_dir, "--outtype", "f32", "--outfile", model_gguf]])
-        loras = [out / f"lora-{i:03d}.gguf" for i in range(len(adapter_dirs))]
-        todo = [[d, "--base", model_dir, "--outtype", "f32", "--outfile", g] for d, g in zip(adapter_dirs, loras) if not g.exists()]
+            convert(src, "convert_hf_to_gguf.py", [[model_dir, "--outtype", prec, "--outfile", model_gguf]])
+        loras = [out / f"lora-{prec}-{i:03d}.gguf" for i in range(len(adapter_dirs))]
+        todo = [[d, "--base", model_dir, "--outtype", prec, "--outfile", g] for d, g in zip(adapter_dirs, loras) if not g.exists()]
         if todo:
             log(f"llama.cpp: converting {len(todo)} adapters ...")
             convert(src, "convert_lora_to_gguf.py", todo)
@@ -348,7 +353,7 @@ class Peft:
         torch.set_num_threads(threads)
         self.torch = torch
         self.tok = AutoTokenizer.from_pretrained(model_dir)
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if args.precision == "bf16" else torch.float32)
         model = PeftModel.from_pretrained(base, str(adapter_dirs[0]), adapter_name="a000")
         for i, d in enumerate(adapter_dirs[1:], start=1):
             model.load_adapter(str(d), adapter_name=f"a{i:03d}")
@@ -420,22 +425,24 @@ def main():
     p.add_argument("--llama-src", help="llama.cpp's source tree (its convert_hf_to_gguf.py and convert_lora_to_gguf.py)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--preset", default="bench")
+    p.add_argument("--precision", choices=["f32", "bf16"], default="f32", help="weights of the model and adapters, for every system")
     p.add_argument("--systems", default="peft,loraplex,llama.cpp")
     p.add_argument("--out", default="peers-out")
     p.add_argument("--workloads", default=",".join(w[0] for w in WORKLOADS), help="the workloads to run (default: all)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = out / "model"
+    model_dir = out / ("model" if args.precision == "f32" else f"model-{args.precision}")
     max_adapters = max(w[3] for w in WORKLOADS)
     if not (model_dir / "model.safetensors").exists():
         log("synthesizing the model and its adapters ...")
-        subprocess.run([args.loraplex, "synth", "--out", str(model_dir), "--preset", args.preset, "--dtype", "f32", "--adapters", str(max_adapters),
-                        "--ranks", str(RANK), "--targets", "all", "--adapter-dtype", "f32"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([args.loraplex, "synth", "--out", str(model_dir), "--preset", args.preset, "--dtype", args.precision, "--adapters",
+                        str(max_adapters), "--ranks", str(RANK), "--targets", "all", "--adapter-dtype", args.precision],
+                       check=True, stdout=subprocess.DEVNULL)
     adapter_dirs = sorted((model_dir / "adapters").iterdir())[:max_adapters]
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     report = {"machine": machine(), "threads": args.threads, "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "rank": RANK,
-              "preset": args.preset, "precision": "f32", "systems": {}, "rows": []}
+              "preset": args.preset, "precision": args.precision, "systems": {}, "rows": []}
     kinds = {"peft": Peft, "loraplex": Loraplex, "llama.cpp": LlamaCpp}
     systems = []
     try:

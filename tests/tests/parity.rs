@@ -10,7 +10,7 @@ use loraplex::request::{GenerationRequest, StopConditions};
 use loraplex::sampling::SamplingParams;
 use loraplex::tokenizer::Tokenizer;
 use loraplex_kernels::RowDType;
-use loraplex_kernels::cpu::CpuBackend;
+use loraplex_kernels::cpu::{CpuBackend, MatmulInputs};
 
 const LOGIT_TOL: f32 = 1e-4;
 
@@ -28,8 +28,12 @@ const VARIANTS: [Variant; 4] = [
 ];
 
 fn load(v: &Variant) -> (Arc<Model<CpuBackend>>, Arc<Tokenizer>) {
+    load_on(v, CpuBackend::new())
+}
+
+fn load_on(v: &Variant, backend: CpuBackend) -> (Arc<Model<CpuBackend>>, Arc<Tokenizer>) {
     let dir = common::fixtures().join(v.arch).join(v.dir);
-    let model = model::load(Arc::new(CpuBackend::new()), &dir).unwrap();
+    let model = model::load(Arc::new(backend), &dir).unwrap();
     (Arc::new(model), Arc::new(Tokenizer::from_dir(&dir).unwrap()))
 }
 
@@ -111,6 +115,80 @@ fn bf16_kv_batched_generation_equals_one_by_one() {
     let reference = common::reference(v.arch);
     let prompts: Vec<Vec<u32>> = reference["prompts"].as_array().unwrap().iter().map(|p| common::ids(&p["token_ids"])).collect();
     let config = |budget| EngineConfig { kv_dtype: RowDType::Bf16, max_batch_tokens: budget, block_size: 4, ..EngineConfig::default() };
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut engine = Engine::new(model.clone(), tok.clone(), config(2048)).unwrap();
+            engine.add(greedy_request(&model, p.clone(), 16)).unwrap();
+            engine.run_to_completion().unwrap().remove(0).tokens
+        })
+        .collect();
+    let mut engine = Engine::new(model.clone(), tok.clone(), config(7)).unwrap();
+    for p in &prompts {
+        engine.add(greedy_request(&model, p.clone(), 16)).unwrap();
+    }
+    let done = engine.run_to_completion().unwrap();
+    for (i, c) in done.iter().enumerate() {
+        assert_eq!(c.tokens, alone[i], "prompt {i}");
+    }
+}
+
+/// Logits of the bf16 checkpoints with bf16 matmul inputs (`--matmul-dtype bf16`) against
+/// transformers' (which multiplies the same bf16 weights in f32): rounding the activations at
+/// each matmul moves them by at most this much on the reference fixtures.
+const BF16_MATMUL_LOGIT_TOL: f32 = 1e-2;
+
+fn argmax(v: &[f32]) -> usize {
+    v.iter().enumerate().fold((0, f32::NEG_INFINITY), |best, (i, &x)| if x > best.1 { (i, x) } else { best }).0
+}
+
+/// With bf16 matmul inputs every step's logits stay within [`BF16_MATMUL_LOGIT_TOL`] of
+/// transformers', yet differ from the exact path's (the inputs really are rounded); on the
+/// AVX-512 BF16 dot product where this CPU has one.
+#[test]
+fn bf16_matmul_inputs_keep_logits_close_to_reference() {
+    let backend = CpuBackend::new().with_matmul_inputs(MatmulInputs::Bf16);
+    eprintln!("kernels: {}", backend.describe());
+    for v in VARIANTS.iter().filter(|v| v.dir == "model-bf16") {
+        let (model, _) = load_on(v, backend.clone());
+        let (exact, _) = load(v);
+        let reference = common::reference(v.arch);
+        let (mut worst, mut compared) = (0f32, 0);
+        for (i, p) in reference["prompts"].as_array().unwrap().iter().enumerate() {
+            let prompt = common::ids(&p["token_ids"]);
+            let dir = common::fixtures().join(v.arch).join("logits").join(v.name);
+            let (shape, decode) = common::read_npy(&dir.join(format!("p{i}_decode.npy")));
+            let rounded = scoring::greedy_logits(&model, &prompt, shape[0], 16, RowDType::F32, None).unwrap();
+            let full = scoring::greedy_logits(&exact, &prompt, shape[0], 16, RowDType::F32, None).unwrap();
+            assert!(max_abs_diff(&rounded[0], &full[0]) > 0.0, "{} prompt {i}: bf16 inputs gave the exact logits", v.arch);
+            // Row k's context holds the tokens chosen at rows 0..k: once a near tie picks
+            // another token than transformers did, later rows see other text, so compare up to
+            // and including that row.
+            for (k, row) in rounded.iter().enumerate() {
+                let want = &decode[k * shape[1]..(k + 1) * shape[1]];
+                worst = worst.max(max_abs_diff(row, want));
+                compared += 1;
+                if argmax(row) != argmax(want) {
+                    break;
+                }
+            }
+        }
+        assert!(compared >= 32, "{}: only {compared} steps compared", v.arch);
+        eprintln!("{} bf16 matmul inputs: largest logit difference from transformers {worst} over {compared} steps", v.arch);
+        assert!(worst <= BF16_MATMUL_LOGIT_TOL, "{}: bf16 matmul inputs move the logits by {worst}", v.arch);
+    }
+}
+
+/// With bf16 matmul inputs, all prompts in one continuous batch (with chunked prefills) give
+/// the same tokens as one at a time: the rounding and the dot products do not depend on the
+/// batch.
+#[test]
+fn bf16_matmul_batched_generation_equals_one_by_one() {
+    let v = &VARIANTS[1];
+    let (model, tok) = load_on(v, CpuBackend::new().with_matmul_inputs(MatmulInputs::Bf16));
+    let reference = common::reference(v.arch);
+    let prompts: Vec<Vec<u32>> = reference["prompts"].as_array().unwrap().iter().map(|p| common::ids(&p["token_ids"])).collect();
+    let config = |budget| EngineConfig { max_batch_tokens: budget, block_size: 4, ..EngineConfig::default() };
     let alone: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| {
