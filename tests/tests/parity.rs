@@ -112,20 +112,26 @@ fn bf16_kv_pool_logits_are_close_to_reference_and_the_pool_holds_twice_the_token
 fn bf16_kv_batched_generation_equals_one_by_one() {
     let v = &VARIANTS[0];
     let (model, tok) = load(v);
+    batched_equals_alone(v, &model, &tok, RowDType::Bf16);
+}
+
+/// The reference prompts of `v`, all in one continuous batch of 7 tokens a step (chunked
+/// prefills), give each the 16 greedy tokens it gets alone.
+fn batched_equals_alone(v: &Variant, model: &Arc<Model<CpuBackend>>, tok: &Arc<Tokenizer>, kv_dtype: RowDType) {
     let reference = common::reference(v.arch);
     let prompts: Vec<Vec<u32>> = reference["prompts"].as_array().unwrap().iter().map(|p| common::ids(&p["token_ids"])).collect();
-    let config = |budget| EngineConfig { kv_dtype: RowDType::Bf16, max_batch_tokens: budget, block_size: 4, ..EngineConfig::default() };
+    let config = |budget| EngineConfig { kv_dtype, max_batch_tokens: budget, block_size: 4, ..EngineConfig::default() };
     let alone: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| {
             let mut engine = Engine::new(model.clone(), tok.clone(), config(2048)).unwrap();
-            engine.add(greedy_request(&model, p.clone(), 16)).unwrap();
+            engine.add(greedy_request(model, p.clone(), 16)).unwrap();
             engine.run_to_completion().unwrap().remove(0).tokens
         })
         .collect();
     let mut engine = Engine::new(model.clone(), tok.clone(), config(7)).unwrap();
     for p in &prompts {
-        engine.add(greedy_request(&model, p.clone(), 16)).unwrap();
+        engine.add(greedy_request(model, p.clone(), 16)).unwrap();
     }
     let done = engine.run_to_completion().unwrap();
     for (i, c) in done.iter().enumerate() {
@@ -186,25 +192,7 @@ fn bf16_matmul_inputs_keep_logits_close_to_reference() {
 fn bf16_matmul_batched_generation_equals_one_by_one() {
     let v = &VARIANTS[1];
     let (model, tok) = load_on(v, CpuBackend::new().with_matmul_inputs(MatmulInputs::Bf16));
-    let reference = common::reference(v.arch);
-    let prompts: Vec<Vec<u32>> = reference["prompts"].as_array().unwrap().iter().map(|p| common::ids(&p["token_ids"])).collect();
-    let config = |budget| EngineConfig { max_batch_tokens: budget, block_size: 4, ..EngineConfig::default() };
-    let alone: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| {
-            let mut engine = Engine::new(model.clone(), tok.clone(), config(2048)).unwrap();
-            engine.add(greedy_request(&model, p.clone(), 16)).unwrap();
-            engine.run_to_completion().unwrap().remove(0).tokens
-        })
-        .collect();
-    let mut engine = Engine::new(model.clone(), tok.clone(), config(7)).unwrap();
-    for p in &prompts {
-        engine.add(greedy_request(&model, p.clone(), 16)).unwrap();
-    }
-    let done = engine.run_to_completion().unwrap();
-    for (i, c) in done.iter().enumerate() {
-        assert_eq!(c.tokens, alone[i], "prompt {i}");
-    }
+    batched_equals_alone(v, &model, &tok, RowDType::F32);
 }
 
 /// The engine, one request at a time, reproduces transformers' 16 greedy tokens exactly.
