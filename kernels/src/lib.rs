@@ -92,6 +92,14 @@ pub trait Memory {
     fn supports_kv_dtype(&self, dtype: RowDType) -> bool {
         dtype == RowDType::F32
     }
+    /// Runs `step` (one engine iteration) where this backend's kernels run best: by default on
+    /// the calling thread. The CPU backend runs it on a thread of its rayon pool, so each
+    /// parallel kernel splits among the pool's threads directly, instead of the calling thread
+    /// handing every kernel to the pool and sleeping until it is done (one hand-off per step
+    /// instead of dozens).
+    fn run_step<R: Send>(&self, step: impl FnOnce() -> R + Send) -> R {
+        step()
+    }
     /// A zero-filled f32 buffer of `len` elements.
     fn zeros(&self, len: usize) -> Result<Self::Buffer>;
     fn upload_f32(&self, data: &[f32]) -> Result<Self::Buffer>;

@@ -146,6 +146,14 @@ impl Memory for CpuBackend {
         0.1
     }
 
+    fn run_step<R: Send>(&self, step: impl FnOnce() -> R + Send) -> R {
+        if rayon::current_thread_index().is_some() {
+            return step();
+        }
+        // Called from outside the pool: one hand-off for the whole step.
+        rayon::scope(|_| step())
+    }
+
     fn supports_kv_dtype(&self, _dtype: RowDType) -> bool {
         true
     }
@@ -239,5 +247,22 @@ mod tests {
         assert!(cpu.copy_within(&mut buf, 6, 0, 3).is_err(), "source past the end");
         assert!(cpu.copy_within(&mut buf, 0, 2, 3).is_err(), "overlapping ranges");
         assert_eq!(cpu.download_f32(&buf).unwrap(), [0., 1., 2., 3., 4., 1., 2., 3.], "a refused copy writes nothing");
+    }
+
+    #[test]
+    fn a_step_runs_on_a_pool_thread() {
+        let cpu = CpuBackend::new();
+        // From a thread outside the pool (the test's own), the step moves into it ...
+        assert_eq!(rayon::current_thread_index(), None);
+        let (outer, inner) = cpu.run_step(|| {
+            let outer = rayon::current_thread_index();
+            // ... and a step started inside the pool stays on its thread.
+            (outer, cpu.run_step(rayon::current_thread_index))
+        });
+        assert!(outer.is_some(), "the step ran outside the pool");
+        assert_eq!(inner, outer);
+        // The step's result and panics come back to the caller.
+        assert_eq!(cpu.run_step(|| 7), 7);
+        assert!(std::panic::catch_unwind(|| cpu.run_step(|| panic!("in a step"))).is_err());
     }
 }

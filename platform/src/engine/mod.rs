@@ -350,6 +350,11 @@ impl<B: Backend> Engine<B> {
     /// Runs one iteration: a forward over this step's tokens, then one sampled token for every
     /// sequence whose tokens are all in the cache.
     pub fn step(&mut self) -> Result<Vec<TokenEvent>, EngineError> {
+        let backend = Arc::clone(self.model.backend());
+        backend.run_step(|| self.step_here())
+    }
+
+    fn step_here(&mut self) -> Result<Vec<TokenEvent>, EngineError> {
         self.poll_adapters()?;
         self.fail_unplaceable();
         let prefix = self.config.prefix_cache.then_some(&mut self.prefix);
