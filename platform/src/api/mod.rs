@@ -14,6 +14,7 @@ mod openai;
 pub mod openapi;
 mod peer;
 mod serving;
+mod ui;
 mod usage;
 pub mod validate;
 
@@ -194,6 +195,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .configure(lorax::routes)
         .configure(adapters::routes)
         .configure(usage::routes)
+        .configure(ui::routes)
         .default_service(web::to(unknown_route));
 }
 

@@ -17,6 +17,9 @@ pub const ROUTES: &[(&str, &str, &str, &str)] = &[
     ("get", "/ready", "Readiness: the database answers and the workers run.", "none"),
     ("get", "/metrics", "Prometheus metrics, with the vllm:* names gateways read (an operator key with the metrics or admin scope).", "metrics"),
     ("get", "/openapi.json", "This document.", "none"),
+    ("get", "/", "Redirects to the admin console.", "none"),
+    ("get", "/ui", "Redirects to the admin console.", "none"),
+    ("get", "/ui/{path}", "The admin console's files (`/ui/` is its page); it signs in with an API key and calls this API.", "none"),
     ("post", "/v1/completions", "OpenAI text completion; `model` is the base model or an adapter.", "inference"),
     ("post", "/v1/chat/completions", "OpenAI chat completion through the model's chat template.", "inference"),
     ("get", "/v1/models", "The base model and the adapters this key may use.", "inference"),
@@ -152,6 +155,16 @@ fn shape(method: &str, path: &str) -> Shape {
         ),
         ("get", "/openapi.json") => {
             Shape::new(vec![("200", json_ok("This document.", json!({"type": "object", "required": ["openapi", "info", "paths"]})))], &[])
+        }
+        ("get", "/") | ("get", "/ui") => Shape::new(
+            vec![("302", json!({"description": "To the console.", "headers": {"Location": {"description": "`/ui/`", "schema": {"type": "string"}}}}))],
+            &[],
+        ),
+        ("get", "/ui/{path}") => {
+            let any = json!({"schema": {"type": "string"}});
+            let types = ["text/html", "text/javascript", "text/css", "text/plain", "text/markdown"];
+            let content: Map<String, Value> = types.iter().map(|t| (t.to_string(), any.clone())).collect();
+            Shape::new(vec![("200", json!({"description": "The file, with the console's Content-Security-Policy.", "content": content}))], &[404])
         }
         ("post", "/v1/completions") => Shape::new(vec![("200", json_or_stream("Completion", "CompletionEvent"))], INFERENCE_ERRORS)
             .body(json_body(

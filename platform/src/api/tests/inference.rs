@@ -332,9 +332,13 @@ async fn metrics_openapi_and_health() {
         assert_eq!(doc["openapi"], "3.0.3");
         for &(method, path, _, scope) in openapi::ROUTES {
             assert!(doc["paths"][path][method].is_object(), "{method} {path}");
-            let uri = path.replace("{name}", "x").replace("{id}", "x");
+            let uri = path.replace("{name}", "x").replace("{id}", "x").replace("{path}", "app.js");
             let (status, body) = call(&app, &method.to_uppercase(), &uri, None, None).await;
-            let expected = if scope == "none" { StatusCode::OK } else { StatusCode::UNAUTHORIZED };
+            let expected = match (scope, path) {
+                (_, "/" | "/ui") => StatusCode::FOUND,
+                ("none", _) => StatusCode::OK,
+                _ => StatusCode::UNAUTHORIZED,
+            };
             assert_eq!(status, expected, "{method} {path}: {body}");
         }
         assert_eq!(call(&app, "GET", "/ready", None, None).await.0, StatusCode::OK);

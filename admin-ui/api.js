@@ -1,0 +1,87 @@
+// @ts-check
+/**
+ * The public REST API, called with the key the user signed in with. The key lives in session
+ * storage (gone when the tab closes) and only ever travels in the Authorization header.
+ */
+
+const KEY = 'loraplex.key';
+
+/** An error answer of the API (or no answer at all: status 0), with the server's message. */
+export class ApiError extends Error {
+  /**
+   * @param {number} status
+   * @param {string} message
+   * @param {string} [code]
+   */
+  constructor(status, message, code) {
+    super(message);
+    this.status = status;
+    this.code = code;
+  }
+}
+
+/** @returns {string | null} */
+export function savedKey() {
+  return sessionStorage.getItem(KEY);
+}
+
+/** @param {string} key */
+export function saveKey(key) {
+  sessionStorage.setItem(KEY, key);
+}
+
+export function forgetKey() {
+  sessionStorage.removeItem(KEY);
+}
+
+/**
+ * Calls the API; resolves to the parsed JSON answer (null for 204), rejects with an ApiError.
+ * @param {string} method
+ * @param {string} path
+ * @param {unknown} [body] sent as JSON
+ * @returns {Promise<any>}
+ */
+export async function api(method, path, body) {
+  /** @type {Record<string, string>} */
+  const headers = { Accept: 'application/json' };
+  const key = savedKey();
+  if (key) headers.Authorization = `Bearer ${key}`;
+  if (body !== undefined) headers['Content-Type'] = 'application/json';
+  let res;
+  try {
+    res = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+  } catch (e) {
+    throw new ApiError(0, `The server cannot be reached: ${e instanceof Error ? e.message : String(e)}`);
+  }
+  if (res.status === 204) return null;
+  const text = await res.text();
+  /** @type {any} */
+  let data = text;
+  try {
+    data = text ? JSON.parse(text) : null;
+  } catch {
+    // Not JSON: kept as text for the error message below.
+  }
+  if (!res.ok) {
+    const message = data && typeof data === 'object' && data.error ? String(data.error.message) : text || res.statusText;
+    const code = data && typeof data === 'object' && data.error ? String(data.error.code) : undefined;
+    throw new ApiError(res.status, message, code);
+  }
+  return data;
+}
+
+/**
+ * Which console a key opens: `operator` for a key with the admin scope, `tenant` for a
+ * tenant's key (the operator routes answer it 403). Rejects with the API's error for an
+ * unknown or revoked key.
+ * @returns {Promise<'operator' | 'tenant'>}
+ */
+export async function role() {
+  try {
+    await api('GET', '/admin/tenants');
+    return 'operator';
+  } catch (e) {
+    if (e instanceof ApiError && e.status === 403) return 'tenant';
+    throw e;
+  }
+}
