@@ -71,6 +71,38 @@ export async function api(method, path, body) {
 }
 
 /**
+ * Downloads `path` (a GET with the key) as a file named `name`; resolves to its text.
+ * @param {string} path
+ * @param {string} name
+ * @returns {Promise<string>}
+ */
+export async function download(path, name) {
+  const key = savedKey();
+  const res = await fetch(path, { headers: key ? { Authorization: `Bearer ${key}` } : {} }).catch((e) => {
+    throw new ApiError(0, `The server cannot be reached: ${e instanceof Error ? e.message : String(e)}`);
+  });
+  const text = await res.text();
+  if (!res.ok) {
+    let message = text;
+    try {
+      message = JSON.parse(text).error.message;
+    } catch {
+      // Not the API's JSON error: the text as it came.
+    }
+    throw new ApiError(res.status, message);
+  }
+  const url = URL.createObjectURL(new Blob([text], { type: res.headers.get('content-type') ?? 'text/plain' }));
+  const a = document.createElement('a');
+  a.href = url;
+  a.download = name;
+  document.body.append(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 10_000);
+  return text;
+}
+
+/**
  * Which console a key opens: `operator` for a key with the admin scope, `tenant` for a
  * tenant's key (the operator routes answer it 403). Rejects with the API's error for an
  * unknown or revoked key.

@@ -5,13 +5,21 @@ import { ApiError, forgetKey, role, saveKey, savedKey } from './api.js';
 import { ErrorNote } from './views/common.js';
 import { Tenants } from './views/tenants.js';
 import { MyAdapters } from './views/adapters.js';
+import { Billing } from './views/billing.js';
+import { Usage } from './views/usage.js';
 
 /** @typedef {'operator' | 'tenant'} Role */
 
 /** The views of each role: [hash, title, component]. */
 const VIEWS = {
-  operator: [['tenants', 'Tenants', Tenants]],
-  tenant: [['adapters', 'My adapters', MyAdapters]],
+  operator: [
+    ['tenants', 'Tenants', Tenants],
+    ['billing', 'Billing', Billing],
+  ],
+  tenant: [
+    ['adapters', 'My adapters', MyAdapters],
+    ['usage', 'Usage', Usage],
+  ],
 };
 
 /** @param {{ onSignedIn: (r: Role) => void }} props */

@@ -66,12 +66,13 @@ export function Secret({ label, secret, onDone }) {
 }
 
 /**
- * Loads `load()` once and on `reload()`: [data, error, reload].
+ * Loads `load()` when `deps` change and on `reload()`: [data, error, reload].
  * @template T
  * @param {() => Promise<T>} load
+ * @param {unknown[]} [deps]
  * @returns {[T | undefined, unknown, () => void]}
  */
-export function useLoad(load) {
+export function useLoad(load, deps = []) {
   const [data, setData] = useState(/** @type {T | undefined} */ (undefined));
   const [error, setError] = useState(/** @type {unknown} */ (null));
   const [tick, setTick] = useState(0);
@@ -84,6 +85,49 @@ export function useLoad(load) {
     return () => {
       live = false;
     };
-  }, [tick]);
+  }, [tick, ...deps]);
   return [data, error, () => setTick((t) => t + 1)];
+}
+
+/**
+ * A date range picker: `from` and `to` as YYYY-MM-DD, both days included.
+ * @param {{ from: string, to: string, onChange: (range: { from: string, to: string }) => void }} props
+ */
+export function DateRange({ from, to, onChange }) {
+  const [f, setF] = useState(from);
+  const [t, setT] = useState(to);
+  /** @param {Event} e */
+  const submit = (e) => {
+    e.preventDefault();
+    onChange({ from: f, to: t });
+  };
+  return html`<form class="row" onSubmit=${submit} aria-label="Period">
+    <label>From <input type="date" required value=${f} onInput=${(/** @type {any} */ e) => setF(e.currentTarget.value)} /></label>
+    <label>To (included) <input type="date" required value=${t} onInput=${(/** @type {any} */ e) => setT(e.currentTarget.value)} /></label>
+    <button type="submit">Show</button>
+  </form>`;
+}
+
+/** @param {number} daysAgo @returns {string} YYYY-MM-DD (UTC) */
+export function day(daysAgo = 0) {
+  return new Date(Date.now() - daysAgo * 86_400_000).toISOString().slice(0, 10);
+}
+
+/**
+ * The query string of a period whose `to` day is included (the API's `to` is exclusive).
+ * @param {{ from: string, to: string }} range
+ */
+export function periodQuery(range) {
+  const next = new Date(Date.parse(`${range.to}T00:00:00Z`) + 86_400_000).toISOString().slice(0, 10);
+  return `from=${encodeURIComponent(range.from)}&to=${encodeURIComponent(next)}`;
+}
+
+/** Token counts with thousands separators. @param {number} n */
+export function count(n) {
+  return Number(n).toLocaleString('en-US');
+}
+
+/** Dollars on a chart axis: two significant digits, however small. @param {number} v */
+export function dollars(v) {
+  return v === 0 ? '0' : Math.abs(v) >= 0.01 ? v.toFixed(2) : v.toPrecision(2);
 }

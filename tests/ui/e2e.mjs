@@ -2,7 +2,8 @@
 //   node e2e.mjs BASE_URL ADMIN_KEY OUT_DIR
 // The operator signs in, creates tenants (a name made of markup is refused and the refusal
 // shows it literally), edits limits, mints a key and deletes a tenant after confirming; the
-// tenant signs in with the minted key; a wrong key gets the server's error in place. Every view is checked
+// tenant signs in with the minted key and sees its usage; the operator sees the bill equal to it
+// and downloads a CSV equal to the table; a wrong key gets the server's error in place. Every view is checked
 // with axe-core (no serious or critical violations) and saved as a screenshot under OUT_DIR;
 // any Content-Security-Policy violation, page error or browser dialog fails the run.
 import { readFileSync, mkdirSync } from 'node:fs';
@@ -63,7 +64,8 @@ async function audit(view) {
   const bad = result.filter((v) => v.impact === 'serious' || v.impact === 'critical');
   for (const v of bad) problems.push(`axe on ${view}: ${v.impact} ${v.id} (${v.nodes} nodes): ${v.help}`);
   await page.screenshot({ path: `${out}/${view}.png`, fullPage: true });
-  console.log(`  axe on ${view}: ${result.length} violations, ${bad.length} serious or critical; screenshot ${view}.png`);
+  const list = result.map((v) => `${v.impact} ${v.id}`).join(', ');
+  console.log(`  axe on ${view}: ${result.length} violations${list ? ` (${list})` : ''}, ${bad.length} serious or critical; screenshot ${view}.png`);
 }
 
 async function expectText(locator, text, what) {
@@ -155,6 +157,53 @@ try {
   await page.getByRole('heading', { name: 'My adapters', level: 1 }).waitFor();
   await expectText(page.locator('main'), 'No adapters yet.', 'tenant adapters');
   await audit('tenant-adapters');
+
+  step('the tenant uses the model; its usage shows per day and per adapter');
+  const asTenant = { Authorization: `Bearer ${tenantKey}`, 'Content-Type': 'application/json' };
+  const model = (await (await fetch(`${base}/v1/models`, { headers: asTenant })).json()).data[0].id;
+  for (let i = 0; i < 2; i++) {
+    const r = await fetch(`${base}/v1/completions`, { method: 'POST', headers: asTenant, body: JSON.stringify({ model, prompt: 'Hello there', max_tokens: 5 }) });
+    if (r.status !== 200) problems.push(`a completion answered ${r.status}: ${await r.text()}`);
+  }
+  // The ledger is written right after each response; wait until both requests are in it.
+  let usage = null;
+  for (let i = 0; i < 100; i++) {
+    usage = await (await fetch(`${base}/v1/usage`, { headers: asTenant })).json();
+    if (usage.totals.requests >= 2) break;
+    await new Promise((r) => setTimeout(r, 100));
+  }
+  await page.getByRole('link', { name: 'Usage' }).click();
+  await page.getByRole('heading', { name: 'Usage', level: 1 }).waitFor();
+  const perDay = page.getByRole('table', { name: 'Usage per day' });
+  await perDay.waitFor();
+  const today = new Date().toISOString().slice(0, 10);
+  const dayRow = perDay.getByRole('row').filter({ has: page.getByRole('rowheader', { name: today }) });
+  const dayCells = await dayRow.getByRole('cell').allTextContents();
+  if (dayCells[0] !== String(usage.totals.requests) || dayCells[4] !== usage.totals.cost) {
+    problems.push(`usage per day shows ${JSON.stringify(dayCells)}, the API ${JSON.stringify(usage.totals)}`);
+  }
+  await page.getByRole('table', { name: 'Usage per adapter' }).waitFor();
+  if ((await page.locator('.uplot').count()) < 3) problems.push('the usage charts are missing');
+  await audit('tenant-usage');
+
+  step('the operator sees the bill equal the usage and downloads the CSV');
+  await page.getByRole('button', { name: 'Sign out' }).click();
+  await page.getByLabel('API key').fill(adminKey);
+  await page.getByRole('button', { name: 'Sign in' }).click();
+  await page.getByRole('link', { name: 'Billing' }).click();
+  const report = page.getByRole('table', { name: 'Billing report' });
+  await report.waitFor();
+  const rows = await report.locator('tbody tr').evaluateAll((trs) => trs.map((tr) => [...tr.children].map((c) => c.textContent ?? '')));
+  const acmeTotal = rows.find((r) => r[0] === 'acme' && r[2] === '*');
+  if (!acmeTotal || acmeTotal[4] !== String(usage.totals.requests) || acmeTotal[8] !== String(usage.totals.total_tokens) || acmeTotal[9] !== usage.totals.cost) {
+    problems.push(`acme's bill ${JSON.stringify(acmeTotal)} differs from its usage ${JSON.stringify(usage.totals)}`);
+  }
+  if ((await page.locator('.uplot').count()) < 2) problems.push('the billing charts are missing');
+  const [file] = await Promise.all([page.waitForEvent('download'), page.getByRole('button', { name: 'Download CSV' }).click()]);
+  const csv = readFileSync(await file.path(), 'utf8').trim().split('\n').slice(1).map((line) => line.split(',').slice(1));
+  if (JSON.stringify(csv) !== JSON.stringify(rows)) problems.push(`the CSV ${JSON.stringify(csv)} differs from the table ${JSON.stringify(rows)}`);
+  console.log(`  billing: ${rows.length} rows, the CSV equal to the table`);
+  await audit('billing');
 
   const violations = await page.evaluate(() => /** @type {any} */ (window).__violations);
   for (const v of violations) problems.push(`content security policy violation: ${v}`);

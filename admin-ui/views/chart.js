@@ -1,0 +1,59 @@
+// @ts-check
+/** Bar charts drawn by uPlot: stacked series over days, or one series over named categories. */
+import { html, useEffect, useRef } from '../vendor/preact-htm.js';
+import uPlot from '../vendor/uPlot.esm.js';
+
+const COLORS = ['#0b4fa8', '#c2410c', '#15803d', '#7e22ce', '#a16207', '#0e7490', '#be123c', '#4d7c0f'];
+
+/**
+ * Bars of several series stacked per x: each series is drawn to the running sum of those
+ * before it, tallest first, so each band shows its own share; the legend shows its own values.
+ * @param {{ title: string, x: number[], series: { label: string, values: number[] }[], time?: boolean,
+ *   categories?: string[], format?: (v: number) => string }} props
+ */
+export function StackedBars({ title, x, series, time = true, categories, format = (v) => String(v) }) {
+  const box = useRef(/** @type {HTMLDivElement | null} */ (null));
+  useEffect(() => {
+    const el = box.current;
+    if (!el || x.length === 0) return;
+    const sums = series.map((_, si) => x.map((__, i) => series.slice(0, si + 1).reduce((acc, s) => acc + (s.values[i] ?? 0), 0)));
+    const bars = uPlot.paths.bars ? uPlot.paths.bars({ size: [0.6, 64] }) : undefined;
+    /** @type {uPlot.Options} */
+    const opts = {
+      title,
+      width: Math.max(320, Math.min(el.clientWidth || 800, 1000)),
+      height: 260,
+      // Half a step of room on each side of the first and last bar (a day, or a category).
+      scales: { x: { time, auto: false, min: x[0] - (time ? 43_200 : 0.5), max: x[x.length - 1] + (time ? 43_200 : 0.5) } },
+      axes: [
+        categories
+          ? { values: (_u, splits) => splits.map((v) => categories[v] ?? ''), incrs: [1] }
+          : time
+            ? // Whole days (UTC), labelled as dates.
+              { incrs: [86_400, 7 * 86_400, 30 * 86_400, 365 * 86_400], values: (_u, splits) => splits.map((v) => new Date(v * 1000).toISOString().slice(0, 10)) }
+            : {},
+        { values: (_u, splits) => splits.map((v) => format(v)), size: 84 },
+      ],
+      series: [
+        {},
+        ...series
+          .map((s, si) => ({
+            label: s.label,
+            fill: COLORS[si % COLORS.length],
+            stroke: COLORS[si % COLORS.length],
+            paths: bars,
+            points: { show: false },
+            value: (/** @type {uPlot} */ _u, /** @type {number | null} */ _v, /** @type {number} */ _s, /** @type {number | null} */ i) =>
+              i == null ? '' : format(s.values[i] ?? 0),
+          }))
+          .reverse(),
+      ],
+    };
+    const data = /** @type {uPlot.AlignedData} */ ([x, ...sums.reverse()]);
+    const plot = new uPlot(opts, data, el);
+    return () => plot.destroy();
+  }, [title, x, series]);
+  return html`<figure class="chart">
+    <div ref=${box} role="img" aria-label=${`${title}: bar chart; the same figures are in the table below`}></div>
+  </figure>`;
+}
