@@ -6,6 +6,7 @@ import { ErrorNote } from './views/common.js';
 import { Tenants } from './views/tenants.js';
 import { MyAdapters } from './views/adapters.js';
 import { Billing } from './views/billing.js';
+import { OperatorKeys } from './views/keys.js';
 import { Usage } from './views/usage.js';
 
 /** @typedef {'operator' | 'tenant'} Role */
@@ -15,6 +16,7 @@ const VIEWS = {
   operator: [
     ['tenants', 'Tenants', Tenants],
     ['billing', 'Billing', Billing],
+    ['keys', 'Operator keys', OperatorKeys],
   ],
   tenant: [
     ['adapters', 'My adapters', MyAdapters],

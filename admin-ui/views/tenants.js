@@ -1,8 +1,9 @@
 // @ts-check
-/** The operator's tenants: create, edit plan, weight and limits, delete, mint keys. */
+/** The operator's tenants: create, edit plan, weight and limits, delete, their keys. */
 import { html, useState } from '../vendor/preact-htm.js';
 import { api } from '../api.js';
-import { Confirm, ErrorNote, Secret, useLoad } from './common.js';
+import { Confirm, ErrorNote, useLoad } from './common.js';
+import { Keys } from './keys.js';
 
 /** Limits a tenant may have, in the API's names, with their labels. */
 const LIMITS = [
@@ -88,37 +89,6 @@ function EditTenant({ tenant, onSaved, onCancel }) {
   </form>`;
 }
 
-/** @param {{ tenant: Tenant, onDone: () => void }} props */
-function MintKey({ tenant, onDone }) {
-  const [scopes, setScopes] = useState(TENANT_SCOPES);
-  const [secret, setSecret] = useState('');
-  const [error, setError] = useState(/** @type {unknown} */ (null));
-  if (secret) return html`<${Secret} label=${`New key for ${tenant.name}`} secret=${secret} onDone=${onDone} />`;
-  /** @param {Event} e */
-  const submit = async (e) => {
-    e.preventDefault();
-    setError(null);
-    try {
-      const created = await api('POST', `/admin/tenants/${encodeURIComponent(tenant.id)}/keys`, { scopes });
-      setSecret(created.key);
-    } catch (err) {
-      setError(err);
-    }
-  };
-  return html`<form class="row" onSubmit=${submit} aria-label=${`New key for ${tenant.name}`}>
-    <fieldset>
-      <legend>Scopes</legend>
-      ${TENANT_SCOPES.map(
-        (s) => html`<label><input type="checkbox" checked=${scopes.includes(s)}
-          onChange=${(/** @type {any} */ e) => setScopes(e.currentTarget.checked ? [...scopes, s] : scopes.filter((x) => x !== s))} /> ${s}</label>`,
-      )}
-    </fieldset>
-    <button type="submit">Create key</button>
-    <button type="button" onClick=${onDone}>Cancel</button>
-    <${ErrorNote} error=${error} />
-  </form>`;
-}
-
 /** @param {Tenant} t */
 function limitsText(t) {
   const set = LIMITS.filter(([k]) => t[k] != null).map(([k, label]) => `${label}: ${t[k]}`);
@@ -127,7 +97,7 @@ function limitsText(t) {
 
 export function Tenants() {
   const [tenants, error, reload] = useLoad(() => api('GET', '/admin/tenants').then((r) => /** @type {Tenant[]} */ (r.data)));
-  const [open, setOpen] = useState(/** @type {{ id: string, what: 'edit' | 'key' | 'delete' } | null} */ (null));
+  const [open, setOpen] = useState(/** @type {{ id: string, what: 'edit' | 'keys' | 'delete' } | null} */ (null));
   const close = () => setOpen(null);
   const done = () => {
     setOpen(null);
@@ -155,10 +125,13 @@ export function Tenants() {
                 <td>${new Date(t.created_at).toISOString().slice(0, 10)}</td>
                 <td class="actions">
                   <button type="button" onClick=${() => setOpen({ id: t.id, what: 'edit' })}>Edit</button>
-                  <button type="button" onClick=${() => setOpen({ id: t.id, what: 'key' })}>New key</button>
+                  <button type="button" aria-expanded=${open?.id === t.id && open.what === 'keys'}
+                    onClick=${() => setOpen(open?.id === t.id && open.what === 'keys' ? null : { id: t.id, what: 'keys' })}>Keys</button>
                   <button type="button" class="danger" onClick=${() => setOpen({ id: t.id, what: 'delete' })}>Delete</button>
                   ${open && open.id === t.id && open.what === 'edit' ? html`<${EditTenant} tenant=${t} onSaved=${done} onCancel=${close} />` : null}
-                  ${open && open.id === t.id && open.what === 'key' ? html`<${MintKey} tenant=${t} onDone=${close} />` : null}
+                  ${open && open.id === t.id && open.what === 'keys'
+                    ? html`<${Keys} base=${`/admin/tenants/${encodeURIComponent(t.id)}/keys`} owner=${t.name} scopes=${TENANT_SCOPES} initial=${TENANT_SCOPES} />`
+                    : null}
                   ${open && open.id === t.id && open.what === 'delete'
                     ? html`<${Confirm} question=${`Delete tenant ${t.name}? Its keys are revoked and its adapters deleted.`} action="Delete tenant"
                         onConfirm=${async () => { await api('DELETE', `/admin/tenants/${encodeURIComponent(t.id)}`); done(); }} onCancel=${close} />`

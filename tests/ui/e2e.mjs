@@ -128,15 +128,33 @@ try {
   await expectText(acme, 'Requests per minute: 60', 'edited limit');
   await audit('tenant-edited');
 
-  step('mint a key for acme, shown once');
-  await acme.getByRole('button', { name: 'New key' }).click();
-  await page.getByRole('form', { name: 'New key for acme' }).getByRole('button', { name: 'Create key' }).click();
-  const secretField = page.getByRole('textbox', { name: 'New key for acme' });
-  await secretField.waitFor();
-  const tenantKey = await secretField.inputValue();
+  step('mint keys for acme (each shown once), list them, revoke one');
+  await acme.getByRole('button', { name: 'Keys' }).click();
+  const mintForm = page.getByRole('form', { name: 'New key for acme' });
+  /** Mints a key in the open panel; returns its secret. */
+  const mint = async () => {
+    await mintForm.getByRole('button', { name: 'Create key' }).click();
+    const field = page.getByRole('textbox', { name: 'New key for acme' });
+    await field.waitFor();
+    const value = await field.inputValue();
+    return value;
+  };
+  const tenantKey = await mint();
   if (!tenantKey || tenantKey.length < 16) problems.push(`the minted key looks wrong: ${tenantKey}`);
   await audit('key-minted');
   await page.getByRole('button', { name: 'Done' }).click();
+  const spare = await mint();
+  await page.getByRole('button', { name: 'Done' }).click();
+  const keyTable = page.getByRole('table', { name: 'Keys of acme' });
+  const spareRow = keyTable.getByRole('row').filter({ has: page.getByRole('rowheader', { name: `${spare.slice(0, 12)}…` }) });
+  await spareRow.waitFor();
+  if ((await keyTable.textContent())?.includes(spare)) problems.push('a secret is shown in the key list');
+  await spareRow.getByRole('button', { name: 'Revoke' }).click();
+  await spareRow.getByRole('alertdialog').getByRole('button', { name: 'Revoke key' }).click();
+  await expectText(spareRow, 'revoked', 'revoked key status');
+  const refused = await fetch(`${base}/v1/models`, { headers: { Authorization: `Bearer ${spare}` } });
+  if (refused.status !== 401) problems.push(`a revoked key got ${refused.status}`);
+  await audit('keys');
 
   step('delete globex after confirming');
   const globex = page.getByRole('row').filter({ has: page.getByRole('rowheader', { name: 'globex', exact: true }) });

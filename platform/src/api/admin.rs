@@ -13,7 +13,9 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .route("/admin/tenants/{id}", web::patch().to(patch_tenant))
         .route("/admin/tenants/{id}", web::delete().to(delete_tenant))
         .route("/admin/tenants/{id}/keys", web::post().to(create_key))
+        .route("/admin/tenants/{id}/keys", web::get().to(list_tenant_keys))
         .route("/admin/keys", web::post().to(create_operator_key))
+        .route("/admin/keys", web::get().to(list_operator_keys))
         .route("/admin/keys/{id}", web::delete().to(revoke_key));
 }
 
@@ -129,6 +131,21 @@ async fn create_operator_key(req: HttpRequest, state: web::Data<AppState>, paylo
     }
     let (key, secret) = state.store.create_key(None, &b.scopes).await?;
     Ok(HttpResponse::Created().json(serde_json::json!({"id": key.id, "key": secret, "prefix": key.prefix, "scopes": key.scopes, "tenant_id": null})))
+}
+
+/// A tenant's keys, revoked ones included (never their secrets).
+async fn list_tenant_keys(req: HttpRequest, state: web::Data<AppState>, id: web::Path<String>) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state, Scope::Admin).await?;
+    if state.store.tenant(&id).await?.is_none() {
+        return Err(ApiError::NotFound(format!("tenant {id}")));
+    }
+    Ok(HttpResponse::Ok().json(serde_json::json!({"data": state.store.keys(Some(&id)).await?})))
+}
+
+/// The operator's keys, revoked ones included (never their secrets).
+async fn list_operator_keys(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state, Scope::Admin).await?;
+    Ok(HttpResponse::Ok().json(serde_json::json!({"data": state.store.keys(None).await?})))
 }
 
 async fn revoke_key(req: HttpRequest, state: web::Data<AppState>, id: web::Path<String>) -> Result<HttpResponse, ApiError> {

@@ -39,7 +39,9 @@ pub const ROUTES: &[(&str, &str, &str, &str)] = &[
     ("patch", "/admin/tenants/{id}", "Change a tenant's weight, plan or limits.", "admin"),
     ("delete", "/admin/tenants/{id}", "Delete a tenant and revoke its keys.", "admin"),
     ("post", "/admin/tenants/{id}/keys", "Create a key for a tenant; the secret is shown once.", "admin"),
+    ("get", "/admin/tenants/{id}/keys", "A tenant's keys, revoked ones included, newest first (never their secrets).", "admin"),
     ("post", "/admin/keys", "Create an operator key with the admin and/or metrics scopes; the secret is shown once.", "admin"),
+    ("get", "/admin/keys", "The operator's keys, revoked ones included, newest first (never their secrets).", "admin"),
     ("delete", "/admin/keys/{id}", "Revoke a key.", "admin"),
     ("get", "/admin/billing/report", "Every tenant's bill: ?from=&to=&format=json|csv.", "admin"),
 ];
@@ -281,6 +283,8 @@ fn shape(method: &str, path: &str) -> Shape {
             .body(json_body("Publish", &[("publish", json!({"tenant_id": "ten_0123456789abcdef01234567", "name": "support", "public": true}))])),
         ("post", "/admin/tenants") => Shape::new(vec![("201", json_ok("The new tenant.", r("Tenant")))], &[400, 401, 403, 408, 409, 413, 503])
             .body(json_body("CreateTenant", &[("tenant", json!({"name": "acme", "plan": "standard", "limits": {"requests_per_min": 600}}))])),
+        ("get", "/admin/tenants/{id}/keys") => Shape::new(vec![("200", json_ok("The tenant's keys.", r("KeyList")))], &[400, 401, 403, 404, 503]),
+        ("get", "/admin/keys") => Shape::new(vec![("200", json_ok("The operator's keys.", r("KeyList")))], &[401, 403, 503]),
         ("get", "/admin/tenants") => Shape::new(vec![("200", json_ok("Every tenant.", r("TenantList")))], &[401, 403, 503]),
         ("get", "/admin/tenants/{id}") => Shape::new(vec![("200", json_ok("The tenant.", r("Tenant")))], &[400, 401, 403, 404, 503]),
         ("patch", "/admin/tenants/{id}") => {

@@ -6,6 +6,7 @@
 //! connect.
 
 mod auth;
+mod keys;
 mod ledger;
 mod money;
 #[cfg(test)]
@@ -44,6 +45,7 @@ use sqlx::AnyPool;
 use sqlx::any::AnyPoolOptions;
 
 pub use auth::Principal;
+pub use keys::KeyInfo;
 pub use ledger::{BillingLine, BillingReport, DAY_MS, Ledger, TenantTotals, Totals, UsageRecord, date, outcome};
 pub use money::Money;
 
@@ -365,89 +367,6 @@ impl Store {
             .await;
         self.auth.changed();
         deleted
-    }
-
-    // -----------------------------------------------------------------------------------------
-    // API keys
-
-    /// A new key for `tenant` (`None`: an operator key) with `scopes`. The secret is returned
-    /// once and only its hash is stored.
-    pub async fn create_key(&self, tenant: Option<&str>, scopes: &[Scope]) -> Result<(ApiKey, String), StoreError> {
-        if scopes.is_empty() {
-            return Err(StoreError::Invalid { field: "scopes", why: "a key needs at least one scope".into() });
-        }
-        if let Some(t) = tenant
-            && self.tenant(t).await?.is_none()
-        {
-            return Err(StoreError::NotFound("tenant"));
-        }
-        let bytes: [u8; 32] = rand::rng().random();
-        let secret = format!("lpx_{}", hex(&bytes));
-        let key = ApiKey {
-            id: random_id("key"),
-            tenant_id: tenant.map(str::to_string),
-            prefix: secret[..12].to_string(),
-            scopes: Scope::join(scopes),
-            created_at: now_ms(),
-        };
-        sqlx::query("INSERT INTO api_keys (id, tenant_id, secret_hash, prefix, scopes, created_at) VALUES ($1, $2, $3, $4, $5, $6)")
-            .bind(&key.id)
-            .bind(&key.tenant_id)
-            .bind(hash_secret(&secret))
-            .bind(&key.prefix)
-            .bind(&key.scopes)
-            .bind(key.created_at)
-            .execute(&self.pool)
-            .await?;
-        Ok((key, secret))
-    }
-
-    /// Makes `secret` a live operator key (as given on the command line); true if it was new.
-    pub async fn ensure_admin_key(&self, secret: &str) -> Result<bool, StoreError> {
-        if secret.len() < 16 {
-            return Err(StoreError::Invalid { field: "admin key", why: "use at least 16 characters".into() });
-        }
-        if self.authenticate(secret).await?.is_some_and(|k| k.has(Scope::Admin)) {
-            return Ok(false);
-        }
-        sqlx::query("INSERT INTO api_keys (id, tenant_id, secret_hash, prefix, scopes, created_at) VALUES ($1, NULL, $2, $3, $4, $5)")
-            .bind(random_id("key"))
-            .bind(hash_secret(secret))
-            .bind(secret.chars().take(8).collect::<String>())
-            .bind(Scope::Admin.as_str())
-            .bind(now_ms())
-            .execute(&self.pool)
-            .await?;
-        Ok(true)
-    }
-
-    /// Whether any live operator key exists.
-    pub async fn has_admin_key(&self) -> Result<bool, StoreError> {
-        let keys: Vec<(String,)> = sqlx::query_as("SELECT scopes FROM api_keys WHERE tenant_id IS NULL AND revoked_at IS NULL").fetch_all(&self.pool).await?;
-        Ok(keys.iter().any(|(scopes,)| scopes.split(',').any(|s| s == Scope::Admin.as_str())))
-    }
-
-    /// The key a secret belongs to, if it is live (not revoked, its tenant not deleted), read
-    /// from the database ([`Store::principal`] is the cached lookup requests use).
-    pub async fn authenticate(&self, secret: &str) -> Result<Option<ApiKey>, StoreError> {
-        self.key_by_hash(&hash_secret(secret)).await
-    }
-
-    async fn key_by_hash(&self, hash: &str) -> Result<Option<ApiKey>, StoreError> {
-        Ok(sqlx::query_as(
-            "SELECT k.id, k.tenant_id, k.prefix, k.scopes, k.created_at FROM api_keys k LEFT JOIN tenants t ON t.id = k.tenant_id \
-             WHERE k.secret_hash = $1 AND k.revoked_at IS NULL AND (k.tenant_id IS NULL OR t.deleted_at IS NULL)",
-        )
-        .bind(hash)
-        .fetch_optional(&self.pool)
-        .await?)
-    }
-
-    /// Revokes a key; false if it was unknown or already revoked.
-    pub async fn revoke_key(&self, id: &str) -> Result<bool, StoreError> {
-        let n = sqlx::query("UPDATE api_keys SET revoked_at = $1 WHERE id = $2 AND revoked_at IS NULL").bind(now_ms()).bind(id).execute(&self.pool).await;
-        self.auth.changed();
-        Ok(n?.rows_affected() > 0)
     }
 
     // -----------------------------------------------------------------------------------------

@@ -710,6 +710,17 @@ pub fn schemas() -> Value {
         ("Scope", scope()),
         ("KeyRequest", key_request()),
         ("CreatedKey", created_key()),
+        (
+            "KeyList",
+            record(json!({"data": array(record(json!({
+                "id": string(),
+                "tenant_id": described(nullable(string()), "null for an operator's key."),
+                "prefix": described(string(), "The secret's first characters."),
+                "scopes": described(string(), "Its scopes, comma-separated."),
+                "created_at": described(count(), "Unix milliseconds."),
+                "revoked_at": described(nullable(count()), "Unix milliseconds; null while the key is live."),
+            })))})),
+        ),
         ("Adapter", adapter()),
         ("AdapterDetail", json!({"allOf": [r("Adapter"), record(json!({"versions": array(r("Adapter"))}))]})),
         ("AdapterList", record(json!({"object": constant("list"), "data": array(r("Adapter"))}))),

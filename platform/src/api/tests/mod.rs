@@ -212,6 +212,40 @@ async fn the_operator_manages_tenants_and_keys() {
         let res = call_service(&app, TestRequest::get().uri("/admin/tenants").insert_header(bearer(&secret)).to_request()).await;
         assert_eq!(res.status(), StatusCode::UNAUTHORIZED, "a revoked key");
 
+        // The key lists: the tenant's keys, newest first, the revoked one marked, no secrets;
+        // the operator's keys apart; an unknown tenant is a 404.
+        let res = call_service(
+            &app,
+            TestRequest::post().uri(&format!("/admin/tenants/{id}/keys")).insert_header(bearer(admin)).set_json(json!({"scopes": ["inference"]})).to_request(),
+        )
+        .await;
+        let live: Value = read_body_json(res).await;
+        let list = |uri: String| TestRequest::get().uri(&uri).insert_header(bearer(admin)).to_request();
+        let res = call_service(&app, list(format!("/admin/tenants/{id}/keys"))).await;
+        assert_eq!(res.status(), StatusCode::OK);
+        let keys: Value = read_body_json(res).await;
+        let keys = keys["data"].as_array().unwrap();
+        assert_eq!(keys.len(), 2, "{keys:?}");
+        assert!(keys[0]["created_at"].as_i64() >= keys[1]["created_at"].as_i64(), "newest first");
+        let (new, old) = if keys[0]["id"] == live["id"] { (&keys[0], &keys[1]) } else { (&keys[1], &keys[0]) };
+        assert_eq!(new["id"], live["id"]);
+        assert_eq!(new["scopes"], "inference");
+        assert!(new["revoked_at"].is_null());
+        assert_eq!(old["id"], key["id"]);
+        assert!(old["revoked_at"].as_i64().unwrap() > 0);
+        assert_eq!(old["prefix"], key["prefix"]);
+        let text = serde_json::to_string(&keys).unwrap();
+        assert!(!text.contains(&secret) && !text.contains(live["key"].as_str().unwrap()), "a secret in the list: {text}");
+        let res = call_service(&app, list("/admin/keys".into())).await;
+        let operator: Value = read_body_json(res).await;
+        let operator = operator["data"].as_array().unwrap();
+        assert!(!operator.is_empty() && operator.iter().all(|k| k["tenant_id"].is_null() && k["scopes"].as_str().unwrap().contains("admin")), "{operator:?}");
+        assert_eq!(call_service(&app, list("/admin/tenants/nobody/keys".into())).await.status(), StatusCode::NOT_FOUND);
+        let res =
+            call_service(&app, TestRequest::get().uri(&format!("/admin/tenants/{id}/keys")).insert_header(bearer(live["key"].as_str().unwrap())).to_request())
+                .await;
+        assert_eq!(res.status(), StatusCode::FORBIDDEN, "a tenant cannot list keys");
+
         let res = call_service(&app, TestRequest::delete().uri(&format!("/admin/tenants/{id}")).insert_header(bearer(admin)).to_request()).await;
         assert_eq!(res.status(), StatusCode::NO_CONTENT);
         let res = call_service(&app, TestRequest::get().uri(&format!("/admin/tenants/{id}")).insert_header(bearer(admin)).to_request()).await;
