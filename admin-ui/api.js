@@ -71,6 +71,42 @@ export async function api(method, path, body) {
 }
 
 /**
+ * Posts a multipart form with upload progress (`fetch` cannot report it): `onProgress` gets the
+ * fraction sent. Resolves to the parsed JSON answer, rejects with an ApiError.
+ * @param {string} path
+ * @param {FormData} form
+ * @param {(fraction: number) => void} onProgress
+ * @returns {Promise<any>}
+ */
+export function upload(path, form, onProgress) {
+  return new Promise((resolve, reject) => {
+    const xhr = new XMLHttpRequest();
+    xhr.open('POST', path);
+    const key = savedKey();
+    if (key) xhr.setRequestHeader('Authorization', `Bearer ${key}`);
+    xhr.upload.onprogress = (e) => e.lengthComputable && onProgress(e.loaded / e.total);
+    xhr.onerror = () => reject(new ApiError(0, 'The server cannot be reached (the upload failed).'));
+    xhr.onload = () => {
+      /** @type {any} */
+      let data = xhr.responseText;
+      try {
+        data = JSON.parse(xhr.responseText);
+      } catch {
+        // Kept as text.
+      }
+      if (xhr.status >= 200 && xhr.status < 300) {
+        onProgress(1);
+        resolve(data);
+      } else {
+        const message = data && typeof data === 'object' && data.error ? String(data.error.message) : String(data || xhr.statusText);
+        reject(new ApiError(xhr.status, message, data?.error?.code));
+      }
+    };
+    xhr.send(form);
+  });
+}
+
+/**
  * Downloads `path` (a GET with the key) as a file named `name`; resolves to its text.
  * @param {string} path
  * @param {string} name

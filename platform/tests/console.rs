@@ -19,8 +19,16 @@ fn the_console_works_in_a_browser() {
         return;
     }
     let data = tempfile::tempdir().unwrap();
+    let synth = data.path().join("synth");
+    let made = Command::new(env!("CARGO_BIN_EXE_loraplex"))
+        .args(["synth", "--preset", "tiny", "--adapters", "1", "--ranks", "8", "--targets", "qv", "--out"])
+        .arg(&synth)
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let adapter = std::fs::read_dir(synth.join("adapters")).unwrap().next().unwrap().unwrap().path();
     let admin = "operator-key-0123456789";
-    let server = Server::start(Path::new(env!("CARGO_BIN_EXE_loraplex")), data.path(), &["--admin-key", admin]).unwrap();
+    let server = Server::start(Path::new(env!("CARGO_BIN_EXE_loraplex")), &data.path().join("server"), &["--admin-key", admin]).unwrap();
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("console");
     let run = Command::new("node")
         .current_dir(&ui)
@@ -29,6 +37,7 @@ fn the_console_works_in_a_browser() {
         .arg(format!("http://{}", server.addr))
         .arg(admin)
         .arg(&out)
+        .arg(&adapter)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&run.stdout);

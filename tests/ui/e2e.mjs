@@ -6,13 +6,13 @@
 // and downloads a CSV equal to the table; a wrong key gets the server's error in place. Every view is checked
 // with axe-core (no serious or critical violations) and saved as a screenshot under OUT_DIR;
 // any Content-Security-Policy violation, page error or browser dialog fails the run.
-import { readFileSync, mkdirSync } from 'node:fs';
+import { readFileSync, mkdirSync, writeFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { chromium } from 'playwright-core';
 
-const [base, adminKey, out] = process.argv.slice(2);
-if (!base || !adminKey || !out) {
-  console.error('usage: node e2e.mjs BASE_URL ADMIN_KEY OUT_DIR');
+const [base, adminKey, out, adapterDir] = process.argv.slice(2);
+if (!base || !adminKey || !out || !adapterDir) {
+  console.error('usage: node e2e.mjs BASE_URL ADMIN_KEY OUT_DIR ADAPTER_DIR (a PEFT adapter for the served model)');
   process.exit(2);
 }
 mkdirSync(out, { recursive: true });
@@ -176,11 +176,60 @@ try {
   await expectText(page.locator('main'), 'No adapters yet.', 'tenant adapters');
   await audit('tenant-adapters');
 
+  step('the tenant uploads an adapter by dropping its two files; a progress bar fills');
+  const configBytes = readFileSync(`${adapterDir}/adapter_config.json`);
+  const weightsBytes = readFileSync(`${adapterDir}/adapter_model.safetensors`);
+  const uploadForm = page.getByRole('form', { name: 'Upload an adapter' });
+  await uploadForm.getByLabel('Name').fill('support-bot');
+  await page.evaluate(
+    ([c, w]) => {
+      const dt = new DataTransfer();
+      dt.items.add(new File([Uint8Array.from(atob(c), (x) => x.charCodeAt(0))], 'adapter_config.json'));
+      dt.items.add(new File([Uint8Array.from(atob(w), (x) => x.charCodeAt(0))], 'adapter_model.safetensors'));
+      const zone = document.querySelector('.drop');
+      zone?.dispatchEvent(new DragEvent('dragover', { dataTransfer: dt, bubbles: true, cancelable: true }));
+      zone?.dispatchEvent(new DragEvent('drop', { dataTransfer: dt, bubbles: true, cancelable: true }));
+    },
+    [configBytes.toString('base64'), weightsBytes.toString('base64')],
+  );
+  await expectText(uploadForm.getByRole('listitem'), `${weightsBytes.length.toLocaleString('en-US')} bytes`, 'dropped weights');
+  await uploadForm.getByRole('button', { name: 'Upload' }).click();
+  await expectText(uploadForm.getByRole('status'), 'Uploaded support-bot, version 1.', 'upload');
+  const bar = uploadForm.getByRole('progressbar');
+  if ((await bar.getAttribute('value')) !== '100') problems.push(`the progress bar ends at ${await bar.getAttribute('value')}`);
+  await page.getByRole('rowheader', { name: 'support-bot', exact: true }).waitFor();
+  await audit('adapter-uploaded');
+
+  step('a refused upload shows the server error next to the weights file, naming the tensor');
+  // The same weights with one tensor's shape reversed (the same bytes, a wrong layout).
+  const headerLen = Number(weightsBytes.readBigUInt64LE(0));
+  const header = JSON.parse(weightsBytes.subarray(8, 8 + headerLen).toString('utf8'));
+  const tensor = Object.keys(header).find((k) => k !== '__metadata__' && header[k].shape.length === 2 && header[k].shape[0] !== header[k].shape[1]);
+  header[tensor].shape.reverse();
+  const newHeader = Buffer.from(JSON.stringify(header), 'utf8');
+  const size = Buffer.alloc(8);
+  size.writeBigUInt64LE(BigInt(newHeader.length));
+  mkdirSync(`${out}/bad`, { recursive: true });
+  writeFileSync(`${out}/bad/adapter_model.safetensors`, Buffer.concat([size, newHeader, weightsBytes.subarray(8 + headerLen)]));
+  writeFileSync(`${out}/bad/adapter_config.json`, configBytes);
+  await uploadForm.getByLabel('Name').fill('broken');
+  await uploadForm.getByLabel('Files').setInputFiles([`${out}/bad/adapter_config.json`, `${out}/bad/adapter_model.safetensors`]);
+  await uploadForm.getByRole('button', { name: 'Upload' }).click();
+  const weightsItem = uploadForm.getByRole('listitem').filter({ hasText: 'adapter_model.safetensors:' });
+  await expectText(weightsItem.getByRole('alert'), tensor, 'the refusal naming the tensor');
+  console.log(`  refused: ${await weightsItem.getByRole('alert').textContent()}`);
+  await audit('adapter-refused');
+
+  step('load the adapter into the pool');
+  const botRow = page.getByRole('row').filter({ has: page.getByRole('rowheader', { name: 'support-bot', exact: true }) });
+  await botRow.getByRole('button', { name: 'Load', exact: true }).click();
+  await expectText(botRow.getByRole('status'), 'Load', 'load');
+
   step('the tenant uses the model; its usage shows per day and per adapter');
   const asTenant = { Authorization: `Bearer ${tenantKey}`, 'Content-Type': 'application/json' };
   const model = (await (await fetch(`${base}/v1/models`, { headers: asTenant })).json()).data[0].id;
-  for (let i = 0; i < 2; i++) {
-    const r = await fetch(`${base}/v1/completions`, { method: 'POST', headers: asTenant, body: JSON.stringify({ model, prompt: 'Hello there', max_tokens: 5 }) });
+  for (const m of [model, 'support-bot']) {
+    const r = await fetch(`${base}/v1/completions`, { method: 'POST', headers: asTenant, body: JSON.stringify({ model: m, prompt: 'Hello there', max_tokens: 5 }) });
     if (r.status !== 200) problems.push(`a completion answered ${r.status}: ${await r.text()}`);
   }
   // The ledger is written right after each response; wait until both requests are in it.
@@ -200,7 +249,9 @@ try {
   if (dayCells[0] !== String(usage.totals.requests) || dayCells[4] !== usage.totals.cost) {
     problems.push(`usage per day shows ${JSON.stringify(dayCells)}, the API ${JSON.stringify(usage.totals)}`);
   }
-  await page.getByRole('table', { name: 'Usage per adapter' }).waitFor();
+  const perAdapter = page.getByRole('table', { name: 'Usage per adapter' });
+  await perAdapter.waitFor();
+  await perAdapter.getByRole('rowheader', { name: 'support-bot' }).waitFor();
   if ((await page.locator('.uplot').count()) < 3) problems.push('the usage charts are missing');
   await audit('tenant-usage');
 
