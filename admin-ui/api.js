@@ -71,6 +71,56 @@ export async function api(method, path, body) {
 }
 
 /**
+ * Posts `body` with `stream: true` and calls `onEvent` with each server-sent event's parsed
+ * data until `[DONE]`; an error event or an error answer rejects with an ApiError.
+ * @param {string} path
+ * @param {object} body
+ * @param {(event: any) => void} onEvent
+ * @param {AbortSignal} [signal]
+ */
+export async function stream(path, body, onEvent, signal) {
+  const key = savedKey();
+  /** @type {Record<string, string>} */
+  const headers = { 'Content-Type': 'application/json', Accept: 'text/event-stream' };
+  if (key) headers.Authorization = `Bearer ${key}`;
+  const res = await fetch(path, { method: 'POST', headers, body: JSON.stringify({ ...body, stream: true }), signal }).catch((e) => {
+    throw new ApiError(0, `The server cannot be reached: ${e instanceof Error ? e.message : String(e)}`);
+  });
+  if (!res.ok || !res.body) {
+    const text = await res.text();
+    let message = text;
+    try {
+      message = JSON.parse(text).error.message;
+    } catch {
+      // The text as it came.
+    }
+    throw new ApiError(res.status, message);
+  }
+  const reader = res.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = '';
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value;
+    let cut;
+    while ((cut = buffer.indexOf('\n\n')) >= 0) {
+      const block = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      const data = block
+        .split('\n')
+        .filter((l) => l.startsWith('data:'))
+        .map((l) => l.slice(5).trimStart())
+        .join('\n');
+      if (!data) continue;
+      if (data === '[DONE]') return;
+      const event = JSON.parse(data);
+      if (event.error) throw new ApiError(500, String(event.error.message), event.error.code);
+      onEvent(event);
+    }
+  }
+}
+
+/**
  * Posts a multipart form with upload progress (`fetch` cannot report it): `onProgress` gets the
  * fraction sent. Resolves to the parsed JSON answer, rejects with an ApiError.
  * @param {string} path

@@ -8,6 +8,7 @@ import { MyAdapters } from './views/adapters.js';
 import { Billing } from './views/billing.js';
 import { OperatorKeys } from './views/keys.js';
 import { Usage } from './views/usage.js';
+import { Playground } from './views/playground.js';
 
 /** @typedef {'operator' | 'tenant'} Role */
 
@@ -20,6 +21,7 @@ const VIEWS = {
   ],
   tenant: [
     ['adapters', 'My adapters', MyAdapters],
+    ['playground', 'Playground', Playground],
     ['usage', 'Usage', Usage],
   ],
 };

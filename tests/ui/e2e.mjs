@@ -225,6 +225,26 @@ try {
   await botRow.getByRole('button', { name: 'Load', exact: true }).click();
   await expectText(botRow.getByRole('status'), 'Load', 'load');
 
+  step('the playground streams the adapter and the base model side by side');
+  await page.getByRole('link', { name: 'Playground' }).click();
+  const promptForm = page.getByRole('form', { name: 'Prompt' });
+  await promptForm.getByLabel('Model').selectOption('support-bot');
+  await promptForm.getByLabel('Prompt').fill('The quick brown fox');
+  await promptForm.getByLabel('Max tokens').fill('12');
+  await promptForm.getByRole('button', { name: 'Run' }).click();
+  const panes = { adapter: page.getByRole('region', { name: 'support-bot' }), base: page.getByRole('region', { name: 'Base model, same prompt' }) };
+  // A stream ends with its usage, which the pane then shows.
+  for (const pane of Object.values(panes)) await pane.getByText(/completion tokens/).waitFor({ timeout: 30_000 });
+  const asTenantJson = { Authorization: `Bearer ${tenantKey}`, 'Content-Type': 'application/json' };
+  const modelId = (await (await fetch(`${base}/v1/models`, { headers: asTenantJson })).json()).data[0].id;
+  for (const [which, m] of [['adapter', 'support-bot'], ['base', modelId]]) {
+    const body = { model: m, prompt: 'The quick brown fox', max_tokens: 12, temperature: 0, top_p: 1 };
+    const expected = (await (await fetch(`${base}/v1/completions`, { method: 'POST', headers: asTenantJson, body: JSON.stringify(body) })).json()).choices[0].text;
+    const shown = await panes[which].locator('pre').textContent();
+    if (shown !== expected) problems.push(`the ${which} pane shows ${JSON.stringify(shown)}, the API answers ${JSON.stringify(expected)}`);
+  }
+  await audit('playground');
+
   step('the tenant uses the model; its usage shows per day and per adapter');
   const asTenant = { Authorization: `Bearer ${tenantKey}`, 'Content-Type': 'application/json' };
   const model = (await (await fetch(`${base}/v1/models`, { headers: asTenant })).json()).data[0].id;
@@ -236,7 +256,8 @@ try {
   let usage = null;
   for (let i = 0; i < 100; i++) {
     usage = await (await fetch(`${base}/v1/usage`, { headers: asTenant })).json();
-    if (usage.totals.requests >= 2) break;
+    // Two playground streams, the two completions they were checked against, and these two.
+    if (usage.totals.requests >= 6) break;
     await new Promise((r) => setTimeout(r, 100));
   }
   await page.getByRole('link', { name: 'Usage' }).click();
