@@ -7,6 +7,7 @@ import { Tenants } from './views/tenants.js';
 import { MyAdapters } from './views/adapters.js';
 import { Billing } from './views/billing.js';
 import { OperatorKeys } from './views/keys.js';
+import { Dashboard } from './views/dashboard.js';
 import { Usage } from './views/usage.js';
 import { Playground } from './views/playground.js';
 
@@ -15,6 +16,7 @@ import { Playground } from './views/playground.js';
 /** The views of each role: [hash, title, component]. */
 const VIEWS = {
   operator: [
+    ['dashboard', 'Dashboard', Dashboard],
     ['tenants', 'Tenants', Tenants],
     ['billing', 'Billing', Billing],
     ['keys', 'Operator keys', OperatorKeys],

@@ -57,3 +57,36 @@ export function StackedBars({ title, x, series, time = true, categories, format 
     <div ref=${box} role="img" aria-label=${`${title}: bar chart; the same figures are in the table below`}></div>
   </figure>`;
 }
+
+/**
+ * Lines over time (x in Unix seconds), each series its own color.
+ * @param {{ title: string, x: number[], series: { label: string, values: (number | null)[] }[], format?: (v: number) => string }} props
+ */
+export function Lines({ title, x, series, format = (v) => String(v) }) {
+  const box = useRef(/** @type {HTMLDivElement | null} */ (null));
+  const plot = useRef(/** @type {uPlot | null} */ (null));
+  const labels = series.map((s) => s.label).join('\n');
+  useEffect(() => {
+    const el = box.current;
+    if (!el) return;
+    /** @type {uPlot.Options} */
+    const opts = {
+      title,
+      width: Math.max(320, Math.min(el.clientWidth || 600, 640)),
+      height: 200,
+      axes: [{}, { values: (_u, splits) => splits.map((v) => format(v)), size: 60 }],
+      series: [{}, ...series.map((s, i) => ({ label: s.label, stroke: COLORS[i % COLORS.length], width: 2 }))],
+    };
+    plot.current = new uPlot(opts, /** @type {uPlot.AlignedData} */ ([[], ...series.map(() => [])]), el);
+    return () => {
+      plot.current?.destroy();
+      plot.current = null;
+    };
+  }, [title, labels]);
+  useEffect(() => {
+    plot.current?.setData(/** @type {uPlot.AlignedData} */ ([x, ...series.map((s) => s.values)]));
+  }, [x, series]);
+  return html`<figure class="chart">
+    <div ref=${box} role="img" aria-label=${`${title}: line chart; the current figures are in the tables`}></div>
+  </figure>`;
+}

@@ -92,6 +92,10 @@ try {
   step('the operator signs in');
   await page.getByLabel('API key').fill(adminKey);
   await page.getByRole('button', { name: 'Sign in' }).click();
+  await page.getByRole('heading', { name: 'Dashboard', level: 1 }).waitFor();
+  await page.getByRole('table', { name: 'Workers' }).getByText('healthy').waitFor();
+  await audit('dashboard-idle');
+  await page.getByRole('link', { name: 'Tenants' }).click();
   await page.getByRole('heading', { name: 'Tenants', level: 1 }).waitFor();
   if (page.url().includes(adminKey)) problems.push(`the key is in the URL: ${page.url()}`);
 
@@ -280,6 +284,7 @@ try {
   await page.getByRole('button', { name: 'Sign out' }).click();
   await page.getByLabel('API key').fill(adminKey);
   await page.getByRole('button', { name: 'Sign in' }).click();
+  await page.getByRole('heading', { name: 'Dashboard', level: 1 }).waitFor();
   await page.getByRole('link', { name: 'Billing' }).click();
   const report = page.getByRole('table', { name: 'Billing report' });
   await report.waitFor();
@@ -294,6 +299,18 @@ try {
   if (JSON.stringify(csv) !== JSON.stringify(rows)) problems.push(`the CSV ${JSON.stringify(csv)} differs from the table ${JSON.stringify(rows)}`);
   console.log(`  billing: ${rows.length} rows, the CSV equal to the table`);
   await audit('billing');
+
+  step('the dashboard shows the requests, their latency and the workers, refreshed');
+  await page.getByRole('link', { name: 'Dashboard' }).click();
+  const figures = page.getByRole('definition');
+  await expectText(page.locator('dl.figures div').filter({ hasText: 'Requests finished' }), String(usage.totals.requests), 'requests finished');
+  const latencyRows = await page.getByRole('table', { name: 'Latency percentiles' }).locator('tbody tr').evaluateAll((trs) => trs.map((tr) => [...tr.children].map((c) => c.textContent)));
+  if (latencyRows.length !== 2 || latencyRows.some((r) => r[1] === '–')) problems.push(`latency percentiles: ${JSON.stringify(latencyRows)}`);
+  // A second read arrives within the refresh period: the chart gets its first rate.
+  await page.waitForFunction(() => [...document.querySelectorAll('dl.figures dd')][2]?.textContent !== '–', null, { timeout: 10_000 })
+    .catch(() => problems.push('the dashboard did not refresh'));
+  console.log(`  dashboard: ${JSON.stringify(await figures.allTextContents())}, latency ${JSON.stringify(latencyRows)}`);
+  await audit('dashboard');
 
   const violations = await page.evaluate(() => /** @type {any} */ (window).__violations);
   for (const v of violations) problems.push(`content security policy violation: ${v}`);

@@ -22,6 +22,11 @@ struct Histogram {
 }
 
 impl Histogram {
+    /// Cumulative counts per upper bound (the last, `+Inf`, is `count`), as JSON.
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({"le": self.bounds, "cumulative": self.counts, "count": self.count, "sum": self.sum})
+    }
+
     fn new(bounds: &'static [f64]) -> Self {
         Self { bounds, counts: vec![0; bounds.len()], sum: 0.0, count: 0 }
     }
@@ -109,6 +114,27 @@ fn escape(v: &str) -> String {
 impl Metrics {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The latency histograms and the request counts by outcome, as JSON: what the console's
+    /// dashboard turns into recent percentiles and rates (from the change between two reads).
+    pub fn json(&self) -> serde_json::Value {
+        let m = self.lock();
+        let mut outcomes = serde_json::Map::new();
+        for ((_, outcome), n) in &m.requests {
+            let entry = outcomes.entry(outcome.clone()).or_insert(0u64.into());
+            *entry = (entry.as_u64().unwrap_or(0).saturating_add(*n)).into();
+        }
+        let waiting: usize = m.lora.values().map(|(w, _)| w).sum();
+        let running: usize = m.lora.values().map(|(_, r)| r).sum();
+        serde_json::json!({
+            "requests": outcomes,
+            "in_http": {"waiting_first_token": waiting, "generating": running},
+            "ttft_seconds": m.ttft.json(),
+            "tpot_seconds": m.tpot.json(),
+            "e2e_seconds": m.e2e.json(),
+            "queue_seconds": m.queue.json(),
+        })
     }
 
     pub fn observe(&self, o: &Observation<'_>) {

@@ -189,6 +189,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .route("/health", web::get().to(health))
         .route("/ready", web::get().to(ready))
         .route("/metrics", web::get().to(metrics))
+        .route("/admin/stats", web::get().to(stats))
         .route("/openapi.json", web::get().to(openapi_json))
         .configure(admin::routes)
         .configure(openai::routes)
@@ -295,6 +296,20 @@ async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpRes
     let workers = state.serving.stats().await;
     let body = state.metrics.render(&metrics::Snapshot { workers: &workers, max_lora: state.settings.max_running });
     Ok(HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(body))
+}
+
+/// The live state the console's dashboard shows (an operator key with the admin scope): each
+/// worker's counters and pool, and the HTTP layer's latency histograms and request counts.
+async fn stats(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let key = authorize(&req, &state, Scope::Admin).await?;
+    if key.tenant_id.is_some() {
+        return Err(ApiError::Forbidden(Scope::Admin.as_str()));
+    }
+    let workers = state.serving.stats().await;
+    let mut body = state.metrics.json();
+    body["workers"] = serde_json::to_value(&workers).map_err(|e| ApiError::Internal(format!("worker stats: {e}")))?;
+    body["at_ms"] = crate::store::now_ms().into();
+    Ok(HttpResponse::Ok().json(body))
 }
 
 async fn openapi_json() -> HttpResponse {

@@ -17,6 +17,7 @@ pub const ROUTES: &[(&str, &str, &str, &str)] = &[
     ("get", "/ready", "Readiness: the database answers and the workers run.", "none"),
     ("get", "/metrics", "Prometheus metrics, with the vllm:* names gateways read (an operator key with the metrics or admin scope).", "metrics"),
     ("get", "/openapi.json", "This document.", "none"),
+    ("get", "/admin/stats", "Live state for a dashboard: every worker's counters and pool, the latency histograms and request counts.", "admin"),
     ("get", "/", "Redirects to the admin console.", "none"),
     ("get", "/ui", "Redirects to the admin console.", "none"),
     ("get", "/ui/{path}", "The admin console's files (`/ui/` is its page); it signs in with an API key and calls this API.", "none"),
@@ -158,6 +159,7 @@ fn shape(method: &str, path: &str) -> Shape {
         ("get", "/openapi.json") => {
             Shape::new(vec![("200", json_ok("This document.", json!({"type": "object", "required": ["openapi", "info", "paths"]})))], &[])
         }
+        ("get", "/admin/stats") => Shape::new(vec![("200", json_ok("The live state.", r("Stats")))], &[401, 403, 503]),
         ("get", "/") | ("get", "/ui") => Shape::new(
             vec![("302", json!({"description": "To the console.", "headers": {"Location": {"description": "`/ui/`", "schema": {"type": "string"}}}}))],
             &[],

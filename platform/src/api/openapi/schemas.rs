@@ -562,6 +562,30 @@ fn key_request() -> Value {
     )
 }
 
+/// A histogram as `/admin/stats` gives it.
+fn histogram() -> Value {
+    record(json!({
+        "le": described(array(json!({"type": "number"})), "Upper bounds of the buckets, in seconds."),
+        "cumulative": described(array(count()), "Observations at or below each bound."),
+        "count": count(),
+        "sum": json!({"type": "number"}),
+    }))
+}
+
+fn stats() -> Value {
+    let free_form = json!({"type": "object"});
+    record(json!({
+        "at_ms": described(count(), "When the state was read, Unix milliseconds."),
+        "requests": described(json!({"type": "object", "additionalProperties": count()}), "Inference requests finished so far, by outcome."),
+        "in_http": record(json!({"waiting_first_token": count(), "generating": count()})),
+        "ttft_seconds": histogram(),
+        "tpot_seconds": histogram(),
+        "e2e_seconds": histogram(),
+        "queue_seconds": histogram(),
+        "workers": described(array(free_form), "Each worker: health, requests running and waiting, steps, generated tokens, pool pages by kind and evictions, prefix cache and adapter load counters."),
+    }))
+}
+
 fn created_key() -> Value {
     record(json!({
         "id": string(),
@@ -710,6 +734,7 @@ pub fn schemas() -> Value {
         ("Scope", scope()),
         ("KeyRequest", key_request()),
         ("CreatedKey", created_key()),
+        ("Stats", stats()),
         (
             "KeyList",
             record(json!({"data": array(record(json!({

@@ -327,6 +327,24 @@ async fn metrics_openapi_and_health() {
         ] {
             assert!(text.contains(needle), "{needle} missing from\n{text}");
         }
+        // The dashboard's JSON: the same counts, for the admin scope only.
+        assert_eq!(call(&app, "GET", "/admin/stats", Some(&scraper), None).await.0, StatusCode::FORBIDDEN, "a metrics key");
+        assert_eq!(call(&app, "GET", "/admin/stats", Some(&key), None).await.0, StatusCode::FORBIDDEN, "a tenant's key");
+        let (status, stats) = call(&app, "GET", "/admin/stats", Some(&h.admin), None).await;
+        assert_eq!(status, StatusCode::OK, "{stats}");
+        assert_eq!(stats["requests"]["ok"], 3, "{stats}");
+        assert_eq!(stats["ttft_seconds"]["count"], 3);
+        assert_eq!(stats["tpot_seconds"]["count"], 3);
+        let le = stats["ttft_seconds"]["le"].as_array().unwrap();
+        let cumulative = stats["ttft_seconds"]["cumulative"].as_array().unwrap();
+        assert_eq!(le.len(), cumulative.len());
+        assert_eq!(cumulative.last().unwrap(), 3, "every first token within the last bound");
+        let workers = stats["workers"].as_array().unwrap();
+        assert_eq!(workers.len(), 1);
+        assert_eq!(workers[0]["generated_tokens"], 9, "{stats}");
+        assert!(workers[0]["pool"]["total"].as_u64().unwrap() > 0);
+        assert!(workers[0]["unhealthy"].is_null());
+
         // Every documented route exists: without a key it answers 401 (or 200), never "no route".
         let (_, doc) = call(&app, "GET", "/openapi.json", None, None).await;
         assert_eq!(doc["openapi"], "3.0.3");
