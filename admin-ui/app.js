@@ -8,6 +8,7 @@ import { MyAdapters } from './views/adapters.js';
 import { Billing } from './views/billing.js';
 import { OperatorKeys } from './views/keys.js';
 import { Dashboard } from './views/dashboard.js';
+import { AllAdapters } from './views/all-adapters.js';
 import { Usage } from './views/usage.js';
 import { Playground } from './views/playground.js';
 
@@ -18,6 +19,7 @@ const VIEWS = {
   operator: [
     ['dashboard', 'Dashboard', Dashboard],
     ['tenants', 'Tenants', Tenants],
+    ['adapters', 'Adapters', AllAdapters],
     ['billing', 'Billing', Billing],
     ['keys', 'Operator keys', OperatorKeys],
   ],

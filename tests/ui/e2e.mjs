@@ -300,6 +300,20 @@ try {
   console.log(`  billing: ${rows.length} rows, the CSV equal to the table`);
   await audit('billing');
 
+  step('the operator sees every adapter and publishes the tenant\'s');
+  await page.getByRole('link', { name: 'Adapters' }).click();
+  const every = page.getByRole('table', { name: 'Every adapter' });
+  const botAll = every.getByRole('row').filter({ has: page.getByRole('rowheader', { name: 'support-bot', exact: true }) });
+  await botAll.waitFor();
+  const botCells = await botAll.getByRole('cell').allTextContents();
+  if (botCells[0] !== 'acme' || botCells[1] !== '1' || botCells[6] !== 'no') problems.push(`support-bot's row: ${JSON.stringify(botCells)}`);
+  await botAll.getByRole('button', { name: 'Publish' }).click();
+  await expectText(botAll, 'yes', 'published');
+  await botAll.getByRole('button', { name: 'Unpublish' }).click();
+  await audit('adapters-unpublish-confirm');
+  await botAll.getByRole('alertdialog').getByRole('button', { name: 'Unpublish' }).click();
+  await botAll.getByRole('button', { name: 'Publish' }).waitFor();
+
   step('the dashboard shows the requests, their latency and the workers, refreshed');
   await page.getByRole('link', { name: 'Dashboard' }).click();
   const figures = page.getByRole('definition');

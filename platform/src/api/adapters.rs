@@ -34,7 +34,8 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .route("/v1/adapters/{name}", web::delete().to(delete))
         .route("/v1/adapters/{name}/load", web::post().to(load))
         .route("/v1/adapters/{name}/unload", web::post().to(unload))
-        .route("/admin/adapters/publish", web::post().to(publish));
+        .route("/admin/adapters/publish", web::post().to(publish))
+        .route("/admin/adapters", web::get().to(list_all));
 }
 
 /// Largest `adapter_config.json` accepted.
@@ -599,6 +600,32 @@ struct Publish {
 
 fn yes() -> bool {
     true
+}
+
+/// Every tenant's adapters and the operator's: the latest version of each, with how many live
+/// versions it has, their bytes together, and the owner's name.
+async fn list_all(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state, Scope::Admin).await?;
+    let names: std::collections::HashMap<String, String> = state.store.tenants().await?.into_iter().map(|t| (t.id, t.name)).collect();
+    let mut data: Vec<serde_json::Value> = Vec::new();
+    let mut last: Option<(String, String)> = None;
+    for r in state.store.all_adapter_versions().await? {
+        let key = (r.owner.clone(), r.name.clone());
+        let mut row = record_json(&r);
+        row["owner_name"] = names.get(&r.owner).cloned().map_or(serde_json::Value::Null, Into::into);
+        if last.as_ref() == Some(&key) {
+            // A later version of the same adapter: it replaces the row, keeping the counts.
+            let prev = data.pop().unwrap_or_default();
+            row["versions"] = (prev["versions"].as_i64().unwrap_or(0) + 1).into();
+            row["bytes_all_versions"] = (prev["bytes_all_versions"].as_i64().unwrap_or(0).saturating_add(r.bytes)).into();
+        } else {
+            row["versions"] = 1.into();
+            row["bytes_all_versions"] = r.bytes.into();
+        }
+        data.push(row);
+        last = Some(key);
+    }
+    Ok(HttpResponse::Ok().json(json!({"object": "list", "data": data})))
 }
 
 async fn publish(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {

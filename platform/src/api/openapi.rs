@@ -34,6 +34,7 @@ pub const ROUTES: &[(&str, &str, &str, &str)] = &[
     ("post", "/v1/adapters/{name}/load", "Bring the latest version into every worker's pool and keep it there.", "adapters"),
     ("post", "/v1/adapters/{name}/unload", "Let a loaded adapter be evicted again.", "adapters"),
     ("post", "/admin/adapters/publish", "Publish an adapter to every tenant (or make it private again).", "admin"),
+    ("get", "/admin/adapters", "Every tenant's adapters and the operator's: the latest version of each, its version count and owner.", "admin"),
     ("post", "/admin/tenants", "Create a tenant: {name, weight, plan, limits}.", "admin"),
     ("get", "/admin/tenants", "Every tenant.", "admin"),
     ("get", "/admin/tenants/{id}", "One tenant.", "admin"),
@@ -159,6 +160,7 @@ fn shape(method: &str, path: &str) -> Shape {
         ("get", "/openapi.json") => {
             Shape::new(vec![("200", json_ok("This document.", json!({"type": "object", "required": ["openapi", "info", "paths"]})))], &[])
         }
+        ("get", "/admin/adapters") => Shape::new(vec![("200", json_ok("Every adapter.", r("AllAdapters")))], &[401, 403, 503]),
         ("get", "/admin/stats") => Shape::new(vec![("200", json_ok("The live state.", r("Stats")))], &[401, 403, 503]),
         ("get", "/") | ("get", "/ui") => Shape::new(
             vec![("302", json!({"description": "To the console.", "headers": {"Location": {"description": "`/ui/`", "schema": {"type": "string"}}}}))],

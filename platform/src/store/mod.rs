@@ -475,6 +475,13 @@ impl Store {
         Ok(sqlx::query_as(sql).bind(tenant).fetch_all(&self.pool).await?)
     }
 
+    /// Every live version of every owner's adapters, by owner, name and version (what the
+    /// operator's list folds into one row per adapter).
+    pub async fn all_adapter_versions(&self) -> Result<Vec<AdapterRecord>, StoreError> {
+        let sql = concat!("SELECT ", adapter_columns!(), " FROM adapters WHERE deleted_at IS NULL ORDER BY owner, name, version");
+        Ok(sqlx::query_as(sql).fetch_all(&self.pool).await?)
+    }
+
     /// Deletes every version of `owner`'s adapter `name`; returns the versions deleted (none
     /// if there was no such adapter).
     pub async fn delete_adapter(&self, owner: &str, name: &str) -> Result<Vec<AdapterRecord>, StoreError> {

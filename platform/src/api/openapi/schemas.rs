@@ -736,6 +736,17 @@ pub fn schemas() -> Value {
         ("CreatedKey", created_key()),
         ("Stats", stats()),
         (
+            "AllAdapters",
+            record(json!({
+                "object": constant("list"),
+                "data": array(json!({"allOf": [r("Adapter"), record(json!({
+                    "versions": described(count(), "Live versions."),
+                    "bytes_all_versions": described(count(), "Bytes of every live version."),
+                    "owner_name": described(nullable(string()), "The owning tenant's name; null for the operator's adapters."),
+                }))]})),
+            })),
+        ),
+        (
             "KeyList",
             record(json!({"data": array(record(json!({
                 "id": string(),

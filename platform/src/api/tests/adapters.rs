@@ -87,6 +87,19 @@ async fn upload_version_use_and_privacy() {
         // A tenant may not delete the operator's published adapter.
         assert_eq!(call(&app, "DELETE", "/v1/adapters/summarize", Some(&other), None).await.0, StatusCode::NOT_FOUND);
 
+        // The operator's list: one row per adapter (its latest version), every owner, named.
+        assert_eq!(call(&app, "GET", "/admin/adapters", Some(&acme), None).await.0, StatusCode::FORBIDDEN);
+        let (status, all) = call(&app, "GET", "/admin/adapters", Some(&h.admin), None).await;
+        assert_eq!(status, StatusCode::OK, "{all}");
+        let rows = all["data"].as_array().unwrap();
+        assert_eq!(rows.len(), 2, "{all}");
+        let support = rows.iter().find(|r| r["name"] == "support").unwrap();
+        assert_eq!((support["owner_name"].as_str(), support["version"].as_i64(), support["versions"].as_i64()), (Some("acme"), Some(2), Some(2)));
+        assert_eq!(support["bytes_all_versions"].as_i64().unwrap(), v1["bytes"].as_i64().unwrap() + v2["bytes"].as_i64().unwrap());
+        let summarize = rows.iter().find(|r| r["name"] == "summarize").unwrap();
+        assert!(summarize["owner_name"].is_null() && summarize["owner"].is_null(), "the operator's: {summarize}");
+        assert_eq!((summarize["public"].as_bool(), summarize["versions"].as_i64()), (Some(true), Some(1)));
+
         // Load pins it in the pool; unload lets it go.
         let (s, loaded) = call(&app, "POST", "/v1/adapters/support/load", Some(&acme), None).await;
         assert_eq!(s, StatusCode::OK, "{loaded}");
