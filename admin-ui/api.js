@@ -189,9 +189,10 @@ export async function download(path, name) {
 }
 
 /**
- * Which console a key opens: `operator` for a key with the admin scope, `tenant` for a
- * tenant's key (the operator routes answer it 403). Rejects with the API's error for an
- * unknown or revoked key.
+ * Which console a key opens: `operator` for a key with the admin scope, `tenant` for a key
+ * with the inference scope (the operator routes answer it 403). Rejects with the API's error
+ * for an unknown or revoked key, and with a 403 of its own for a key with neither scope (an
+ * operator's metrics key, a tenant key for adapters only).
  * @returns {Promise<'operator' | 'tenant'>}
  */
 export async function role() {
@@ -199,7 +200,15 @@ export async function role() {
     await api('GET', '/admin/tenants');
     return 'operator';
   } catch (e) {
-    if (e instanceof ApiError && e.status === 403) return 'tenant';
+    if (!(e instanceof ApiError && e.status === 403)) throw e;
+  }
+  try {
+    await api('GET', '/v1/models');
+    return 'tenant';
+  } catch (e) {
+    if (e instanceof ApiError && e.status === 403) {
+      throw new ApiError(403, 'This key has neither the admin nor the inference scope: the console needs one of them.');
+    }
     throw e;
   }
 }

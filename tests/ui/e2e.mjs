@@ -89,6 +89,16 @@ try {
   await expectText(page.getByRole('alert'), '401', 'wrong key');
   await audit('sign-in-refused');
 
+  step('a metrics-only key is told it cannot use the console');
+  const metricsKey = (await (await fetch(`${base}/admin/keys`, {
+    method: 'POST',
+    headers: { Authorization: `Bearer ${adminKey}`, 'Content-Type': 'application/json' },
+    body: JSON.stringify({ scopes: ['metrics'] }),
+  })).json()).key;
+  await page.getByLabel('API key').fill(metricsKey);
+  await page.getByRole('button', { name: 'Sign in' }).click();
+  await expectText(page.getByRole('alert'), 'neither the admin nor the inference scope', 'metrics key');
+
   step('the operator signs in');
   await page.getByLabel('API key').fill(adminKey);
   await page.getByRole('button', { name: 'Sign in' }).click();
@@ -307,12 +317,12 @@ try {
   await botAll.waitFor();
   const botCells = await botAll.getByRole('cell').allTextContents();
   if (botCells[0] !== 'acme' || botCells[1] !== '1' || botCells[6] !== 'no') problems.push(`support-bot's row: ${JSON.stringify(botCells)}`);
-  await botAll.getByRole('button', { name: 'Publish' }).click();
+  await botAll.getByRole('button', { name: 'Publish', exact: true }).click();
   await expectText(botAll, 'yes', 'published');
-  await botAll.getByRole('button', { name: 'Unpublish' }).click();
+  await botAll.getByRole('button', { name: 'Unpublish', exact: true }).first().click();
   await audit('adapters-unpublish-confirm');
   await botAll.getByRole('alertdialog').getByRole('button', { name: 'Unpublish' }).click();
-  await botAll.getByRole('button', { name: 'Publish' }).waitFor();
+  await botAll.getByRole('button', { name: 'Publish', exact: true }).waitFor();
 
   step('the dashboard shows the requests, their latency and the workers, refreshed');
   await page.getByRole('link', { name: 'Dashboard' }).click();
