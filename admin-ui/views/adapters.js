@@ -6,7 +6,7 @@
  */
 import { html, useState } from '../vendor/preact-htm.js';
 import { api, upload } from '../api.js';
-import { Confirm, ErrorNote, useLoad } from './common.js';
+import { ConfirmButton, ErrorNote, ListState, useLoad } from './common.js';
 
 const CONFIG = 'adapter_config.json';
 const WEIGHTS = 'adapter_model.safetensors';
@@ -126,7 +126,6 @@ export function MyAdapters() {
   const [adapters, error, reload] = useLoad(() => api('GET', '/v1/adapters').then((r) => /** @type {Adapter[]} */ (r.data)));
   // The caller's tenant id (usage names it): its own adapters are the ones it may delete.
   const [me] = useLoad(() => api('GET', `/v1/usage?from=${new Date().toISOString().slice(0, 10)}`).then((r) => /** @type {string} */ (r.tenant_id)));
-  const [confirming, setConfirming] = useState(/** @type {string | null} */ (null));
   const [note, setNote] = useState(/** @type {{ name: string, text: string } | null} */ (null));
   const [actionError, setActionError] = useState(/** @type {{ name: string, error: unknown } | null} */ (null));
   /** @param {string} name @param {'load' | 'unload'} what */
@@ -144,9 +143,7 @@ export function MyAdapters() {
     <h2>Upload</h2>
     <${Upload} onUploaded=${reload} />
     <h2>Adapters you can use</h2>
-    <${ErrorNote} error=${error} />
-    ${adapters === undefined && !error ? html`<p class="loading">Loading…</p>` : null}
-    ${adapters && adapters.length === 0 ? html`<p>No adapters yet.</p>` : null}
+    <${ListState} data=${adapters} error=${error} empty="No adapters yet." />
     ${adapters && adapters.length > 0
       ? html`<table aria-label="Adapters">
           <thead><tr><th scope="col">Name</th><th scope="col">Version</th><th scope="col">Rank</th><th scope="col">Targets</th>
@@ -163,14 +160,12 @@ export function MyAdapters() {
                 <td class="actions">
                   <button type="button" onClick=${() => act(a.name, 'load')}>Load</button>
                   <button type="button" onClick=${() => act(a.name, 'unload')}>Unload</button>
-                  ${a.owner !== me ? null : html`<button type="button" class="danger" onClick=${() => setConfirming(a.name)}>Delete</button>`}
+                  ${a.owner !== me
+                    ? null
+                    : html`<${ConfirmButton} label="Delete" question=${`Delete ${a.name} and all its versions? Requests already running finish on theirs.`}
+                        action="Delete adapter" onConfirm=${async () => { await api('DELETE', `/v1/adapters/${encodeURIComponent(a.name)}`); reload(); }} />`}
                   ${note && note.name === a.name ? html`<p role="status">${note.text}</p>` : null}
                   ${actionError && actionError.name === a.name ? html`<${ErrorNote} error=${actionError.error} />` : null}
-                  ${confirming === a.name
-                    ? html`<${Confirm} question=${`Delete ${a.name} and all its versions? Requests already running finish on theirs.`} action="Delete adapter"
-                        onConfirm=${async () => { await api('DELETE', `/v1/adapters/${encodeURIComponent(a.name)}`); setConfirming(null); reload(); }}
-                        onCancel=${() => setConfirming(null)} />`
-                    : null}
                 </td>
               </tr>`,
             )}

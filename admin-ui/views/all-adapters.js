@@ -2,7 +2,7 @@
 /** The operator's view of every adapter: owner, versions, size, rank, targets; publishing. */
 import { html, useState } from '../vendor/preact-htm.js';
 import { api } from '../api.js';
-import { Confirm, ErrorNote, useLoad } from './common.js';
+import { ConfirmButton, ErrorNote, ListState, useLoad } from './common.js';
 
 /**
  * @typedef {{ id: string, name: string, version: number, versions: number, owner: string | null, owner_name: string | null,
@@ -11,27 +11,22 @@ import { Confirm, ErrorNote, useLoad } from './common.js';
 
 export function AllAdapters() {
   const [rows, error, reload] = useLoad(() => api('GET', '/admin/adapters').then((r) => /** @type {Row[]} */ (r.data)));
-  const [confirming, setConfirming] = useState(/** @type {string | null} */ (null));
   const [actionError, setActionError] = useState(/** @type {{ id: string, error: unknown } | null} */ (null));
   /** @param {Row} a @param {boolean} pub */
-  const publish = async (a, pub) => {
-    setActionError(null);
+  const setPublic = async (a, pub) => {
     /** @type {Record<string, unknown>} */
     const body = { name: a.name, public: pub };
     if (a.owner) body.tenant_id = a.owner;
-    try {
-      await api('POST', '/admin/adapters/publish', body);
-      setConfirming(null);
-      reload();
-    } catch (e) {
-      setActionError({ id: a.id, error: e });
-      throw e;
-    }
+    await api('POST', '/admin/adapters/publish', body);
+    reload();
+  };
+  /** @param {Row} a */
+  const publish = (a) => {
+    setActionError(null);
+    setPublic(a, true).catch((e) => setActionError({ id: a.id, error: e }));
   };
   return html`<section>
-    <${ErrorNote} error=${error} />
-    ${rows === undefined && !error ? html`<p class="loading">Loading…</p>` : null}
-    ${rows && rows.length === 0 ? html`<p>No adapters yet.</p>` : null}
+    <${ListState} data=${rows} error=${error} empty="No adapters yet." />
     ${rows && rows.length > 0
       ? html`<table aria-label="Every adapter">
           <thead><tr><th scope="col">Adapter</th><th scope="col">Owner</th><th scope="col">Latest version</th><th scope="col">Versions</th>
@@ -49,13 +44,10 @@ export function AllAdapters() {
                 <td>${a.public ? 'yes' : 'no'}</td>
                 <td class="actions">
                   ${a.public
-                    ? html`<button type="button" class="danger" onClick=${() => setConfirming(a.id)}>Unpublish</button>`
-                    : html`<button type="button" onClick=${() => publish(a, true).catch(() => {})}>Publish</button>`}
-                  ${confirming === a.id
-                    ? html`<${Confirm} question=${`Unpublish ${a.name}? Other tenants can no longer use it.`} action="Unpublish"
-                        onConfirm=${() => publish(a, false)} onCancel=${() => setConfirming(null)} />`
-                    : null}
-                  ${actionError && actionError.id === a.id && confirming !== a.id ? html`<${ErrorNote} error=${actionError.error} />` : null}
+                    ? html`<${ConfirmButton} label="Unpublish" question=${`Unpublish ${a.name}? Other tenants can no longer use it.`} action="Unpublish"
+                        onConfirm=${() => setPublic(a, false)} />`
+                    : html`<button type="button" onClick=${() => publish(a)}>Publish</button>`}
+                  ${actionError && actionError.id === a.id ? html`<${ErrorNote} error=${actionError.error} />` : null}
                 </td>
               </tr>`,
             )}

@@ -41,6 +41,31 @@ export function Confirm({ question, action, onConfirm, onCancel }) {
 }
 
 /**
+ * A destructive action's button, which asks in place first ([`Confirm`]).
+ * @param {{ label: string, question: string, action: string, onConfirm: () => Promise<void> | void }} props
+ */
+export function ConfirmButton({ label, question, action, onConfirm }) {
+  const [open, setOpen] = useState(false);
+  const confirm = async () => {
+    await onConfirm();
+    setOpen(false);
+  };
+  return html`<button type="button" class="danger" onClick=${() => setOpen(true)}>${label}</button>
+    ${open ? html`<${Confirm} question=${question} action=${action} onConfirm=${confirm} onCancel=${() => setOpen(false)} />` : null}`;
+}
+
+/**
+ * What a list shows before or instead of its rows: the load's error, "Loading…", or `empty`
+ * when it has none.
+ * @param {{ data: unknown[] | undefined, error: unknown, empty: string }} props
+ */
+export function ListState({ data, error, empty }) {
+  if (error) return html`<${ErrorNote} error=${error} />`;
+  if (data === undefined) return html`<p class="loading">Loading…</p>`;
+  return data.length === 0 ? html`<p>${empty}</p>` : null;
+}
+
+/**
  * A secret shown once, with a copy button.
  * @param {{ label: string, secret: string, onDone: () => void }} props
  */

@@ -2,7 +2,7 @@
 /** Keys: a list (never secrets), minting with scopes (the secret shown once), revoking. */
 import { html, useState } from '../vendor/preact-htm.js';
 import { api } from '../api.js';
-import { Confirm, ErrorNote, Secret, useLoad } from './common.js';
+import { ConfirmButton, ErrorNote, ListState, Secret, useLoad } from './common.js';
 
 /** @typedef {{ id: string, prefix: string, scopes: string, created_at: number, revoked_at: number | null }} Key */
 
@@ -16,7 +16,6 @@ export function Keys({ base, owner, scopes: allowed, initial }) {
   const [scopes, setScopes] = useState(initial);
   const [secret, setSecret] = useState('');
   const [mintError, setMintError] = useState(/** @type {unknown} */ (null));
-  const [revoking, setRevoking] = useState(/** @type {string | null} */ (null));
   /** @param {Event} e */
   const mint = async (e) => {
     e.preventDefault();
@@ -43,8 +42,7 @@ export function Keys({ base, owner, scopes: allowed, initial }) {
           <button type="submit">Create key</button>
           <${ErrorNote} error=${mintError} />
         </form>`}
-    <${ErrorNote} error=${error} />
-    ${keys && keys.length === 0 ? html`<p>No keys.</p>` : null}
+    <${ListState} data=${keys} error=${error} empty="No keys." />
     ${keys && keys.length > 0
       ? html`<table aria-label=${`Keys of ${owner}`}>
           <thead><tr><th scope="col">Key</th><th scope="col">Scopes</th><th scope="col">Created</th><th scope="col">Status</th><th scope="col">Actions</th></tr></thead>
@@ -56,11 +54,9 @@ export function Keys({ base, owner, scopes: allowed, initial }) {
                 <td>${new Date(k.created_at).toISOString().slice(0, 16).replace('T', ' ')}</td>
                 <td>${k.revoked_at == null ? 'live' : `revoked ${new Date(k.revoked_at).toISOString().slice(0, 10)}`}</td>
                 <td>
-                  ${k.revoked_at == null ? html`<button type="button" class="danger" onClick=${() => setRevoking(k.id)}>Revoke</button>` : null}
-                  ${revoking === k.id
-                    ? html`<${Confirm} question=${`Revoke key ${k.prefix}…? Requests with it are refused at once.`} action="Revoke key"
-                        onConfirm=${async () => { await api('DELETE', `/admin/keys/${encodeURIComponent(k.id)}`); setRevoking(null); reload(); }}
-                        onCancel=${() => setRevoking(null)} />`
+                  ${k.revoked_at == null
+                    ? html`<${ConfirmButton} label="Revoke" question=${`Revoke key ${k.prefix}…? Requests with it are refused at once.`} action="Revoke key"
+                        onConfirm=${async () => { await api('DELETE', `/admin/keys/${encodeURIComponent(k.id)}`); reload(); }} />`
                     : null}
                 </td>
               </tr>`,

@@ -2,7 +2,7 @@
 /** The operator's tenants: create, edit plan, weight and limits, delete, their keys. */
 import { html, useState } from '../vendor/preact-htm.js';
 import { api } from '../api.js';
-import { Confirm, ErrorNote, useLoad } from './common.js';
+import { ConfirmButton, ErrorNote, ListState, useLoad } from './common.js';
 import { Keys } from './keys.js';
 
 /** Limits a tenant may have, in the API's names, with their labels. */
@@ -97,7 +97,7 @@ function limitsText(t) {
 
 export function Tenants() {
   const [tenants, error, reload] = useLoad(() => api('GET', '/admin/tenants').then((r) => /** @type {Tenant[]} */ (r.data)));
-  const [open, setOpen] = useState(/** @type {{ id: string, what: 'edit' | 'keys' | 'delete' } | null} */ (null));
+  const [open, setOpen] = useState(/** @type {{ id: string, what: 'edit' | 'keys' } | null} */ (null));
   const close = () => setOpen(null);
   const done = () => {
     setOpen(null);
@@ -107,9 +107,7 @@ export function Tenants() {
     <h2>New tenant</h2>
     <${CreateTenant} onCreated=${reload} />
     <h2>All tenants</h2>
-    <${ErrorNote} error=${error} />
-    ${tenants === undefined && !error ? html`<p class="loading">Loading…</p>` : null}
-    ${tenants && tenants.length === 0 ? html`<p>No tenants yet.</p>` : null}
+    <${ListState} data=${tenants} error=${error} empty="No tenants yet." />
     ${tenants && tenants.length > 0
       ? html`<table>
           <caption class="sr-only">Tenants</caption>
@@ -127,14 +125,11 @@ export function Tenants() {
                   <button type="button" onClick=${() => setOpen({ id: t.id, what: 'edit' })}>Edit</button>
                   <button type="button" aria-expanded=${open?.id === t.id && open.what === 'keys'}
                     onClick=${() => setOpen(open?.id === t.id && open.what === 'keys' ? null : { id: t.id, what: 'keys' })}>Keys</button>
-                  <button type="button" class="danger" onClick=${() => setOpen({ id: t.id, what: 'delete' })}>Delete</button>
+                  <${ConfirmButton} label="Delete" question=${`Delete tenant ${t.name}? Its keys are revoked and its adapters deleted.`} action="Delete tenant"
+                    onConfirm=${async () => { await api('DELETE', `/admin/tenants/${encodeURIComponent(t.id)}`); done(); }} />
                   ${open && open.id === t.id && open.what === 'edit' ? html`<${EditTenant} tenant=${t} onSaved=${done} onCancel=${close} />` : null}
                   ${open && open.id === t.id && open.what === 'keys'
                     ? html`<${Keys} base=${`/admin/tenants/${encodeURIComponent(t.id)}/keys`} owner=${t.name} scopes=${TENANT_SCOPES} initial=${TENANT_SCOPES} />`
-                    : null}
-                  ${open && open.id === t.id && open.what === 'delete'
-                    ? html`<${Confirm} question=${`Delete tenant ${t.name}? Its keys are revoked and its adapters deleted.`} action="Delete tenant"
-                        onConfirm=${async () => { await api('DELETE', `/admin/tenants/${encodeURIComponent(t.id)}`); done(); }} onCancel=${close} />`
                     : null}
                 </td>
               </tr>`,

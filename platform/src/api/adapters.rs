@@ -607,23 +607,16 @@ fn yes() -> bool {
 async fn list_all(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state, Scope::Admin).await?;
     let names: std::collections::HashMap<String, String> = state.store.tenants().await?.into_iter().map(|t| (t.id, t.name)).collect();
+    // Versions come ordered by owner, name and version: one run per adapter, its latest last.
+    let versions = state.store.all_adapter_versions().await?;
     let mut data: Vec<serde_json::Value> = Vec::new();
-    let mut last: Option<(String, String)> = None;
-    for r in state.store.all_adapter_versions().await? {
-        let key = (r.owner.clone(), r.name.clone());
-        let mut row = record_json(&r);
-        row["owner_name"] = names.get(&r.owner).cloned().map_or(serde_json::Value::Null, Into::into);
-        if last.as_ref() == Some(&key) {
-            // A later version of the same adapter: it replaces the row, keeping the counts.
-            let prev = data.pop().unwrap_or_default();
-            row["versions"] = (prev["versions"].as_i64().unwrap_or(0) + 1).into();
-            row["bytes_all_versions"] = (prev["bytes_all_versions"].as_i64().unwrap_or(0).saturating_add(r.bytes)).into();
-        } else {
-            row["versions"] = 1.into();
-            row["bytes_all_versions"] = r.bytes.into();
-        }
+    for run in versions.chunk_by(|a, b| a.owner == b.owner && a.name == b.name) {
+        let Some(latest) = run.last() else { continue };
+        let mut row = record_json(latest);
+        row["versions"] = run.len().into();
+        row["bytes_all_versions"] = run.iter().fold(0i64, |a, v| a.saturating_add(v.bytes)).into();
+        row["owner_name"] = names.get(&latest.owner).cloned().map_or(serde_json::Value::Null, Into::into);
         data.push(row);
-        last = Some(key);
     }
     Ok(HttpResponse::Ok().json(json!({"object": "list", "data": data})))
 }

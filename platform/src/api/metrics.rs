@@ -120,10 +120,9 @@ impl Metrics {
     /// dashboard turns into recent percentiles and rates (from the change between two reads).
     pub fn json(&self) -> serde_json::Value {
         let m = self.lock();
-        let mut outcomes = serde_json::Map::new();
+        let mut outcomes: BTreeMap<&str, u64> = BTreeMap::new();
         for ((_, outcome), n) in &m.requests {
-            let entry = outcomes.entry(outcome.clone()).or_insert(0u64.into());
-            *entry = (entry.as_u64().unwrap_or(0).saturating_add(*n)).into();
+            *outcomes.entry(outcome).or_default() += n;
         }
         let waiting: usize = m.lora.values().map(|(w, _)| w).sum();
         let running: usize = m.lora.values().map(|(_, r)| r).sum();

@@ -34,7 +34,7 @@ async fn file(req: HttpRequest, path: web::Path<String>) -> Result<HttpResponse,
     let path = path.into_inner();
     let name = if path.is_empty() { "index.html" } else { path.as_str() };
     let found = Console::get(name).ok_or_else(|| ApiError::NotFound(format!("console file {name:?}")))?;
-    let etag = format!("\"{}\"", hex(&found.metadata.sha256_hash()[..16]));
+    let etag = format!("\"{}\"", crate::store::hex(&found.metadata.sha256_hash()[..16]));
     let fresh = req.headers().get(header::IF_NONE_MATCH).is_some_and(|v| v.as_bytes() == etag.as_bytes());
     let mut res = if fresh { HttpResponse::NotModified() } else { HttpResponse::Ok() };
     let mime = found.metadata.mimetype();
@@ -49,10 +49,6 @@ async fn file(req: HttpRequest, path: web::Path<String>) -> Result<HttpResponse,
         return Ok(res.finish());
     }
     Ok(res.content_type(content_type).body(found.data.into_owned()))
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Every embedded file's path (for the tests).

@@ -1,0 +1,181 @@
+//! Adapters' metadata: versions recorded under the owner's quota, lookups as a tenant sees
+//! them (its own, else published ones), deletion, publishing, and the operator's full list.
+
+use super::{AdapterRecord, NewAdapter, Store, StoreError, TenantLimits, now_ms, random_id, validate_adapter_name};
+
+impl Store {
+    /// Records a new version of `owner`'s adapter `name` (version 1 for a new name; versions
+    /// are never reused, so they stay contiguous). The owner's quota is checked and consumed in
+    /// the same transaction: `quota.max_adapters` live names (a new version of a live name does
+    /// not count again) and `quota.max_adapter_bytes` over every live version.
+    pub async fn insert_adapter(&self, new: &NewAdapter, quota: &TenantLimits) -> Result<AdapterRecord, StoreError> {
+        validate_adapter_name(&new.name)?;
+        self.retrying(|| async {
+            let mut tx = self.write_tx().await?;
+            self.lock_owner(&mut tx, &new.owner).await?;
+            let (names, used, has_name): (i64, Option<i64>, Option<i64>) = sqlx::query_as(
+                "SELECT COUNT(DISTINCT name), CAST(SUM(bytes) AS BIGINT), CAST(SUM(CASE WHEN name = $2 THEN 1 ELSE 0 END) AS BIGINT) \
+                 FROM adapters WHERE owner = $1 AND deleted_at IS NULL",
+            )
+            .bind(&new.owner)
+            .bind(&new.name)
+            .fetch_one(&mut *tx)
+            .await?;
+            let used = used.unwrap_or(0);
+            if let Some(max) = quota.max_adapters
+                && has_name.unwrap_or(0) == 0
+                && names >= max
+            {
+                return Err(StoreError::Quota(format!("adapter limit reached: {names} of {max}; delete one first")));
+            }
+            if let Some(max) = quota.max_adapter_bytes
+                && used.saturating_add(new.bytes) > max
+            {
+                return Err(StoreError::Quota(format!(
+                    "adapter storage limit: {used} bytes used, this upload is {}, the limit is {max}; delete an adapter first",
+                    new.bytes
+                )));
+            }
+            // A new version of a published adapter stays published.
+            let (latest, public): (Option<i64>, Option<i64>) =
+                sqlx::query_as("SELECT MAX(version), MAX(CASE WHEN deleted_at IS NULL THEN public ELSE 0 END) FROM adapters WHERE owner = $1 AND name = $2")
+                    .bind(&new.owner)
+                    .bind(&new.name)
+                    .fetch_one(&mut *tx)
+                    .await?;
+            let record = AdapterRecord {
+                id: random_id("ada"),
+                owner: new.owner.clone(),
+                name: new.name.clone(),
+                version: latest.unwrap_or(0) + 1,
+                public: public.unwrap_or(0),
+                rank: new.rank,
+                targets: new.targets.clone(),
+                bytes: new.bytes,
+                content_hash: new.content_hash.clone(),
+                blob: new.blob.clone(),
+                created_at: now_ms(),
+            };
+            sqlx::query(
+                "INSERT INTO adapters (id, owner, name, version, rank, targets, bytes, content_hash, blob, created_at, public) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+            )
+            .bind(&record.id)
+            .bind(&record.owner)
+            .bind(&record.name)
+            .bind(record.version)
+            .bind(record.rank)
+            .bind(&record.targets)
+            .bind(record.bytes)
+            .bind(&record.content_hash)
+            .bind(&record.blob)
+            .bind(record.created_at)
+            .bind(record.public)
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            Ok(record)
+        })
+        .await
+    }
+
+    /// The latest live version of `owner`'s adapter `name`.
+    pub async fn adapter(&self, owner: &str, name: &str) -> Result<Option<AdapterRecord>, StoreError> {
+        let sql = concat!("SELECT ", adapter_columns!(), " FROM adapters WHERE owner = $1 AND name = $2 AND deleted_at IS NULL ORDER BY version DESC LIMIT 1");
+        Ok(sqlx::query_as(sql).bind(owner).bind(name).fetch_optional(&self.pool).await?)
+    }
+
+    /// The adapter `name` as `tenant` sees it: its own, else a published one. Another tenant's
+    /// private adapter is never returned (it reads as unknown).
+    pub async fn visible_adapter(&self, tenant: &str, name: &str) -> Result<Option<AdapterRecord>, StoreError> {
+        if let Some(own) = self.adapter(tenant, name).await? {
+            return Ok(Some(own));
+        }
+        let sql = concat!("SELECT ", adapter_columns!(), " FROM adapters WHERE name = $1 AND public = 1 AND deleted_at IS NULL ORDER BY version DESC LIMIT 1");
+        Ok(sqlx::query_as(sql).bind(name).fetch_optional(&self.pool).await?)
+    }
+
+    /// The latest version of every adapter `tenant` may use: its own and the published ones.
+    pub async fn visible_adapters(&self, tenant: &str) -> Result<Vec<AdapterRecord>, StoreError> {
+        let sql = concat!(
+            "SELECT ",
+            adapter_columns!(),
+            " FROM adapters a WHERE deleted_at IS NULL AND (owner = $1 OR public = 1) \
+             AND version = (SELECT MAX(version) FROM adapters b WHERE b.owner = a.owner AND b.name = a.name AND b.deleted_at IS NULL) \
+             ORDER BY name, owner"
+        );
+        Ok(sqlx::query_as(sql).bind(tenant).fetch_all(&self.pool).await?)
+    }
+
+    /// Every live version of every owner's adapters, by owner, name and version (what the
+    /// operator's list folds into one row per adapter).
+    pub async fn all_adapter_versions(&self) -> Result<Vec<AdapterRecord>, StoreError> {
+        let sql = concat!("SELECT ", adapter_columns!(), " FROM adapters WHERE deleted_at IS NULL ORDER BY owner, name, version");
+        Ok(sqlx::query_as(sql).fetch_all(&self.pool).await?)
+    }
+
+    /// Deletes every version of `owner`'s adapter `name`; returns the versions deleted (none
+    /// if there was no such adapter).
+    pub async fn delete_adapter(&self, owner: &str, name: &str) -> Result<Vec<AdapterRecord>, StoreError> {
+        self.retrying(|| async {
+            let mut tx = self.write_tx().await?;
+            self.lock_owner(&mut tx, owner).await?;
+            let sql = concat!("SELECT ", adapter_columns!(), " FROM adapters WHERE owner = $1 AND name = $2 AND deleted_at IS NULL ORDER BY version");
+            let live: Vec<AdapterRecord> = sqlx::query_as(sql).bind(owner).bind(name).fetch_all(&mut *tx).await?;
+            sqlx::query("UPDATE adapters SET deleted_at = $1 WHERE owner = $2 AND name = $3 AND deleted_at IS NULL")
+                .bind(now_ms())
+                .bind(owner)
+                .bind(name)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            Ok(live)
+        })
+        .await
+    }
+
+    /// One version of the adapter `name` as `tenant` sees it (its own, else a published one).
+    pub async fn visible_adapter_version(&self, tenant: &str, name: &str, version: i64) -> Result<Option<AdapterRecord>, StoreError> {
+        let sql = concat!(
+            "SELECT ",
+            adapter_columns!(),
+            " FROM adapters WHERE name = $1 AND version = $2 AND deleted_at IS NULL AND (owner = $3 OR public = 1) \
+             ORDER BY CASE WHEN owner = $3 THEN 0 ELSE 1 END LIMIT 1"
+        );
+        Ok(sqlx::query_as(sql).bind(name).bind(version).bind(tenant).fetch_optional(&self.pool).await?)
+    }
+
+    /// Every live version of `owner`'s adapter `name`, oldest first.
+    pub async fn adapter_versions(&self, owner: &str, name: &str) -> Result<Vec<AdapterRecord>, StoreError> {
+        let sql = concat!("SELECT ", adapter_columns!(), " FROM adapters WHERE owner = $1 AND name = $2 AND deleted_at IS NULL ORDER BY version");
+        Ok(sqlx::query_as(sql).bind(owner).bind(name).fetch_all(&self.pool).await?)
+    }
+
+    /// The blob directories of every live adapter version (what the data directory must keep).
+    pub async fn live_adapter_blobs(&self) -> Result<Vec<String>, StoreError> {
+        let rows: Vec<(String,)> = sqlx::query_as("SELECT blob FROM adapters WHERE deleted_at IS NULL").fetch_all(&self.pool).await?;
+        Ok(rows.into_iter().map(|(b,)| b).collect())
+    }
+
+    /// Makes every version of `owner`'s adapter visible to all tenants, or private again.
+    pub async fn publish_adapter(&self, owner: &str, name: &str, public: bool) -> Result<bool, StoreError> {
+        let n = sqlx::query("UPDATE adapters SET public = $1 WHERE owner = $2 AND name = $3 AND deleted_at IS NULL")
+            .bind(public as i64)
+            .bind(owner)
+            .bind(name)
+            .execute(&self.pool)
+            .await?;
+        Ok(n.rows_affected() > 0)
+    }
+
+    /// Live adapters (names; versions count once) and their bytes (every version), for a
+    /// tenant's quota.
+    pub async fn adapter_footprint(&self, owner: &str) -> Result<(i64, i64), StoreError> {
+        let (n, bytes): (i64, Option<i64>) =
+            sqlx::query_as("SELECT COUNT(DISTINCT name), CAST(SUM(bytes) AS BIGINT) FROM adapters WHERE owner = $1 AND deleted_at IS NULL")
+                .bind(owner)
+                .fetch_one(&self.pool)
+                .await?;
+        Ok((n, bytes.unwrap_or(0)))
+    }
+}
