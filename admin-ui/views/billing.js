@@ -1,8 +1,11 @@
 // @ts-check
-/** The operator's bills: a period, tokens and cost per day by tenant, the report table, its CSV. */
+/**
+ * The operator's bills for a period: tokens and cost per day by tenant (charts), the sums per
+ * tenant, per adapter and per day, and the full report table, which the CSV equals.
+ */
 import { html, useMemo, useState } from '../vendor/preact-htm.js';
 import { api, download } from '../api.js';
-import { DateRange, ErrorNote, count, day, dollars, periodQuery, useLoad } from './common.js';
+import { DateRange, ErrorNote, SumsTable, adapterName, count, day, dollars, periodQuery, useLoad } from './common.js';
 import { StackedBars } from './chart.js';
 
 /**
@@ -10,8 +13,20 @@ import { StackedBars } from './chart.js';
  *   total_tokens: number, cost: string }} Totals
  * @typedef {Totals & { tenant_id: string, tenant: string, plan: string, adapter: string, date: string }} Line
  * @typedef {Totals & { tenant_id: string, tenant: string }} TenantTotal
- * @typedef {{ lines: Line[], tenants: TenantTotal[], totals: Totals }} Report
+ * @typedef {Totals & { tenant_id: string, tenant: string, adapter: string }} AdapterTotal
+ * @typedef {Totals & { date: string }} DayTotal
+ * @typedef {{ lines: Line[], tenants: TenantTotal[], adapters: AdapterTotal[], days: DayTotal[], totals: Totals }} Report
  */
+
+/** @type {import('./common.js').KeyColumn[]} */
+const BY_TENANT = [{ title: 'Tenant', value: (r) => r.tenant }];
+/** @type {import('./common.js').KeyColumn[]} */
+const BY_ADAPTER = [
+  { title: 'Adapter', value: adapterName },
+  { title: 'Tenant', value: (r) => r.tenant },
+];
+/** @type {import('./common.js').KeyColumn[]} */
+const BY_DAY = [{ title: 'Date', value: (r) => r.date }];
 
 /** The report's rows as the CSV has them: lines, then each tenant's totals, then the total. @param {Report} r */
 export function reportRows(r) {
@@ -63,6 +78,14 @@ export function Billing() {
           <${StackedBars} title="Cost per day, by tenant ($)" x=${cost.x} series=${cost.series} format=${dollars} />
         </div>`
       : null}
+    ${report && report.lines.length > 0
+      ? html`<h2>Sums</h2>
+          <div class="sums">
+            <${SumsTable} rows=${report.tenants} keys=${BY_TENANT} label="Per tenant" caption />
+            <${SumsTable} rows=${report.adapters} keys=${BY_ADAPTER} label="Per adapter" caption />
+            <${SumsTable} rows=${report.days} keys=${BY_DAY} label="Per day" caption />
+          </div>`
+      : null}
     ${report
       ? html`<h2>Report</h2>
           <p class="help">One row per tenant, adapter and day, then each tenant's totals and the total (rows marked *), as in the CSV.</p>
@@ -72,7 +95,7 @@ export function Billing() {
             <thead><tr>${HEAD.map((h) => html`<th scope="col">${h}</th>`)}</tr></thead>
             <tbody>
               ${reportRows(report).map(
-                (r, i) => html`<tr key=${i} class=${r[2] === '*' ? 'subtotal' : ''}>${r.map((c, j) => (j === 0 ? html`<th scope="row">${c}</th>` : html`<td>${c}</td>`))}</tr>`,
+                (r, i) => html`<tr key=${i} class=${r[2] === '*' ? 'subtotal' : ''}>${r.map((c, j) => (j === 0 ? html`<th scope="row">${c}</th>` : html`<td class=${j < 4 ? 'key' : ''}>${c}</td>`))}</tr>`,
               )}
             </tbody>
           </table>`

@@ -156,3 +156,30 @@ export function count(n) {
 export function dollars(v) {
   return v === 0 ? '0' : Math.abs(v) >= 0.01 ? v.toFixed(2) : v.toPrecision(2);
 }
+
+/**
+ * @typedef {{ requests: number, prompt_tokens: number, completion_tokens: number, total_tokens: number, cost: string }} Sums
+ * @typedef {{ title: string, value: (row: any) => string }} KeyColumn
+ */
+
+/**
+ * Sums of usage in a table: the columns that name a row (`keys`, the first one a row header),
+ * then requests, tokens and cost. With `caption`, the label is shown above it.
+ * @param {{ rows: Sums[], keys: KeyColumn[], label: string, caption?: boolean }} props
+ */
+export function SumsTable({ rows, keys, label, caption = false }) {
+  return html`<table class="numbers" aria-label=${caption ? undefined : label}>
+    ${caption ? html`<caption>${label}</caption>` : null}
+    <thead><tr>${keys.map((k) => html`<th scope="col">${k.title}</th>`)}<th scope="col">Requests</th><th scope="col">Prompt tokens</th>
+      <th scope="col">Completion tokens</th><th scope="col">Total tokens</th><th scope="col">Cost ($)</th></tr></thead>
+    <tbody>
+      ${rows.map(
+        (r) => html`<tr>${keys.map((k, i) => (i === 0 ? html`<th scope="row">${k.value(r)}</th>` : html`<td class="key">${k.value(r)}</td>`))}
+          <td>${count(r.requests)}</td><td>${count(r.prompt_tokens)}</td><td>${count(r.completion_tokens)}</td><td>${count(r.total_tokens)}</td><td>${r.cost}</td></tr>`,
+      )}
+    </tbody>
+  </table>`;
+}
+
+/** An adapter as usage rows name it (`name@version`; empty: the base model). @param {{ adapter?: string }} r */
+export const adapterName = (r) => r.adapter || 'base model';

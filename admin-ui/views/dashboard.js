@@ -41,6 +41,14 @@ function seconds(v) {
   return v < 1 ? `≤ ${Math.round(v * 1000)} ms` : `≤ ${v} s`;
 }
 
+/** The pool's pages by what holds them, as the chart names them. */
+const POOL_KINDS = [
+  ['KV', 'kv'],
+  ['adapters', 'adapter'],
+  ['prefix cache', 'cached'],
+  ['free', 'free'],
+];
+
 /** @param {Stats} s @param {(w: any) => number} f */
 const sum = (s, f) => s.workers.reduce((a, w) => a + f(w), 0);
 
@@ -96,6 +104,8 @@ export function Dashboard() {
       <${Lines} title="Tokens per second" x=${x} series=${[{ label: 'tokens/s', values: rates }]} format=${(/** @type {number} */ v) => v.toFixed(0)} />
       <${Lines} title="Requests" x=${x}
         series=${[{ label: 'running', values: samples.map((s) => sum(s, (w) => w.running)) }, { label: 'waiting', values: samples.map((s) => sum(s, (w) => w.waiting)) }]} />
+      <${Lines} title="Pool pages, every worker" x=${x}
+        series=${POOL_KINDS.map(([label, kind]) => ({ label, values: samples.map((s) => sum(s, (w) => w.pool[kind])) }))} />
     </div>
     <h2>Latency</h2>
     <p class="help">Percentiles ${before ? `over the last ${Math.round((now.at_ms - since.at_ms) / 1000)} s` : 'since the server started'}, as the upper

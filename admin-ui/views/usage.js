@@ -2,24 +2,15 @@
 /** A tenant's own usage and cost: per day and per adapter, charts and tables. */
 import { html, useMemo, useState } from '../vendor/preact-htm.js';
 import { api } from '../api.js';
-import { DateRange, ErrorNote, count, day, dollars, periodQuery, useLoad } from './common.js';
+import { DateRange, ErrorNote, SumsTable, adapterName, count, day, dollars, periodQuery, useLoad } from './common.js';
 import { StackedBars } from './chart.js';
 
-/** @typedef {{ requests: number, prompt_tokens: number, completion_tokens: number, total_tokens: number, cost: string, date?: string, adapter?: string }} Row */
+/** @typedef {import('./common.js').Sums & { date?: string, adapter?: string }} Row */
 
-/** @param {{ rows: Row[], first: 'date' | 'adapter', label: string }} props */
-function Table({ rows, first, label }) {
-  return html`<table class="numbers" aria-label=${label}>
-    <thead><tr><th scope="col">${first === 'date' ? 'Date' : 'Adapter'}</th><th scope="col">Requests</th><th scope="col">Prompt tokens</th>
-      <th scope="col">Completion tokens</th><th scope="col">Total tokens</th><th scope="col">Cost ($)</th></tr></thead>
-    <tbody>
-      ${rows.map(
-        (r) => html`<tr><th scope="row">${r[first] || 'base model'}</th><td>${r.requests}</td><td>${r.prompt_tokens}</td><td>${r.completion_tokens}</td>
-          <td>${r.total_tokens}</td><td>${r.cost}</td></tr>`,
-      )}
-    </tbody>
-  </table>`;
-}
+/** @type {import('./common.js').KeyColumn[]} */
+const BY_DATE = [{ title: 'Date', value: (r) => r.date }];
+/** @type {import('./common.js').KeyColumn[]} */
+const BY_ADAPTER = [{ title: 'Adapter', value: adapterName }];
 
 export function Usage() {
   const [range, setRange] = useState({ from: day(30), to: day(0) });
@@ -38,7 +29,7 @@ export function Usage() {
   const adapters = useMemo(() => {
     /** @type {Row[]} */
     const rows = byAdapter?.data ?? [];
-    return { names: rows.map((r) => r.adapter || 'base model'), x: rows.map((_, i) => i), tokens: [{ label: 'tokens', values: rows.map((r) => r.total_tokens) }] };
+    return { names: rows.map(adapterName), x: rows.map((_, i) => i), tokens: [{ label: 'tokens', values: rows.map((r) => r.total_tokens) }] };
   }, [byAdapter]);
   return html`<section>
     <${DateRange} from=${range.from} to=${range.to} onChange=${setRange} />
@@ -51,12 +42,12 @@ export function Usage() {
             <${StackedBars} title="Tokens per day" x=${days.x} series=${days.tokens} format=${count} />
             <${StackedBars} title="Cost per day ($)" x=${days.x} series=${days.cost} format=${dollars} />
           </div>
-          <${Table} rows=${byDay.data} first="date" label="Usage per day" />`
+          <${SumsTable} rows=${byDay.data} keys=${BY_DATE} label="Usage per day" />`
       : null}
     ${byAdapter && byAdapter.data.length > 0
       ? html`<h2>Per adapter</h2>
           <${StackedBars} title="Tokens per adapter" x=${adapters.x} series=${adapters.tokens} time=${false} categories=${adapters.names} format=${count} />
-          <${Table} rows=${byAdapter.data} first="adapter" label="Usage per adapter" />`
+          <${SumsTable} rows=${byAdapter.data} keys=${BY_ADAPTER} label="Usage per adapter" />`
       : null}
   </section>`;
 }

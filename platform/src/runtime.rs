@@ -17,8 +17,8 @@ use loraplex_adapters::{AdapterLimits, BaseShape};
 use loraplex_kernels::Backend;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
-pub use crate::actors::{AdapterCounters, Event, HoldError, Holder, RequestId, RuntimeError, TokenOut, Usage, WorkerStats};
-use crate::actors::{Cancel, GetStats, InjectFault, LoadAdapter, Submit, Supervisor, UnloadAdapter};
+pub use crate::actors::{AdapterCounters, Event, HoldError, Holder, RequestId, RuntimeError, TokenOut, Usage, WorkerLocations, WorkerStats};
+use crate::actors::{Cancel, GetStats, InjectFault, LoadAdapter, LocateAdapters, Submit, Supervisor, UnloadAdapter};
 use crate::engine::EngineConfig;
 use crate::memory::{AdapterRef, Residency};
 use crate::model::{Model, ModelConfig};
@@ -203,6 +203,11 @@ impl<B: Backend> Runtime<B> {
     /// drops every pin and the adapter from every tier so the next request reloads it from disk.
     pub async fn unload_adapter(&self, key: Arc<str>, holder: Arc<str>, forget: bool) -> bool {
         self.supervisor.send(UnloadAdapter { key, holder, forget }).await.unwrap_or(false)
+    }
+
+    /// Where each of `keys` is on every worker (pool, host memory, disk) and who pins it.
+    pub async fn locate_adapters(&self, keys: Arc<[Arc<str>]>) -> Vec<WorkerLocations> {
+        self.supervisor.send(LocateAdapters { keys }).await.unwrap_or_default()
     }
 
     /// [`Runtime::submit_valid`] for callers outside an async context.

@@ -308,21 +308,49 @@ try {
   const csv = readFileSync(await file.path(), 'utf8').trim().split('\n').slice(1).map((line) => line.split(',').slice(1));
   if (JSON.stringify(csv) !== JSON.stringify(rows)) problems.push(`the CSV ${JSON.stringify(csv)} differs from the table ${JSON.stringify(rows)}`);
   console.log(`  billing: ${rows.length} rows, the CSV equal to the table`);
+  // The sums per tenant, per adapter and per day each add up to acme's usage (the only tenant that used any).
+  const number = (/** @type {string} */ t) => Number(t.replaceAll(',', ''));
+  for (const [name, tokensColumn] of [['Per tenant', 4], ['Per adapter', 5], ['Per day', 4]]) {
+    const sums = await page.getByRole('table', { name }).locator('tbody tr').evaluateAll((trs) => trs.map((tr) => [...tr.children].map((c) => c.textContent ?? '')));
+    const total = sums.reduce((a, r) => a + number(r[tokensColumn]), 0);
+    if (sums.length === 0 || total !== usage.totals.total_tokens) problems.push(`${name}: ${JSON.stringify(sums)} adds up to ${total} tokens, not ${usage.totals.total_tokens}`);
+  }
+  const perAdapterRows = await page.getByRole('table', { name: 'Per adapter' }).locator('tbody th').allTextContents();
+  if (!perAdapterRows.includes('support-bot@1') || !perAdapterRows.includes('base model')) problems.push(`per adapter: ${JSON.stringify(perAdapterRows)}`);
   await audit('billing');
 
-  step('the operator sees every adapter and publishes the tenant\'s');
+  step('the operator sees every adapter (where it is, who pins it) and publishes the tenant\'s');
   await page.getByRole('link', { name: 'Adapters' }).click();
   const every = page.getByRole('table', { name: 'Every adapter' });
   const botAll = every.getByRole('row').filter({ has: page.getByRole('rowheader', { name: 'support-bot', exact: true }) });
   await botAll.waitFor();
   const botCells = await botAll.getByRole('cell').allTextContents();
-  if (botCells[0] !== 'acme' || botCells[1] !== '1' || botCells[6] !== 'no') problems.push(`support-bot's row: ${JSON.stringify(botCells)}`);
+  // Loaded by the tenant earlier: in the pool, pinned by acme.
+  if (botCells[0] !== 'acme' || botCells[1] !== '1' || botCells[6] !== 'no' || botCells[7] !== 'pool' || botCells[8] !== 'acme') {
+    problems.push(`support-bot's row: ${JSON.stringify(botCells)}`);
+  }
   await botAll.getByRole('button', { name: 'Publish', exact: true }).click();
   await expectText(botAll, 'yes', 'published');
   await botAll.getByRole('button', { name: 'Unpublish', exact: true }).first().click();
   await audit('adapters-unpublish-confirm');
   await botAll.getByRole('alertdialog').getByRole('button', { name: 'Unpublish' }).click();
   await botAll.getByRole('button', { name: 'Publish', exact: true }).waitFor();
+
+  step('the operator pins the adapter, lets its own pin and then the tenant\'s go');
+  const pinnedBy = botAll.getByRole('cell').nth(8);
+  await botAll.getByRole('button', { name: 'Pin', exact: true }).click();
+  await expectText(pinnedBy, 'operator', 'the operator\'s pin');
+  if ((await pinnedBy.getByRole('listitem').allTextContents()).join('|') !== 'operator|acme') problems.push(`pinned by: ${await pinnedBy.textContent()}`);
+  await botAll.getByRole('button', { name: 'Unpin', exact: true }).click();
+  await audit('adapters-unpin-confirm');
+  await botAll.getByRole('alertdialog').getByRole('button', { name: 'Unpin' }).click();
+  await botAll.getByRole('button', { name: 'Pin', exact: true }).waitFor();
+  await botAll.getByRole('button', { name: "Release acme's pin" }).click();
+  await botAll.getByRole('alertdialog').getByRole('button', { name: 'Release' }).click();
+  await expectText(pinnedBy, 'nobody', 'no pins left');
+  const residency = await botAll.getByRole('cell').nth(7).textContent();
+  if (residency !== 'pool') problems.push(`after the pins are gone, support-bot is ${residency}, not still cached in the pool`);
+  console.log(`  adapters: pinned by the operator and acme, both let go; still ${residency}`);
 
   step('the dashboard shows the requests, their latency and the workers, refreshed');
   await page.getByRole('link', { name: 'Dashboard' }).click();

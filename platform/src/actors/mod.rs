@@ -27,7 +27,7 @@ use std::time::Duration;
 use actix::Message;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::memory::{AdapterRef, PoolStats, PrefixStats, Residency};
+use crate::memory::{AdapterLocation, AdapterRef, PoolStats, PrefixStats, Residency};
 use crate::request::{FinishReason, RequestError, SeqError, ValidRequest};
 use crate::scheduler::Placement;
 
@@ -147,6 +147,21 @@ pub struct UnloadAdapter {
     pub key: Arc<str>,
     pub holder: Arc<str>,
     pub forget: bool,
+}
+
+/// Asks every worker where these adapters are (pool, host memory, disk) and who pins them.
+#[derive(Message, Clone)]
+#[rtype(result = "Vec<WorkerLocations>")]
+pub struct LocateAdapters {
+    pub keys: Arc<[Arc<str>]>,
+}
+
+/// One worker's answer to [`LocateAdapters`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct WorkerLocations {
+    pub worker: usize,
+    /// In the order of the keys asked; `None` while the worker has no engine (or did not answer).
+    pub locations: Option<Vec<AdapterLocation>>,
 }
 
 /// Makes the next step of a worker fail with this reason, as a real failure would, and the

@@ -6,7 +6,10 @@ use std::sync::Arc;
 use actix::{Actor, Addr, Arbiter, AsyncContext, Context, Handler, ResponseFuture, SyncArbiter};
 use loraplex_kernels::Backend;
 
-use super::{Cancel, GetStats, HoldError, InjectFault, LoadAdapter, Loader, RunLoad, RuntimeError, Submit, UnloadAdapter, Worker, WorkerReport, WorkerStats};
+use super::{
+    Cancel, GetStats, HoldError, InjectFault, LoadAdapter, Loader, LocateAdapters, RunLoad, RuntimeError, Submit, UnloadAdapter, Worker, WorkerLocations,
+    WorkerReport, WorkerStats,
+};
 use crate::engine::EngineConfig;
 use crate::memory::{LoaderPool, Residency};
 use crate::model::Model;
@@ -136,6 +139,22 @@ impl<B: Backend> Handler<UnloadAdapter> for Supervisor<B> {
     fn handle(&mut self, msg: UnloadAdapter, _ctx: &mut Self::Context) -> Self::Result {
         let sends: Vec<_> = self.workers.iter().map(|w| w.addr.send(msg.clone())).collect();
         Box::pin(async move { futures::future::join_all(sends).await.into_iter().any(|r| r.unwrap_or(false)) })
+    }
+}
+
+impl<B: Backend> Handler<LocateAdapters> for Supervisor<B> {
+    type Result = ResponseFuture<Vec<WorkerLocations>>;
+
+    fn handle(&mut self, msg: LocateAdapters, _ctx: &mut Self::Context) -> Self::Result {
+        let sends: Vec<_> = self.workers.iter().map(|w| w.addr.send(msg.clone())).collect();
+        Box::pin(async move {
+            futures::future::join_all(sends)
+                .await
+                .into_iter()
+                .enumerate()
+                .map(|(worker, r)| r.ok().and_then(|v| v.into_iter().next()).unwrap_or(WorkerLocations { worker, locations: None }))
+                .collect()
+        })
     }
 }
 

@@ -10,8 +10,8 @@ use loraplex_kernels::Backend;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::{
-    AdapterCounters, Cancel, Event, GetStats, HoldError, InjectFault, LoadAdapter, RequestId, RuntimeError, Step, Submit, TokenOut, UnloadAdapter, Usage,
-    WorkerReport, WorkerStats,
+    AdapterCounters, Cancel, Event, GetStats, HoldError, InjectFault, LoadAdapter, LocateAdapters, RequestId, RuntimeError, Step, Submit, TokenOut,
+    UnloadAdapter, Usage, WorkerLocations, WorkerReport, WorkerStats,
 };
 use crate::engine::{Engine, EngineConfig, EngineError, SeqId, TokenEvent};
 use crate::memory::{LoaderPool, Residency};
@@ -412,6 +412,15 @@ impl<B: Backend> Handler<LoadAdapter> for Worker<B> {
             self.kick(ctx);
         }
         vec![Ok(now)]
+    }
+}
+
+impl<B: Backend> Handler<LocateAdapters> for Worker<B> {
+    type Result = Vec<WorkerLocations>;
+
+    fn handle(&mut self, msg: LocateAdapters, _ctx: &mut Self::Context) -> Self::Result {
+        let locations = self.engine.as_mut().ok().map(|engine| msg.keys.iter().map(|k| engine.adapters().locate(k)).collect());
+        vec![WorkerLocations { worker: self.index, locations }]
     }
 }
 

@@ -1,5 +1,6 @@
 //! The adapters API: upload (multipart), list, show, delete, load and unload; and the
-//! operator's publishing. Files live under `DATA_DIR/adapters/<id>/`, the metadata in the
+//! operator's list of every adapter (where each is, who pins it), publishing, pinning and
+//! unpinning. Files live under `DATA_DIR/adapters/<id>/`, the metadata in the
 //! database.
 //!
 //! An upload is written to a scratch directory under the data directory, parsed and validated
@@ -23,7 +24,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::{ApiError, AppState, authorize, json_body, principal};
-use crate::memory::{AdapterRef, Residency};
+use crate::memory::{AdapterLocation, AdapterRef, Residency};
 use crate::runtime::{HoldError, Holder};
 use crate::store::{AdapterRecord, NewAdapter, Scope};
 
@@ -35,6 +36,8 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .route("/v1/adapters/{name}/load", web::post().to(load))
         .route("/v1/adapters/{name}/unload", web::post().to(unload))
         .route("/admin/adapters/publish", web::post().to(publish))
+        .route("/admin/adapters/pin", web::post().to(pin))
+        .route("/admin/adapters/unpin", web::post().to(unpin))
         .route("/admin/adapters", web::get().to(list_all));
 }
 
@@ -552,8 +555,16 @@ async fn load(req: HttpRequest, state: web::Data<AppState>, name: web::Path<Stri
     let _permit = admit_tenant_request(&state, &owner)?;
     let record = state.store.visible_adapter(&owner.id, &name).await?.ok_or_else(|| not_found(&name))?;
     let _guard = state.blobs.enter(&record.id).ok_or_else(|| not_found(&name))?;
+    pin_latest(&state, &record, owner.holder(&state)).await
+}
+
+/// Pins `record` in every worker's pool for `holder`, waiting a few seconds for it to arrive:
+/// 200 with `held: true` once it is resident and held everywhere, else 202 with `held: false`:
+/// still on its way into some pool, pinned only where it already was; asking again pins the
+/// rest once placed.
+async fn pin_latest(state: &AppState, record: &AdapterRecord, holder: Holder) -> Result<HttpResponse, ApiError> {
+    let name = &record.name;
     let adapter = AdapterRef::validated(record.id.as_str(), state.data_dir.join(&record.blob));
-    let holder = owner.holder(&state);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
         let mut states = Vec::new();
@@ -568,7 +579,7 @@ async fn load(req: HttpRequest, state: web::Data<AppState>, name: web::Path<Stri
             return Ok(HttpResponse::Ok().json(json!({"name": record.name, "version": record.version, "workers": names, "held": true})));
         }
         if std::time::Instant::now() > deadline {
-            // Still on its way (the pool may be full of running requests): it is held once placed.
+            // Still on its way (the pool may be full of running requests): not held there yet.
             return Ok(HttpResponse::Accepted().json(json!({"name": record.name, "version": record.version, "workers": names, "held": false})));
         }
         actix_web::rt::time::sleep(Duration::from_millis(5)).await;
@@ -588,6 +599,54 @@ async fn unload(req: HttpRequest, state: web::Data<AppState>, name: web::Path<St
     Ok(HttpResponse::Ok().json(json!({"name": record.name, "released": released})))
 }
 
+/// An adapter as the operator names it: its owner and name.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AdminAdapter {
+    /// The owning tenant's id; absent for the operator's own adapters.
+    tenant_id: Option<String>,
+    name: String,
+}
+
+/// Pins the latest version of any tenant's adapter (or the operator's) in every worker's pool
+/// as the operator: it stays resident until the operator unpins it, whatever the tenant does.
+/// The operator's pins are bounded only by the pool's share for pins.
+async fn pin(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state, Scope::Admin).await?;
+    let b: AdminAdapter = json_body(&state, payload).await?;
+    let owner = b.tenant_id.unwrap_or_default();
+    let record = state.store.adapter(&owner, &b.name).await?.ok_or_else(|| not_found(&b.name))?;
+    let _guard = state.blobs.enter(&record.id).ok_or_else(|| not_found(&b.name))?;
+    pin_latest(&state, &record, Holder { id: "".into(), max_pages: usize::MAX }).await
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Unpin {
+    tenant_id: Option<String>,
+    name: String,
+    /// Whose pin to let go: a tenant's id; absent for the operator's own.
+    holder: Option<String>,
+}
+
+/// Lets one holder's pins of every version of an adapter go: the operator's own, or (with
+/// `holder`) a tenant's, as an operator freeing pool pages would.
+async fn unpin(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state, Scope::Admin).await?;
+    let b: Unpin = json_body(&state, payload).await?;
+    let owner = b.tenant_id.unwrap_or_default();
+    let versions = state.store.adapter_versions(&owner, &b.name).await?;
+    if versions.is_empty() {
+        return Err(not_found(&b.name));
+    }
+    let holder: Arc<str> = b.holder.as_deref().unwrap_or_default().into();
+    let mut released = false;
+    for v in &versions {
+        released |= state.serving.unload_adapter(v.id.as_str().into(), holder.clone(), false).await;
+    }
+    Ok(HttpResponse::Ok().json(json!({"name": b.name, "tenant_id": owner, "holder": &*holder, "released": released})))
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Publish {
@@ -603,22 +662,59 @@ fn yes() -> bool {
 }
 
 /// Every tenant's adapters and the operator's: the latest version of each, with how many live
-/// versions it has, their bytes together, and the owner's name.
+/// versions it has, their bytes together, the owner's name, where the latest version is on each
+/// worker, and who pins any of its versions.
 async fn list_all(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state, Scope::Admin).await?;
-    let names: std::collections::HashMap<String, String> = state.store.tenants().await?.into_iter().map(|t| (t.id, t.name)).collect();
+    let names: HashMap<String, String> = state.store.tenants().await?.into_iter().map(|t| (t.id, t.name)).collect();
     // Versions come ordered by owner, name and version: one run per adapter, its latest last.
     let versions = state.store.all_adapter_versions().await?;
+    let keys: Arc<[Arc<str>]> = versions.iter().map(|v| Arc::from(v.id.as_str())).collect();
+    let workers = state.serving.locate_adapters(keys).await;
     let mut data: Vec<serde_json::Value> = Vec::new();
+    let mut first = 0;
     for run in versions.chunk_by(|a, b| a.owner == b.owner && a.name == b.name) {
+        let (start, end) = (first, first + run.len());
+        first = end;
         let Some(latest) = run.last() else { continue };
         let mut row = record_json(latest);
         row["versions"] = run.len().into();
         row["bytes_all_versions"] = run.iter().fold(0i64, |a, v| a.saturating_add(v.bytes)).into();
         row["owner_name"] = names.get(&latest.owner).cloned().map_or(serde_json::Value::Null, Into::into);
+        row["residency"] = workers.iter().map(|w| residency_json(w.worker, w.locations.as_ref().map(|l| &l[end - 1]))).collect::<Vec<_>>().into();
+        row["pinned_by"] = pinned_by_json(run, &workers, start, &names).into();
         data.push(row);
     }
     Ok(HttpResponse::Ok().json(json!({"object": "list", "data": data})))
+}
+
+/// One worker's tier for an adapter version (`unknown` while the worker has no engine).
+fn residency_json(worker: usize, location: Option<&AdapterLocation>) -> serde_json::Value {
+    let mut v = match location {
+        Some(l) => serde_json::to_value(&l.location).unwrap_or_default(),
+        None => json!({"tier": "unknown"}),
+    };
+    v["worker"] = worker.into();
+    v
+}
+
+/// Who pins any version of one adapter on any worker: one entry per holder and version, the
+/// operator as `tenant_id: null`.
+fn pinned_by_json(run: &[AdapterRecord], workers: &[crate::runtime::WorkerLocations], start: usize, names: &HashMap<String, String>) -> Vec<serde_json::Value> {
+    let mut seen: std::collections::BTreeSet<(i64, Arc<str>)> = std::collections::BTreeSet::new();
+    for w in workers {
+        let Some(locations) = &w.locations else { continue };
+        for (v, l) in run.iter().zip(&locations[start..start + run.len()]) {
+            seen.extend(l.pinned_by.iter().map(|h| (v.version, h.clone())));
+        }
+    }
+    seen.into_iter()
+        .map(|(version, holder)| {
+            let tenant = (!holder.is_empty()).then(|| holder.to_string());
+            let name = tenant.as_ref().and_then(|t| names.get(t).cloned());
+            json!({"tenant_id": tenant, "tenant": name, "version": version})
+        })
+        .collect()
 }
 
 async fn publish(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {

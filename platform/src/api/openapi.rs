@@ -34,7 +34,14 @@ pub const ROUTES: &[(&str, &str, &str, &str)] = &[
     ("post", "/v1/adapters/{name}/load", "Bring the latest version into every worker's pool and keep it there.", "adapters"),
     ("post", "/v1/adapters/{name}/unload", "Let a loaded adapter be evicted again.", "adapters"),
     ("post", "/admin/adapters/publish", "Publish an adapter to every tenant (or make it private again).", "admin"),
-    ("get", "/admin/adapters", "Every tenant's adapters and the operator's: the latest version of each, its version count and owner.", "admin"),
+    (
+        "get",
+        "/admin/adapters",
+        "Every tenant's adapters and the operator's: the latest version of each, its version count, owner, residency per worker and pins.",
+        "admin",
+    ),
+    ("post", "/admin/adapters/pin", "Pin the latest version of any adapter in every worker's pool as the operator.", "admin"),
+    ("post", "/admin/adapters/unpin", "Let the operator's pin of an adapter go, or (with `holder`) a tenant's.", "admin"),
     ("post", "/admin/tenants", "Create a tenant: {name, weight, plan, limits}.", "admin"),
     ("get", "/admin/tenants", "Every tenant.", "admin"),
     ("get", "/admin/tenants/{id}", "One tenant.", "admin"),
@@ -276,7 +283,7 @@ fn shape(method: &str, path: &str) -> Shape {
         ("post", "/v1/adapters/{name}/load") => Shape::new(
             vec![
                 ("200", json_ok("Resident and held in every worker's pool.", r("AdapterLoad"))),
-                ("202", json_ok("Still on its way into some pool; it is held once placed.", r("AdapterLoad"))),
+                ("202", json_ok("Still on its way into some pool: held only where it was already placed; ask again to pin it everywhere.", r("AdapterLoad"))),
             ],
             &[400, 401, 403, 404, 429, 503],
         ),
@@ -285,6 +292,19 @@ fn shape(method: &str, path: &str) -> Shape {
         }
         ("post", "/admin/adapters/publish") => Shape::new(vec![("200", json_ok("Published (or private again).", r("Published")))], &[400, 401, 403, 404, 408, 413, 503])
             .body(json_body("Publish", &[("publish", json!({"tenant_id": "ten_0123456789abcdef01234567", "name": "support", "public": true}))])),
+        ("post", "/admin/adapters/pin") => Shape::new(
+            vec![
+                ("200", json_ok("Resident and pinned by the operator in every worker's pool.", r("AdapterLoad"))),
+                ("202", json_ok("Still on its way into some pool: pinned only where it was already placed; ask again to pin it everywhere.", r("AdapterLoad"))),
+            ],
+            &[400, 401, 403, 404, 408, 413, 503],
+        )
+        .body(json_body("PinAdapter", &[("pin", json!({"tenant_id": "ten_0123456789abcdef01234567", "name": "support"}))])),
+        ("post", "/admin/adapters/unpin") => Shape::new(vec![("200", json_ok("Whether such a pin was let go.", r("Unpinned")))], &[400, 401, 403, 404, 408, 413, 503])
+            .body(json_body(
+                "UnpinAdapter",
+                &[("operator", json!({"name": "support"})), ("tenant", json!({"tenant_id": "ten_0123456789abcdef01234567", "name": "support", "holder": "ten_0123456789abcdef01234567"}))],
+            )),
         ("post", "/admin/tenants") => Shape::new(vec![("201", json_ok("The new tenant.", r("Tenant")))], &[400, 401, 403, 408, 409, 413, 503])
             .body(json_body("CreateTenant", &[("tenant", json!({"name": "acme", "plan": "standard", "limits": {"requests_per_min": 600}}))])),
         ("get", "/admin/tenants/{id}/keys") => Shape::new(vec![("200", json_ok("The tenant's keys.", r("KeyList")))], &[400, 401, 403, 404, 503]),

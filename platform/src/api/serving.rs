@@ -10,7 +10,7 @@ use loraplex_kernels::Backend;
 use crate::memory::{AdapterRef, Residency};
 use crate::model::ModelConfig;
 use crate::request::{GenerationRequest, ValidRequest};
-use crate::runtime::{HoldError, Holder, PoolShape, RequestHandle, Runtime, SubmitError, WorkerStats};
+use crate::runtime::{HoldError, Holder, PoolShape, RequestHandle, Runtime, SubmitError, WorkerLocations, WorkerStats};
 use crate::scheduler::Placement;
 
 pub trait Serving: Send + Sync + 'static {
@@ -24,6 +24,7 @@ pub trait Serving: Send + Sync + 'static {
     fn stats(&self) -> LocalBoxFuture<'_, Vec<WorkerStats>>;
     fn load_adapter(&self, adapter: AdapterRef, holder: Option<Holder>) -> LocalBoxFuture<'_, Vec<Result<Residency, HoldError>>>;
     fn unload_adapter(&self, key: Arc<str>, holder: Arc<str>, forget: bool) -> LocalBoxFuture<'_, bool>;
+    fn locate_adapters(&self, keys: Arc<[Arc<str>]>) -> LocalBoxFuture<'_, Vec<WorkerLocations>>;
 }
 
 impl<B: Backend> Serving for Runtime<B> {
@@ -65,5 +66,9 @@ impl<B: Backend> Serving for Runtime<B> {
 
     fn unload_adapter(&self, key: Arc<str>, holder: Arc<str>, forget: bool) -> LocalBoxFuture<'_, bool> {
         Box::pin(Runtime::unload_adapter(self, key, holder, forget))
+    }
+
+    fn locate_adapters(&self, keys: Arc<[Arc<str>]>) -> LocalBoxFuture<'_, Vec<WorkerLocations>> {
+        Box::pin(Runtime::locate_adapters(self, keys))
     }
 }

@@ -146,13 +146,42 @@ async fn report(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResp
     let to = bound("to", q.to.as_deref(), now_ms() + 1)?;
     let report = state.store.billing_report(from, to, q.tenant_id.as_deref()).await?;
     match q.format.as_deref().unwrap_or("json") {
-        "json" => Ok(HttpResponse::Ok().json(json!({
-            "from": from / 1000,
-            "to": to / 1000,
-            "lines": report.lines.iter().map(line_json).collect::<Vec<_>>(),
-            "tenants": report.tenants.iter().map(|(id, t)| tenant_json(id, t)).collect::<Vec<_>>(),
-            "totals": totals_json(&report.totals),
-        }))),
+        "json" => {
+            // The lines summed per tenant and adapter, and per day, exactly.
+            let mut adapters: BTreeMap<(&str, &str), (&str, Totals)> = BTreeMap::new();
+            let mut days: BTreeMap<i64, Totals> = BTreeMap::new();
+            for l in &report.lines {
+                adapters.entry((&l.tenant_id, &l.adapter)).or_insert_with(|| (&l.tenant, Totals::default())).1.add(&l.totals)?;
+                days.entry(l.day).or_default().add(&l.totals)?;
+            }
+            let adapters: Vec<serde_json::Value> = adapters
+                .iter()
+                .map(|((tenant_id, adapter), (tenant, t))| {
+                    let mut v = totals_json(t);
+                    v["tenant_id"] = (*tenant_id).into();
+                    v["tenant"] = (*tenant).into();
+                    v["adapter"] = (*adapter).into();
+                    v
+                })
+                .collect();
+            let days: Vec<serde_json::Value> = days
+                .iter()
+                .map(|(d, t)| {
+                    let mut v = totals_json(t);
+                    v["date"] = date(*d).into();
+                    v
+                })
+                .collect();
+            Ok(HttpResponse::Ok().json(json!({
+                "from": from / 1000,
+                "to": to / 1000,
+                "lines": report.lines.iter().map(line_json).collect::<Vec<_>>(),
+                "tenants": report.tenants.iter().map(|(id, t)| tenant_json(id, t)).collect::<Vec<_>>(),
+                "adapters": adapters,
+                "days": days,
+                "totals": totals_json(&report.totals),
+            })))
+        }
         "csv" => Ok(HttpResponse::Ok()
             .content_type("text/csv; charset=utf-8")
             .insert_header(("content-disposition", "attachment; filename=\"billing.csv\""))

@@ -70,6 +70,32 @@ pub enum Residency {
     Failed(Arc<str>),
 }
 
+/// Where an adapter's rows are on one device, as an operator sees it: the fastest tier that
+/// holds them.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase", tag = "tier", content = "error")]
+pub enum Location {
+    /// In pool pages: a request uses it without a load.
+    Pool,
+    /// In host memory (cached after an eviction, or waiting for pool pages).
+    Host,
+    /// Being read from disk.
+    Loading,
+    /// Only on disk.
+    Disk,
+    /// Its last load was refused; the message says why.
+    Failed(Arc<str>),
+}
+
+/// An adapter's [`Location`] on one device and who keeps it pinned there.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct AdapterLocation {
+    #[serde(flatten)]
+    pub location: Location,
+    /// The holders of its pins (tenant ids; empty for the operator), sorted.
+    pub pinned_by: Vec<Arc<str>>,
+}
+
 /// A change worth telling callers about.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ResidencyEvent {
@@ -208,6 +234,22 @@ impl AdapterResidency {
             Some(State::Resident(_)) => Residency::Absent,
             Some(State::Failed(e)) => Residency::Failed(e.clone()),
         }
+    }
+
+    /// Where `key`'s rows are now (the host tier consulted for an adapter that is not placed)
+    /// and who pins it.
+    pub fn locate(&self, key: &str) -> AdapterLocation {
+        let location = match self.status(key) {
+            Residency::Resident => Location::Pool,
+            Residency::Staged => Location::Host,
+            Residency::Loading => Location::Loading,
+            Residency::Failed(e) => Location::Failed(e),
+            Residency::Absent if self.loader.cached(key).is_some() => Location::Host,
+            Residency::Absent => Location::Disk,
+        };
+        let mut pinned_by: Vec<Arc<str>> = self.held.get(key).map(|h| h.holders.iter().cloned().collect()).unwrap_or_default();
+        pinned_by.sort();
+        AdapterLocation { location, pinned_by }
     }
 
     /// Asks for `adapter` to become resident (a prefetch): starts a disk load or stages it from

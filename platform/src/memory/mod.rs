@@ -12,7 +12,9 @@ mod kv;
 mod pool;
 mod prefix;
 
-pub use adapters::{AdapterRef, AdapterResidency, HoldError, Holder, Residency, ResidencyEvent, ResidentAdapter, ResidentRows, Tier};
+pub use adapters::{
+    AdapterLocation, AdapterRef, AdapterResidency, HoldError, Holder, Location, Residency, ResidencyEvent, ResidentAdapter, ResidentRows, Tier,
+};
 pub use host::{AdapterLoader, HostAdapter, LoadTask, LoaderConfig, LoaderPool};
 pub use kv::{BlockTable, DevicePool};
 pub use pool::{CachedPages, EntryKind, PageLease, PagePin, PagePool, PoolStats};

@@ -623,6 +623,36 @@ fn adapter_upload() -> Value {
     })
 }
 
+/// Where an adapter version is on one worker.
+fn residency() -> Value {
+    json!({
+        "type": "object",
+        "required": ["worker", "tier"],
+        "properties": {
+            "worker": count(),
+            "tier": described(
+                json!({"type": "string", "enum": ["pool", "host", "loading", "disk", "failed", "unknown"]}),
+                "pool: in pool pages; host: in host memory; loading: being read from disk; disk: only on disk; failed: its load was refused; unknown: the worker has no engine now.",
+            ),
+            "error": described(string(), "Why its load was refused (tier failed only)."),
+        },
+    })
+}
+
+fn admin_adapter(holder: bool) -> Value {
+    let mut v = strict(
+        &["name"],
+        json!({
+            "tenant_id": described(nullable(string()), "The owning tenant; absent or null for the operator's own adapters."),
+            "name": string(),
+        }),
+    );
+    if holder {
+        v["properties"]["holder"] = described(nullable(string()), "Whose pin to let go: a tenant's id; absent or null for the operator's own.");
+    }
+    v
+}
+
 fn publish() -> Value {
     strict(
         &["name"],
@@ -690,6 +720,11 @@ fn billing_report() -> Value {
         "to": described(int64(), "Unix seconds."),
         "lines": array(r("BillingLine")),
         "tenants": array(with_totals(json!({"tenant_id": string(), "tenant": string()}))),
+        "adapters": described(
+            array(with_totals(json!({"tenant_id": string(), "tenant": string(), "adapter": described(string(), "`name@version`, or empty for the base model.")}))),
+            "The lines summed per tenant and adapter.",
+        ),
+        "days": described(array(with_totals(json!({"date": date()}))), "The lines summed per day, every tenant together."),
         "totals": r("Totals"),
     }))
 }
@@ -743,6 +778,12 @@ pub fn schemas() -> Value {
                     "versions": described(count(), "Live versions."),
                     "bytes_all_versions": described(count(), "Bytes of every live version."),
                     "owner_name": described(nullable(string()), "The owning tenant's name; null for the operator's adapters."),
+                    "residency": described(array(residency()), "Where the latest version is on each worker."),
+                    "pinned_by": described(array(record(json!({
+                        "tenant_id": described(nullable(string()), "The pinning tenant; null for the operator."),
+                        "tenant": described(nullable(string()), "Its name; null for the operator."),
+                        "version": described(count(), "The version it pins."),
+                    }))), "Who keeps a version pinned in some worker's pool, one entry per holder and version."),
                 }))]})),
             })),
         ),
@@ -773,6 +814,17 @@ pub fn schemas() -> Value {
         ),
         ("AdapterUnload", record(json!({"name": string(), "released": boolean()}))),
         ("Publish", publish()),
+        ("PinAdapter", admin_adapter(false)),
+        ("UnpinAdapter", admin_adapter(true)),
+        (
+            "Unpinned",
+            record(json!({
+                "name": string(),
+                "tenant_id": described(string(), "Empty for the operator's adapters."),
+                "holder": described(string(), "Whose pins were let go; empty for the operator."),
+                "released": described(boolean(), "Whether any worker held such a pin."),
+            })),
+        ),
         ("Published", record(json!({"name": string(), "tenant_id": described(string(), "Empty for the operator's adapters."), "public": boolean()}))),
         ("Totals", totals()),
         ("BillingLine", billing_line()),

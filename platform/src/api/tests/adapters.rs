@@ -100,10 +100,50 @@ async fn upload_version_use_and_privacy() {
         assert!(summarize["owner_name"].is_null() && summarize["owner"].is_null(), "the operator's: {summarize}");
         assert_eq!((summarize["public"].as_bool(), summarize["versions"].as_i64()), (Some(true), Some(1)));
 
-        // Load pins it in the pool; unload lets it go.
+        // Load pins it in the pool; the operator sees where it is and who pins it.
+        let acme_id = h.state.store.tenants().await.unwrap().into_iter().find(|t| t.name == "acme").unwrap().id;
         let (s, loaded) = call(&app, "POST", "/v1/adapters/support/load", Some(&acme), None).await;
         assert_eq!(s, StatusCode::OK, "{loaded}");
         assert_eq!(loaded["workers"], json!(["resident"]));
+        let support_row = |all: &Value| all["data"].as_array().unwrap().iter().find(|r| r["name"] == "support").unwrap().clone();
+        let (_, all) = call(&app, "GET", "/admin/adapters", Some(&h.admin), None).await;
+        let row = support_row(&all);
+        assert_eq!(row["residency"], json!([{"worker": 0, "tier": "pool"}]), "{row}");
+        assert_eq!(row["pinned_by"], json!([{"tenant_id": acme_id, "tenant": "acme", "version": 2}]));
+        // The operator pins it too, and may let the tenant's pin go; its own stays.
+        assert_eq!(
+            call(&app, "POST", "/admin/adapters/pin", Some(&acme), Some(json!({"tenant_id": acme_id, "name": "support"}))).await.0,
+            StatusCode::FORBIDDEN
+        );
+        assert_eq!(
+            call(&app, "POST", "/admin/adapters/pin", Some(&h.admin), Some(json!({"name": "support"}))).await.0,
+            StatusCode::NOT_FOUND,
+            "not the operator's"
+        );
+        let (s, pinned) = call(&app, "POST", "/admin/adapters/pin", Some(&h.admin), Some(json!({"tenant_id": acme_id, "name": "support"}))).await;
+        assert_eq!((s, &pinned["held"], pinned["version"].as_i64()), (StatusCode::OK, &json!(true), Some(2)), "{pinned}");
+        let (_, all) = call(&app, "GET", "/admin/adapters", Some(&h.admin), None).await;
+        assert_eq!(
+            support_row(&all)["pinned_by"],
+            json!([{"tenant_id": null, "tenant": null, "version": 2}, {"tenant_id": acme_id, "tenant": "acme", "version": 2}])
+        );
+        let unpin = |holder: Option<&str>| json!({"tenant_id": acme_id, "name": "support", "holder": holder});
+        let (s, released) = call(&app, "POST", "/admin/adapters/unpin", Some(&h.admin), Some(unpin(Some(&acme_id)))).await;
+        assert_eq!((s, &released["released"]), (StatusCode::OK, &json!(true)), "{released}");
+        let (s, unloaded) = call(&app, "POST", "/v1/adapters/support/unload", Some(&acme), None).await;
+        assert_eq!((s, &unloaded["released"]), (StatusCode::OK, &json!(false)), "the operator already let acme's pin go");
+        let (_, all) = call(&app, "GET", "/admin/adapters", Some(&h.admin), None).await;
+        assert_eq!(support_row(&all)["pinned_by"], json!([{"tenant_id": null, "tenant": null, "version": 2}]));
+        assert_eq!(call(&app, "POST", "/admin/adapters/unpin", Some(&h.admin), Some(unpin(None))).await.1["released"], true);
+        assert_eq!(call(&app, "POST", "/admin/adapters/unpin", Some(&h.admin), Some(unpin(None))).await.1["released"], false);
+        let (_, all) = call(&app, "GET", "/admin/adapters", Some(&h.admin), None).await;
+        assert_eq!(support_row(&all)["pinned_by"], json!([]));
+        assert_eq!(
+            call(&app, "POST", "/admin/adapters/unpin", Some(&h.admin), Some(json!({"tenant_id": acme_id, "name": "nope"}))).await.0,
+            StatusCode::NOT_FOUND
+        );
+        // Pinned again by the tenant, let go by the tenant.
+        assert_eq!(call(&app, "POST", "/v1/adapters/support/load", Some(&acme), None).await.0, StatusCode::OK);
         let (s, unloaded) = call(&app, "POST", "/v1/adapters/support/unload", Some(&acme), None).await;
         assert_eq!(s, StatusCode::OK);
         assert_eq!(unloaded["released"], true);

@@ -23,6 +23,13 @@ impl Seen {
     }
 }
 
+/// A cost string (`"12.003400"`) in picodollars.
+fn pico(dollars: &str) -> i128 {
+    let (whole, frac) = dollars.split_once('.').unwrap();
+    assert!(!whole.starts_with('-') && frac.len() <= 12, "{dollars}");
+    whole.parse::<i128>().unwrap() * 1_000_000_000_000 + format!("{frac:0<12}").parse::<i128>().unwrap()
+}
+
 fn check(totals: &Value, seen: &Seen, what: &str) {
     let got = Seen {
         requests: totals["requests"].as_i64().unwrap(),
@@ -112,6 +119,24 @@ async fn the_bill_adds_up_to_what_clients_were_told_on_every_database() {
             assert_eq!(line["cost"], cost.dollars());
         }
         assert!(report["lines"].as_array().unwrap().iter().any(|l| l["adapter"] == "support@1"));
+        // Per adapter and per day: the same totals, every line counted once.
+        for (part, width) in [("adapters", 3), ("days", 1)] {
+            let rows = report[part].as_array().unwrap();
+            assert!(rows.len() >= width, "{report}");
+            let field = |f: &str| rows.iter().map(|r| r[f].as_i64().unwrap()).sum::<i64>();
+            let summed = Seen {
+                requests: field("requests"),
+                prompt: field("prompt_tokens"),
+                cached: field("cached_prompt_tokens"),
+                completion: field("completion_tokens"),
+            };
+            check(&report["totals"], &summed, part);
+            let cost: i128 = rows.iter().map(|r| pico(r["cost"].as_str().unwrap())).sum();
+            assert_eq!(cost, pico(report["totals"]["cost"].as_str().unwrap()), "{part}");
+        }
+        let adapters = report["adapters"].as_array().unwrap();
+        assert_eq!(adapters.len(), 3, "acme's base model and support@1, bravo's base model: {report}");
+        assert!(adapters.iter().any(|r| r["tenant_id"] == a_id.as_str() && r["adapter"] == "support@1"));
 
         // The CSV ends with the same totals.
         let res = call_service(&app, TestRequest::get().uri("/admin/billing/report?format=csv").insert_header(bearer(&h.admin)).to_request()).await;

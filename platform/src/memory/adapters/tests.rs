@@ -89,9 +89,12 @@ fn an_evicted_adapter_comes_back_from_host_memory() {
     res.take_events();
     let pages = res.pin("a1_r8_qv").unwrap().1.num_pages();
     // KV demand takes every page: the idle adapter is evicted.
+    assert_eq!(res.locate("a1_r8_qv"), AdapterLocation { location: Location::Pool, pinned_by: vec![] });
     let kv = mem.pages.lease(24).expect("the unpinned adapter's pages are reclaimable");
     assert_eq!(res.status("a1_r8_qv"), Residency::Absent);
     assert!(res.pin("a1_r8_qv").is_none());
+    assert_eq!(res.locate("a1_r8_qv").location, Location::Host, "evicted from the pool, cached in host memory");
+    assert_eq!(res.locate("never_requested").location, Location::Disk);
     drop(kv);
     assert_eq!(res.request(&a), Residency::Staged, "still in host memory");
     assert_eq!(settle(&backend, &mut mem, &mut res, "a1_r8_qv"), Residency::Resident);
@@ -142,6 +145,9 @@ fn pins_belong_to_their_holders_and_are_capped_per_holder_and_for_the_pool() {
     assert_eq!(res.held_pages(), p1);
     assert_eq!(res.hold("a3_r4_rslora", &tenant("op", usize::MAX)), Ok(true));
     assert_eq!(res.held_pages(), p1 + p3);
+    assert_eq!(res.locate("a1_r8_qv").pinned_by, vec![Arc::<str>::from("t1"), "t2".into()]);
+    let json = serde_json::to_value(res.locate("a3_r4_rslora")).unwrap();
+    assert_eq!(json, serde_json::json!({"tier": "pool", "pinned_by": ["op"]}));
     // t2 letting go leaves t1's pin in place; t1's release drops the last one.
     assert!(res.release("a1_r8_qv", "t2"));
     assert!(!res.release("a1_r8_qv", "t2"));
@@ -183,6 +189,7 @@ fn a_bad_adapter_fails_without_leaving_anything_behind() {
     let status = settle(&backend, &mut mem, &mut res, "truncated");
     let Residency::Failed(msg) = status else { panic!("{status:?}") };
     assert!(msg.contains("adapter_model.safetensors"), "{msg}");
+    assert_eq!(res.locate("truncated").location, Location::Failed(msg));
     assert!(matches!(&res.take_events()[..], [ResidencyEvent::Failed { .. }]));
     assert_eq!(mem.pages.stats().adapter, 0);
     assert!(res.loader().cached("truncated").is_none());
