@@ -122,8 +122,15 @@ pub struct FairnessResult {
     /// B's queue time (submission to first start) with A flooding.
     pub b_loaded_queue_p50_ms: f64,
     pub b_loaded_queue_p99_ms: f64,
-    /// A's median time to first token under its own flood.
+    /// A's median time to first token under its own flood, over its requests that completed
+    /// (the earliest ones: it leaves out the backlog).
     pub a_p50_ms: f64,
+    /// How long A's oldest request with no token yet at the end had waited (0: none).
+    pub a_oldest_waiting_ms: f64,
+    /// Whether B's requests went ahead of A's backlog: an A request sent before B's last one
+    /// had no token yet when every B request had completed (a first-come scheduler
+    /// would have started it first).
+    pub b_overtook_a: bool,
     pub ratio: f64,
     pub target: f64,
     /// Every B request completed with all its tokens in both runs.
@@ -160,6 +167,8 @@ pub fn fairness(setup: &Setup, opts: &FairnessOptions) -> anyhow::Result<Fairnes
         b_loaded_queue_p50_ms: quantile(&loaded.b.iter().map(|u| ms(u.queue_time)).collect::<Vec<_>>(), 0.5),
         b_loaded_queue_p99_ms: quantile(&loaded.b.iter().map(|u| ms(u.queue_time)).collect::<Vec<_>>(), 0.99),
         a_p50_ms: quantile(&a, 0.5),
+        a_oldest_waiting_ms: loaded.a_oldest_waiting.map_or(0.0, |(age, _)| ms(age)),
+        b_overtook_a: loaded.a_oldest_waiting.is_some_and(|(_, before_b_last)| before_b_last),
         ratio: p99_loaded / p99_alone,
         target: FAIRNESS_TARGET,
         b_all_completed: complete(&alone.b) && complete(&loaded.b),
@@ -208,6 +217,9 @@ struct Phase {
     b: Vec<Usage>,
     a: Vec<Usage>,
     a_sent: usize,
+    /// A's oldest request with no token yet at the end: how long it had waited, and whether it was
+    /// sent before B's last request.
+    a_oldest_waiting: Option<(Duration, bool)>,
     /// From the first request to B's last completion.
     seconds: f64,
 }
@@ -239,26 +251,35 @@ fn fairness_phase(setup: &Setup, opts: &FairnessOptions, flood: bool) -> anyhow:
             next_b += 1;
         } else {
             let req = setup.request(prompt(opts.prompt, setup.vocab(), next_a), opts.max_new_tokens, SamplingParams::greedy(), None)?;
-            a_handles.push(rt.submit_detached(req, a.clone()));
+            a_handles.push((Instant::now(), rt.submit_detached(req, a.clone())));
             next_a += 1;
         }
     }
+    let b_last_sent = start.elapsed();
     let mut b_usage = Vec::new();
     for h in b_handles {
         b_usage.push(finish(h)?.usage);
     }
-    let seconds = start.elapsed().as_secs_f64();
-    // A's requests that are done by now; the rest are cancelled with their handles.
+    let end = Instant::now();
+    let seconds = (end - start).as_secs_f64();
+    // A's requests that are done by now, and the oldest one not started; the rest are
+    // cancelled with their handles.
     let mut a_usage = Vec::new();
-    for mut h in a_handles {
+    let mut a_oldest_waiting = None;
+    for (sent, mut h) in a_handles {
+        let mut started = false;
         while let Some(e) = h.try_next() {
+            started = true;
             if let Event::Done(u) = e {
                 a_usage.push(u);
             }
         }
+        if !started && a_oldest_waiting.is_none() {
+            a_oldest_waiting = Some((end - sent, sent - start < b_last_sent));
+        }
     }
     rt.shutdown();
-    Ok(Phase { b: b_usage, a: a_usage, a_sent: next_a, seconds })
+    Ok(Phase { b: b_usage, a: a_usage, a_sent: next_a, a_oldest_waiting, seconds })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -603,8 +624,16 @@ pub fn run(args: &BenchRuntimeArgs) -> anyhow::Result<()> {
             r.max_running, r.max_batch_tokens, r.prompt, r.max_new_tokens, b_interval_ms, r.a_offered_per_s, r.served_per_s, r.a_over_share
         );
         println!(
-            "fairness: B's time to first token alone p50 {:.1} ms p99 {:.1} ms; with A flooding p50 {:.1} ms p99 {:.1} ms (queued p50 {:.1} p99 {:.1}); A's p50 {:.1} ms",
-            r.b_alone_p50_ms, r.b_alone_p99_ms, r.b_loaded_p50_ms, r.b_loaded_p99_ms, r.b_loaded_queue_p50_ms, r.b_loaded_queue_p99_ms, r.a_p50_ms
+            "fairness: B's time to first token alone p50 {:.1} ms p99 {:.1} ms; with A flooding p50 {:.1} ms p99 {:.1} ms (queued p50 {:.1} p99 {:.1}); A's completed p50 {:.1} ms, its oldest request with no token yet had waited {:.1} ms{}",
+            r.b_alone_p50_ms,
+            r.b_alone_p99_ms,
+            r.b_loaded_p50_ms,
+            r.b_loaded_p99_ms,
+            r.b_loaded_queue_p50_ms,
+            r.b_loaded_queue_p99_ms,
+            r.a_p50_ms,
+            r.a_oldest_waiting_ms,
+            if r.b_overtook_a { " (B went ahead of it)" } else { "" }
         );
         println!("fairness: B p99 with A / alone = {:.2}x, target <= {:.1}x", r.ratio, r.target);
         report.fairness = Some(r);
