@@ -41,12 +41,11 @@ function seconds(v) {
   return v < 1 ? `≤ ${Math.round(v * 1000)} ms` : `≤ ${v} s`;
 }
 
-/** The pool's pages by what holds them, as the chart names them. */
+/** The pool's pages in use by what holds them, as the chart names them (free pages are in the table). */
 const POOL_KINDS = [
   ['KV', 'kv'],
   ['adapters', 'adapter'],
   ['prefix cache', 'cached'],
-  ['free', 'free'],
 ];
 
 /** @param {Stats} s @param {(w: any) => number} f */
@@ -104,7 +103,7 @@ export function Dashboard() {
       <${Lines} title="Tokens per second" x=${x} series=${[{ label: 'tokens/s', values: rates }]} format=${(/** @type {number} */ v) => v.toFixed(0)} />
       <${Lines} title="Requests" x=${x}
         series=${[{ label: 'running', values: samples.map((s) => sum(s, (w) => w.running)) }, { label: 'waiting', values: samples.map((s) => sum(s, (w) => w.waiting)) }]} />
-      <${Lines} title="Pool pages, every worker" x=${x}
+      <${Lines} title="Pool pages in use, every worker" x=${x}
         series=${POOL_KINDS.map(([label, kind]) => ({ label, values: samples.map((s) => sum(s, (w) => w.pool[kind])) }))} />
     </div>
     <h2>Latency</h2>

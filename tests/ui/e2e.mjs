@@ -341,6 +341,7 @@ try {
   await botAll.getByRole('button', { name: 'Pin', exact: true }).click();
   await expectText(pinnedBy, 'operator', 'the operator\'s pin');
   if ((await pinnedBy.getByRole('listitem').allTextContents()).join('|') !== 'operator|acme') problems.push(`pinned by: ${await pinnedBy.textContent()}`);
+  await audit('adapters');
   await botAll.getByRole('button', { name: 'Unpin', exact: true }).click();
   await audit('adapters-unpin-confirm');
   await botAll.getByRole('alertdialog').getByRole('button', { name: 'Unpin' }).click();
@@ -351,6 +352,20 @@ try {
   const residency = await botAll.getByRole('cell').nth(7).textContent();
   if (residency !== 'pool') problems.push(`after the pins are gone, support-bot is ${residency}, not still cached in the pool`);
   console.log(`  adapters: pinned by the operator and acme, both let go; still ${residency}`);
+
+  step('the operator mints a metrics key for a Prometheus server and sees it listed');
+  await page.getByRole('link', { name: 'Operator keys' }).click();
+  const opForm = page.getByRole('form', { name: 'New key for the operator' });
+  await opForm.getByRole('button', { name: 'Create key' }).click();
+  const opField = page.getByRole('textbox', { name: 'New key for the operator' });
+  await opField.waitFor();
+  const opSecret = await opField.inputValue();
+  const scrape = await fetch(`${base}/metrics`, { headers: { Authorization: `Bearer ${opSecret}` } });
+  if (scrape.status !== 200) problems.push(`the minted metrics key reads /metrics with ${scrape.status}`);
+  await page.getByRole('button', { name: 'Done' }).click();
+  const opKeys = page.getByRole('table', { name: 'Keys of the operator' });
+  await expectText(opKeys.getByRole('row').filter({ hasText: opSecret.slice(0, 12) }), 'metrics', 'the metrics key listed');
+  await audit('operator-keys');
 
   step('the dashboard shows the requests, their latency and the workers, refreshed');
   await page.getByRole('link', { name: 'Dashboard' }).click();
