@@ -9,6 +9,7 @@ pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod engine;
+pub mod grammar;
 pub mod memory;
 pub mod model;
 pub mod request;

@@ -210,6 +210,14 @@ impl Tokenizer {
         })
     }
 
+    /// The tokenizer as `tokenizer.json` would hold it, the tokens added from its configuration
+    /// included.
+    pub fn to_json(&self) -> Result<serde_json::Value, TokenizerError> {
+        let text =
+            self.inner.to_string(false).map_err(|e| TokenizerError::InvalidTokenizerJson { path: self.path.join("tokenizer.json"), message: e.to_string() })?;
+        serde_json::from_str(&text).map_err(|e| TokenizerError::InvalidTokenizerJson { path: self.path.join("tokenizer.json"), message: e.to_string() })
+    }
+
     /// The directory this tokenizer was loaded from.
     pub fn path(&self) -> &Path {
         &self.path
