@@ -46,6 +46,9 @@ pub struct GenerationRequest {
     /// request draws with seed `seed + i`.
     #[serde(default = "one")]
     pub n: u32,
+    /// What the output must match (structured output), compiled; each sample runs its own copy.
+    #[serde(skip)]
+    pub grammar: Option<crate::grammar::CompiledGrammar>,
 }
 
 fn one() -> u32 {

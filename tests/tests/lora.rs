@@ -32,7 +32,7 @@ fn adapter_ref(arch: &str, name: &str) -> AdapterRef {
 
 fn request(model: &Model<CpuBackend>, prompt: Vec<u32>, adapter: Option<AdapterRef>) -> ValidRequest {
     let stop = StopConditions { max_new_tokens: 16, ignore_eos: true, ..Default::default() };
-    GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop, adapter, n: 1 }.validate(model.config()).unwrap()
+    GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop, adapter, n: 1, grammar: None }.validate(model.config()).unwrap()
 }
 
 fn prompts(reference: &serde_json::Value) -> Vec<Vec<u32>> {

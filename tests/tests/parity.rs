@@ -39,7 +39,7 @@ fn load_on(v: &Variant, backend: CpuBackend) -> (Arc<Model<CpuBackend>>, Arc<Tok
 
 fn greedy_request(model: &Model<CpuBackend>, prompt: Vec<u32>, n: usize) -> loraplex::request::ValidRequest {
     let stop = StopConditions { max_new_tokens: n as u32, ignore_eos: true, ..Default::default() };
-    GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop, adapter: None, n: 1 }.validate(model.config()).unwrap()
+    GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop, adapter: None, n: 1, grammar: None }.validate(model.config()).unwrap()
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -263,7 +263,7 @@ fn preempted_sequences_resume_with_identical_output() {
                     SamplingParams::greedy()
                 };
                 let stop = StopConditions { max_new_tokens: new_tokens as u32, ignore_eos: true, ..Default::default() };
-                GenerationRequest { prompt: p.clone(), sampling, stop, adapter: None, n: 1 }.validate(model.config()).unwrap()
+                GenerationRequest { prompt: p.clone(), sampling, stop, adapter: None, n: 1, grammar: None }.validate(model.config()).unwrap()
             })
             .collect()
     };
@@ -357,7 +357,7 @@ fn stop_strings_and_stop_tokens_end_generation() {
     let expected_tokens = common::ids(&reference["variants"]["base"]["results"][0]["greedy_new_tokens"]);
     let full_text = reference["variants"]["base"]["results"][0]["greedy_text"].as_str().unwrap().to_string();
     let run = |stop: StopConditions| {
-        let req = GenerationRequest { prompt: prompt.clone(), sampling: SamplingParams::greedy(), stop, adapter: None, n: 1 };
+        let req = GenerationRequest { prompt: prompt.clone(), sampling: SamplingParams::greedy(), stop, adapter: None, n: 1, grammar: None };
         let mut engine = Engine::new(model.clone(), tok.clone(), EngineConfig::default()).unwrap();
         engine.add(req.validate(model.config()).unwrap()).unwrap();
         engine.run_to_completion().unwrap().remove(0)

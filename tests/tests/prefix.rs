@@ -38,7 +38,7 @@ fn adapter(key: &str, name: &str) -> AdapterRef {
 
 fn request(model: &Model<CpuBackend>, prompt: Vec<u32>, adapter: Option<AdapterRef>, sampling: SamplingParams, n: u32) -> ValidRequest {
     let stop = StopConditions { max_new_tokens: 16, ignore_eos: true, ..Default::default() };
-    GenerationRequest { prompt, sampling, stop, adapter, n }.validate(model.config()).unwrap()
+    GenerationRequest { prompt, sampling, stop, adapter, n, grammar: None }.validate(model.config()).unwrap()
 }
 
 fn tenant(name: &str) -> Placement {

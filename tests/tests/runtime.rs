@@ -41,7 +41,7 @@ fn adapter(name: &str) -> AdapterRef {
 
 fn request(prompt: Vec<u32>, adapter: Option<AdapterRef>, max_new_tokens: u32, n: u32) -> GenerationRequest {
     let stop = StopConditions { max_new_tokens, ignore_eos: true, ..Default::default() };
-    GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop, adapter, n }
+    GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop, adapter, n, grammar: None }
 }
 
 fn submit(rt: &Runtime<CpuBackend>, req: GenerationRequest) -> RequestHandle {

@@ -125,6 +125,7 @@ impl Knobs {
             stop: StopConditions { max_new_tokens, stop_token_ids: Vec::new(), stop_strings: self.stop.clone(), ignore_eos: self.ignore_eos },
             adapter: None,
             n: self.samples(),
+            grammar: None,
         })
     }
 }

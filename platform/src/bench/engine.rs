@@ -217,7 +217,7 @@ fn engine_for<B: Backend>(
 
 fn request<B: Backend>(model: &Model<B>, prompt: Vec<u32>, new_tokens: usize) -> anyhow::Result<crate::request::ValidRequest> {
     let stop = StopConditions { max_new_tokens: u32::try_from(new_tokens)?, ignore_eos: true, ..Default::default() };
-    Ok(GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop, adapter: None, n: 1 }.validate(model.config())?)
+    Ok(GenerationRequest { prompt, sampling: SamplingParams::greedy(), stop, adapter: None, n: 1, grammar: None }.validate(model.config())?)
 }
 
 fn decode_row<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, costs: &Costs, m: Machine, batch: usize, args: &BenchEngineArgs) -> anyhow::Result<Row> {

@@ -204,7 +204,8 @@ impl<B: Backend> Bench<'_, B> {
     fn request(&self, i: usize, adapter: Option<AdapterRef>, new_tokens: usize) -> anyhow::Result<crate::request::ValidRequest> {
         let c = self.model.config();
         let stop = StopConditions { max_new_tokens: u32::try_from(new_tokens)?, ignore_eos: true, ..Default::default() };
-        let req = GenerationRequest { prompt: prompt(self.args.context, c.vocab_size, i), sampling: SamplingParams::greedy(), stop, adapter, n: 1 };
+        let req =
+            GenerationRequest { prompt: prompt(self.args.context, c.vocab_size, i), sampling: SamplingParams::greedy(), stop, adapter, n: 1, grammar: None };
         Ok(req.validate(c)?)
     }
 

@@ -59,7 +59,7 @@ impl Setup {
 
     fn request(&self, prompt: Vec<u32>, max_new_tokens: usize, sampling: SamplingParams, adapter: Option<AdapterRef>) -> anyhow::Result<ValidRequest> {
         let stop = StopConditions { max_new_tokens: u32::try_from(max_new_tokens)?, ignore_eos: true, ..Default::default() };
-        Ok(GenerationRequest { prompt, sampling, stop, adapter, n: 1 }.validate(self.model.config())?)
+        Ok(GenerationRequest { prompt, sampling, stop, adapter, n: 1, grammar: None }.validate(self.model.config())?)
     }
 
     fn vocab(&self) -> usize {

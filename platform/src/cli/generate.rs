@@ -70,6 +70,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         stop: StopConditions { max_new_tokens: args.max_new_tokens, stop_token_ids: Vec::new(), stop_strings: args.stop.clone(), ignore_eos: args.ignore_eos },
         adapter,
         n: 1,
+        grammar: None,
     }
     .validate(model.config())?;
     engine.add(request)?;
@@ -167,7 +168,7 @@ fn parse_batch(args: &GenerateArgs, path: &Path, model: &Model<CpuBackend>, toke
             stop_strings: l.stop.clone().unwrap_or_else(|| args.stop.clone()),
             ignore_eos: l.ignore_eos.unwrap_or(args.ignore_eos),
         };
-        let request = GenerationRequest { prompt, sampling, stop, adapter, n: 1 }.validate(model.config()).with_context(at)?;
+        let request = GenerationRequest { prompt, sampling, stop, adapter, n: 1, grammar: None }.validate(model.config()).with_context(at)?;
         requests.push((l.id, request));
     }
     if requests.is_empty() {

@@ -35,7 +35,7 @@ use crate::tokenizer::{Tokenizer, TokenizerError};
 pub use crate::request::SeqId;
 use batch::{Chunk, HostBatch};
 use sequence::Sequence;
-pub use sequence::{SeqUsage, TokenEvent};
+pub use sequence::{SampleError, SeqUsage, TokenEvent};
 
 /// Limits of the engine.
 #[derive(Debug, Clone, PartialEq)]
@@ -324,22 +324,14 @@ impl<B: Backend> Engine<B> {
             .collect();
         let sampler = Sampler::new(req.sampling, &req.prompt);
         let eos = self.eos_ids();
-        let mut seq = Sequence::new(id, req.prompt, sampler, req.stop, eos, blocks, req.adapter, placement.namespace());
+        let mut seq = Sequence::new(id, req.prompt, sampler, req.stop, eos, blocks, req.adapter, placement.namespace(), req.grammar);
         seq.forks = forks;
         self.sched.enqueue(seq, placement);
         Ok(id)
     }
 
-    /// End-of-sequence ids: the tokenizer's (its config and generation_config.json) and the
-    /// model config's, which is where they live when generation_config.json is absent.
     fn eos_ids(&self) -> Vec<u32> {
-        let mut ids = self.tokenizer.eos_token_ids().to_vec();
-        for &id in &self.model.config().eos_token_ids {
-            if !ids.contains(&id) {
-                ids.push(id);
-            }
-        }
-        ids
+        end_tokens(&self.tokenizer, self.model.config())
     }
 
     /// Removes a sequence wherever it is; its pages are freed at once. False if unknown.
@@ -383,7 +375,45 @@ impl<B: Backend> Engine<B> {
         let backend = self.model.backend().clone();
         let batch = host.upload(backend.as_ref())?;
         let lora = self.lora_batch(&plan)?;
-        let logits = self.model.forward(&batch, lora.as_ref(), &mut self.mem.buffer, &self.mem.layout)?;
+        // The grammars of the rows that sample this step compute their masks on another
+        // thread while the forward runs.
+        let mut constrained = Vec::new();
+        for &(id, n) in &plan {
+            if let Some(s) = self.sched.get_mut(id)
+                && s.computed + n == s.tokens.len()
+                && let Some(c) = s.constraint.take()
+            {
+                constrained.push((id, c));
+            }
+        }
+        let (logits, masked) = if constrained.is_empty() {
+            (self.model.forward(&batch, lora.as_ref(), &mut self.mem.buffer, &self.mem.layout), Vec::new())
+        } else {
+            let (model, mem) = (&self.model, &mut self.mem);
+            std::thread::scope(|scope| {
+                let masks = scope.spawn(move || {
+                    constrained
+                        .into_iter()
+                        .map(|(id, mut c)| {
+                            let mask = c.mask();
+                            (id, c, mask)
+                        })
+                        .collect::<Vec<_>>()
+                });
+                let logits = model.forward(&batch, lora.as_ref(), &mut mem.buffer, &mem.layout);
+                // The matcher catches its own panics; a row whose matcher a lost thread took
+                // fails when it samples (it never samples without one).
+                (logits, masks.join().unwrap_or_default())
+            })
+        };
+        for (id, c, mask) in masked {
+            if let Some(s) = self.sched.get_mut(id) {
+                s.constraint = Some(c);
+                s.next_mask = Some(mask);
+            }
+        }
+
+        let logits = logits?;
         let vocab = self.model.config().vocab_size;
         // When every sequence wants the plain argmax, only the chosen ids leave the device.
         let argmax_only = plan.iter().all(|&(id, n)| self.sched.get(id).is_none_or(|s| s.computed + n < s.tokens.len() || s.wants_argmax_only()));
@@ -538,6 +568,18 @@ impl<B: Backend> Engine<B> {
     }
 }
 
+/// End-of-sequence ids: the tokenizer's (its config and generation_config.json) and the model
+/// config's, which is where they live when generation_config.json is absent.
+pub fn end_tokens(tokenizer: &Tokenizer, config: &crate::model::ModelConfig) -> Vec<u32> {
+    let mut ids = tokenizer.eos_token_ids().to_vec();
+    for &id in &config.eos_token_ids {
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+    ids
+}
+
 /// How this step's token is chosen for a sequence whose tokens are all computed.
 #[derive(Clone, Copy)]
 enum Pick<'a> {
@@ -549,9 +591,9 @@ enum Pick<'a> {
 
 /// The next token of `s` and of each of its samples whose prompt is computed; the first event
 /// is `s`'s.
-fn take_tokens(s: &mut Sequence, samples: &mut [Sequence], pick: Pick<'_>, tokenizer: &Tokenizer) -> Result<Vec<TokenEvent>, TokenizerError> {
+fn take_tokens(s: &mut Sequence, samples: &mut [Sequence], pick: Pick<'_>, tokenizer: &Tokenizer) -> Result<Vec<TokenEvent>, SampleError> {
     let take = |seq: &mut Sequence| match pick {
-        Pick::Argmax(token) => seq.take_argmax(token, tokenizer),
+        Pick::Argmax(token) => seq.take_argmax(token, tokenizer).map_err(SampleError::from),
         Pick::Logits(row) => seq.sample(&mut row.to_vec(), tokenizer),
     };
     let mut out = vec![take(s)?];

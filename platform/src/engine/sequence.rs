@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::grammar::{CompiledGrammar, Constraint, GrammarError, TokenMask};
 use crate::memory::{AdapterRef, BlockHash, BlockTable, PagePin, ResidentAdapter};
 use crate::request::{FinishReason, SeqId, StopConditions};
 use crate::sampling::{Sample, Sampler, StopStrings};
@@ -38,6 +39,15 @@ pub struct SeqUsage {
     pub time_to_first_token: Duration,
 }
 
+/// Why a sequence could not take its next token.
+#[derive(Debug, thiserror::Error)]
+pub enum SampleError {
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Grammar(#[from] GrammarError),
+}
+
 pub(super) struct Sequence {
     pub id: SeqId,
     /// Prompt followed by the generated tokens.
@@ -69,6 +79,11 @@ pub(super) struct Sequence {
     eos: Vec<u32>,
     detok: DecodeStream,
     stop_strings: StopStrings,
+    /// What its text must match, and where in it the text is; samples start their own.
+    grammar: Option<CompiledGrammar>,
+    pub constraint: Option<Constraint>,
+    /// The mask for its next token, computed while the step's forward ran.
+    pub next_mask: Option<Result<TokenMask, GrammarError>>,
 }
 
 impl crate::scheduler::Schedulable for Sequence {
@@ -96,8 +111,10 @@ impl Sequence {
         blocks: BlockTable,
         adapter: Option<AdapterRef>,
         namespace: Arc<str>,
+        grammar: Option<CompiledGrammar>,
     ) -> Self {
         let stop_strings = StopStrings::new(stop.stop_strings.clone());
+        let constraint = grammar.as_ref().map(CompiledGrammar::start);
         Self {
             id,
             prompt_len: prompt.len(),
@@ -119,6 +136,9 @@ impl Sequence {
             eos,
             detok: DecodeStream::new(true),
             stop_strings,
+            grammar,
+            constraint,
+            next_mask: None,
         }
     }
 
@@ -147,6 +167,9 @@ impl Sequence {
             eos: self.eos.clone(),
             detok: DecodeStream::new(true),
             stop_strings: StopStrings::new(self.stop.stop_strings.clone()),
+            grammar: self.grammar.clone(),
+            constraint: self.grammar.as_ref().map(CompiledGrammar::start),
+            next_mask: None,
         }
     }
 
@@ -160,14 +183,32 @@ impl Sequence {
     }
 
     /// Whether the next token is the plain argmax of the logits (see [`Sampler::is_plain_argmax`]).
+    /// A constrained sequence never does: its grammar's mask comes first.
     pub fn wants_argmax_only(&self) -> bool {
-        self.sampler.is_plain_argmax()
+        self.constraint.is_none() && self.sampler.is_plain_argmax()
     }
 
-    /// Samples the next token from this sequence's logits and applies the stop conditions.
-    pub fn sample(&mut self, logits: &mut [f32], tokenizer: &Tokenizer) -> Result<TokenEvent, TokenizerError> {
+    /// Samples the next token from this sequence's logits (only among the tokens its grammar
+    /// allows, when it has one) and applies the stop conditions.
+    pub fn sample(&mut self, logits: &mut [f32], tokenizer: &Tokenizer) -> Result<TokenEvent, SampleError> {
+        if self.grammar.is_some() && self.constraint.is_none() {
+            return Err(GrammarError::Generation("its grammar's matcher was lost".into()).into());
+        }
+        if let Some(c) = &mut self.constraint {
+            let mask = match self.next_mask.take() {
+                Some(mask) => mask?,
+                None => c.mask()?,
+            };
+            mask.apply(logits);
+            if !logits.iter().any(|l| l.is_finite()) {
+                return Err(GrammarError::Generation("no token the grammar allows is in the model's vocabulary".into()).into());
+            }
+        }
         let Sample { token, logprob, top_logprobs } = self.sampler.sample(logits);
-        self.accept(token, Some(logprob), top_logprobs, tokenizer)
+        if let Some(c) = &mut self.constraint {
+            c.accept(token)?;
+        }
+        Ok(self.accept(token, Some(logprob), top_logprobs, tokenizer)?)
     }
 
     /// Takes a token a device argmax chose (only when [`Sequence::wants_argmax_only`]).
@@ -184,7 +225,9 @@ impl Sequence {
         self.tokens.push(token);
         let mut finish = None;
         let mut text = String::new();
-        if (!self.stop.ignore_eos && self.eos.contains(&token)) || self.stop.stop_token_ids.contains(&token) {
+        // A grammar's end is the end of the text, `ignore_eos` or not.
+        let ends = self.eos.contains(&token) && (!self.stop.ignore_eos || self.constraint.is_some());
+        if ends || self.stop.stop_token_ids.contains(&token) {
             finish = Some(FinishReason::Stop);
         } else {
             if let Some(piece) = self.detok.push(tokenizer, token)? {

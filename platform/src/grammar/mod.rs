@@ -227,9 +227,9 @@ pub struct GrammarCompiler {
 }
 
 impl GrammarCompiler {
-    /// Reads the tokenizer's token bytes (byte-level BPE and byte-fallback vocabularies);
-    /// refuses a tokenizer without an end-of-sequence token.
-    pub fn new(tokenizer: Arc<Tokenizer>, limits: GrammarLimits) -> Result<Self, GrammarError> {
+    /// Reads the tokenizer's token bytes (byte-level BPE and byte-fallback vocabularies).
+    /// `eos` are the model's end-of-sequence tokens (at least one), which end a complete text.
+    pub fn new(tokenizer: Arc<Tokenizer>, eos: &[u32], limits: GrammarLimits) -> Result<Self, GrammarError> {
         let unsupported = |m: String| GrammarError::Unsupported(m.into());
         let json = tokenizer.to_json().map_err(|e| unsupported(e.to_string()))?;
         // The reader asserts on malformed entries; a tokenizer it cannot read only turns
@@ -237,7 +237,7 @@ impl GrammarCompiler {
         let words = std::panic::catch_unwind(AssertUnwindSafe(|| llguidance::token_bytes_from_tokenizer_json(&json)))
             .map_err(|_| unsupported("its vocabulary could not be read as bytes".into()))?
             .map_err(|e| unsupported(e.to_string()))?;
-        let eos: Arc<[u32]> = tokenizer.eos_token_ids().into();
+        let eos: Arc<[u32]> = eos.into();
         let Some(&trie_eos) = eos.first() else { return Err(unsupported("it names no end-of-sequence token".into())) };
         let mut words = words;
         let vocab = words.len().max(tokenizer.vocab_size());
@@ -265,9 +265,9 @@ impl GrammarCompiler {
         &self.limits
     }
 
-    /// A fresh constraint for one sequence: compiled now (CPU work: call it off the async
-    /// executor) or copied from the cache. The size cap is checked first.
-    pub fn compile(&self, spec: &GrammarSpec) -> Result<Constraint, GrammarError> {
+    /// The compiled grammar: compiled now (CPU work: call it off the async executor) or taken
+    /// from the cache. The size cap is checked first.
+    pub fn compile(&self, spec: &GrammarSpec) -> Result<CompiledGrammar, GrammarError> {
         let size = spec.size();
         if size > self.limits.max_spec_bytes {
             return Err(GrammarError::TooLarge { what: spec.kind(), size, max: self.limits.max_spec_bytes });
@@ -281,7 +281,7 @@ impl GrammarCompiler {
                 t
             }
         };
-        Ok(Constraint { matcher: template.deep_clone(), eos: self.eos.clone(), trie_eos: self.trie_eos })
+        Ok(CompiledGrammar { template, key, eos: self.eos.clone(), trie_eos: self.trie_eos })
     }
 
     /// Compiled grammars in the cache now.
@@ -312,6 +312,36 @@ impl GrammarCompiler {
     }
 }
 
+/// A grammar ready for sequences: each one [`CompiledGrammar::start`]s its own copy.
+#[derive(Clone)]
+pub struct CompiledGrammar {
+    template: Arc<Matcher>,
+    key: [u8; 32],
+    eos: Arc<[u32]>,
+    trie_eos: u32,
+}
+
+impl CompiledGrammar {
+    /// A fresh constraint at the start of the text.
+    pub fn start(&self) -> Constraint {
+        Constraint { matcher: self.template.deep_clone(), eos: self.eos.clone(), trie_eos: self.trie_eos }
+    }
+}
+
+impl std::fmt::Debug for CompiledGrammar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let hex: String = self.key[..6].iter().map(|b| format!("{b:02x}")).collect();
+        write!(f, "CompiledGrammar({hex})")
+    }
+}
+
+/// Two grammars are the same when their specifications are.
+impl PartialEq for CompiledGrammar {
+    fn eq(&self, other: &Self) -> bool {
+        self.key == other.key
+    }
+}
+
 /// One sequence's grammar state.
 pub struct Constraint {
     matcher: Matcher,
@@ -329,6 +359,10 @@ impl Constraint {
 
     /// Moves past a sampled token (one the last mask allowed).
     pub fn accept(&mut self, token: u32) -> Result<(), GrammarError> {
+        if self.eos.contains(&token) && self.matcher.is_stopped() {
+            // The end after a complete text: the matcher stopped at its last byte.
+            return Ok(());
+        }
         let token = if self.eos.contains(&token) { self.trie_eos } else { token };
         self.matcher.consume_token(token).map_err(|e| GrammarError::Generation(e.to_string()))
     }

@@ -21,7 +21,7 @@ fn tokenizer() -> Arc<Tokenizer> {
 
 fn compiler() -> &'static GrammarCompiler {
     static C: OnceLock<GrammarCompiler> = OnceLock::new();
-    C.get_or_init(|| GrammarCompiler::new(tokenizer(), GrammarLimits::default()).unwrap())
+    C.get_or_init(|| GrammarCompiler::new(tokenizer(), tokenizer().eos_token_ids(), GrammarLimits::default()).unwrap())
 }
 
 /// Samples from random logits under the constraint until end of sequence: the text (without
@@ -53,6 +53,7 @@ fn sample(constraint: &mut Constraint, rng: &mut StdRng, budget: usize) -> Optio
         }
         if t.eos_token_ids().contains(&token) {
             assert!(constraint.is_complete() || constraint.can_end());
+            constraint.accept(token).unwrap();
             return Some(t.decode(&out, false).unwrap());
         }
         constraint.accept(token).unwrap();
@@ -168,7 +169,7 @@ fn every_output_of_fifty_schemas_validates_against_its_schema() {
     for (i, schema) in schemas.iter().enumerate() {
         let validator = jsonschema::validator_for(schema).unwrap_or_else(|e| panic!("schema {i} {schema}: {e}"));
         for round in 0..3 {
-            let mut c = compiler().compile(&GrammarSpec::JsonSchema(schema.clone())).unwrap_or_else(|e| panic!("schema {i} {schema}: {e}"));
+            let mut c = compiler().compile(&GrammarSpec::JsonSchema(schema.clone())).unwrap_or_else(|e| panic!("schema {i} {schema}: {e}")).start();
             let Some(text) = sample(&mut c, &mut rng, 2000) else { panic!("schema {i} round {round}: no end within 2000 tokens: {schema}") };
             let value: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("schema {i}: {text:?} is not JSON: {e}"));
             let errors: Vec<String> = validator.iter_errors(&value).map(|e| e.to_string()).collect();
@@ -187,7 +188,7 @@ fn regex_lark_and_choice_outputs_match() {
     for p in patterns {
         let whole = regex::Regex::new(&format!("^(?:{p})$")).unwrap();
         for _ in 0..5 {
-            let mut c = compiler().compile(&GrammarSpec::Regex(p.into())).unwrap();
+            let mut c = compiler().compile(&GrammarSpec::Regex(p.into())).unwrap().start();
             let text = sample(&mut c, &mut rng, 200).unwrap();
             assert!(whole.is_match(&text), "{p}: {text:?}");
         }
@@ -196,13 +197,13 @@ fn regex_lark_and_choice_outputs_match() {
     let lark = "start: expr\nexpr: term (\"+\" term){0,3}\nterm: NUMBER | \"(\" expr \")\"\nNUMBER: /[1-9]/\n";
     let sums = regex::Regex::new(r"^[0-9+()]+$").unwrap();
     for _ in 0..10 {
-        let mut c = compiler().compile(&GrammarSpec::Lark(lark.into())).unwrap();
+        let mut c = compiler().compile(&GrammarSpec::Lark(lark.into())).unwrap().start();
         let text = sample(&mut c, &mut rng, 300).unwrap();
         assert!(sums.is_match(&text) && balanced(&text) && !text.contains("++") && !text.starts_with('+'), "{text:?}");
     }
     let choices = vec!["alpha".to_string(), "beta".into(), "a.b*c".into(), "gamma ray".into()];
     for _ in 0..10 {
-        let mut c = compiler().compile(&GrammarSpec::Choice(choices.clone())).unwrap();
+        let mut c = compiler().compile(&GrammarSpec::Choice(choices.clone())).unwrap().start();
         let text = sample(&mut c, &mut rng, 50).unwrap();
         assert!(choices.contains(&text), "{text:?}");
     }
@@ -229,7 +230,7 @@ fn the_json_object_format_takes_any_object_and_nothing_else() {
     let eos = t.eos_token_ids()[0];
     // Walks `text`'s tokens through the mask: how many were allowed, and whether it may end there.
     let walk = |text: &str| {
-        let mut c = compiler().compile(&GrammarSpec::JsonObject).unwrap();
+        let mut c = compiler().compile(&GrammarSpec::JsonObject).unwrap().start();
         let tokens = t.encode(text, false).unwrap();
         for (i, &tok) in tokens.iter().enumerate() {
             if !c.mask().unwrap().allows(tok) {
@@ -256,7 +257,7 @@ fn the_json_object_format_takes_any_object_and_nothing_else() {
 fn masks_keep_allowed_logits_and_the_end_only_when_complete() {
     let t = tokenizer();
     let eos = t.eos_token_ids()[0];
-    let mut c = compiler().compile(&GrammarSpec::Choice(vec!["ab".into()])).unwrap();
+    let mut c = compiler().compile(&GrammarSpec::Choice(vec!["ab".into()])).unwrap().start();
     let vocab = t.vocab_size() + 5;
     let mut logits = vec![1.5f32; vocab];
     let mask = c.mask().unwrap();
@@ -306,20 +307,25 @@ fn refusals_name_the_problem_and_compiled_grammars_are_cached() {
     let m = refused(GrammarSpec::JsonSchema(json!({"type": "integer", "minimum": 5, "maximum": 1})));
     assert!(!m.is_empty());
 
-    let small = GrammarCompiler::new(tokenizer(), GrammarLimits { max_spec_bytes: 64, ..GrammarLimits::default() }).unwrap();
+    let small = GrammarCompiler::new(tokenizer(), tokenizer().eos_token_ids(), GrammarLimits { max_spec_bytes: 64, ..GrammarLimits::default() }).unwrap();
     let big = GrammarSpec::Regex("a".repeat(65));
     assert_eq!(small.compile(&big).err(), Some(GrammarError::TooLarge { what: "the regular expression", size: 65, max: 64 }));
     // A grammar whose lexer takes more work than allowed is refused, not run.
-    let tight = GrammarCompiler::new(tokenizer(), GrammarLimits { compile_fuel: 1, ..GrammarLimits::default() }).unwrap();
+    let tight = GrammarCompiler::new(tokenizer(), tokenizer().eos_token_ids(), GrammarLimits { compile_fuel: 1, ..GrammarLimits::default() }).unwrap();
     let heavy = GrammarSpec::Regex("(a|b|c|d|e|f|g|h){1,40}x[0-9]{5,30}(foo|bar|baz){2,20}".into());
     let r = tight.compile(&heavy);
     assert!(matches!(r, Err(GrammarError::Refused { .. })), "{:?}", r.err());
 
-    let fresh = GrammarCompiler::new(tokenizer(), GrammarLimits::default()).unwrap();
+    let fresh = GrammarCompiler::new(tokenizer(), tokenizer().eos_token_ids(), GrammarLimits::default()).unwrap();
     let schema = GrammarSpec::JsonSchema(json!({"type": "object", "properties": {"a": {"type": "integer"}}}));
-    fresh.compile(&schema).unwrap();
-    fresh.compile(&schema).unwrap();
+    let (a, b) = (fresh.compile(&schema).unwrap(), fresh.compile(&schema).unwrap());
+    assert_eq!(a, b);
     assert_eq!(fresh.cached(), 1);
+    // Each start is its own state.
+    let (mut one, mut two) = (a.start(), b.start());
+    let brace = tokenizer().encode("{", false).unwrap()[0];
+    one.accept(brace).unwrap();
+    assert!(!one.mask().unwrap().allows(brace) && two.mask().unwrap().allows(brace));
     fresh.compile(&GrammarSpec::Regex("[0-9]+".into())).unwrap();
     assert_eq!(fresh.cached(), 2);
 }
