@@ -120,7 +120,35 @@ function Upload({ onUploaded }) {
   </form>`;
 }
 
-/** @typedef {{ id: string, name: string, version: number, owner: string | null, public: boolean, rank: number, targets: string[], bytes: number }} Adapter */
+/** @typedef {{ id: string, name: string, version: number, owner: string | null, public: boolean, rank: number, targets: string[], bytes: number,
+ *   content_hash: string, created_at: number }} Adapter */
+
+/** Every live version of one adapter, newest first, read when opened. @param {{ name: string }} props */
+function Versions({ name }) {
+  const [versions, error] = useLoad(
+    () => api('GET', `/v1/adapters/${encodeURIComponent(name)}`).then((r) => /** @type {Adapter[]} */ (r.versions).slice().sort((a, b) => b.version - a.version)),
+    [name],
+  );
+  return html`<${ListState} data=${versions} error=${error} empty="No versions." />
+    ${versions && versions.length > 0
+      ? html`<table aria-label=${`Versions of ${name}`}>
+          <thead><tr><th scope="col">Version</th><th scope="col">Uploaded</th><th scope="col">Rank</th><th scope="col">Targets</th>
+            <th scope="col">Size</th><th scope="col">Content hash</th></tr></thead>
+          <tbody>
+            ${versions.map(
+              (v) => html`<tr key=${v.id}>
+                <th scope="row">${v.version}</th>
+                <td>${new Date(v.created_at).toISOString().slice(0, 16).replace('T', ' ')}</td>
+                <td>${v.rank}</td>
+                <td>${v.targets.join(', ')}</td>
+                <td>${(v.bytes / 1e6).toFixed(2)} MB</td>
+                <td><code>${v.content_hash.slice(0, 12)}</code></td>
+              </tr>`,
+            )}
+          </tbody>
+        </table>`
+      : null}`;
+}
 
 export function MyAdapters() {
   const [adapters, error, reload] = useLoad(() => api('GET', '/v1/adapters').then((r) => /** @type {Adapter[]} */ (r.data)));
@@ -128,13 +156,14 @@ export function MyAdapters() {
   const [me] = useLoad(() => api('GET', `/v1/usage?from=${new Date().toISOString().slice(0, 10)}`).then((r) => /** @type {string} */ (r.tenant_id)));
   const [note, setNote] = useState(/** @type {{ name: string, text: string } | null} */ (null));
   const [actionError, setActionError] = useState(/** @type {{ name: string, error: unknown } | null} */ (null));
+  const [open, setOpen] = useState(/** @type {string | null} */ (null));
   /** @param {string} name @param {'load' | 'unload'} what */
   const act = async (name, what) => {
     setActionError(null);
     setNote(null);
     try {
       const r = await api('POST', `/v1/adapters/${encodeURIComponent(name)}/${what}`);
-      setNote({ name, text: what === 'load' ? (r.held ? 'Loaded and kept in the pool.' : 'Loading; it stays once in the pool.') : r.released ? 'Released: it may be evicted again.' : 'It was not held.' });
+      setNote({ name, text: what === 'load' ? (r.held ? 'Loaded and kept in the pool.' : 'Still on its way into the pool: load it again in a moment to keep it there.') : r.released ? 'Released: it may be evicted again.' : 'It was not held.' });
     } catch (e) {
       setActionError({ name, error: e });
     }
@@ -158,6 +187,7 @@ export function MyAdapters() {
                 <td>${(a.bytes / 1e6).toFixed(2)} MB</td>
                 <td>${a.public ? 'yes' : 'no'}</td>
                 <td class="actions">
+                  <button type="button" aria-expanded=${open === a.name} onClick=${() => setOpen(open === a.name ? null : a.name)}>Versions</button>
                   <button type="button" onClick=${() => act(a.name, 'load')}>Load</button>
                   <button type="button" onClick=${() => act(a.name, 'unload')}>Unload</button>
                   ${a.owner !== me
@@ -167,7 +197,8 @@ export function MyAdapters() {
                   ${note && note.name === a.name ? html`<p role="status">${note.text}</p>` : null}
                   ${actionError && actionError.name === a.name ? html`<${ErrorNote} error=${actionError.error} />` : null}
                 </td>
-              </tr>`,
+              </tr>
+              ${open === a.name ? html`<tr key=${`${a.id}-versions`}><td colspan="7"><${Versions} name=${a.name} /></td></tr>` : null}`,
             )}
           </tbody>
         </table>`

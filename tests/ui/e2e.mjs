@@ -214,6 +214,20 @@ try {
   await page.getByRole('rowheader', { name: 'support-bot', exact: true }).waitFor();
   await audit('adapter-uploaded');
 
+  step('the tenant opens the adapter\'s versions');
+  const mine = page.getByRole('row').filter({ has: page.getByRole('rowheader', { name: 'support-bot', exact: true }) });
+  await mine.getByRole('button', { name: 'Versions' }).click();
+  const versions = page.getByRole('table', { name: 'Versions of support-bot' });
+  await versions.waitFor();
+  const shown = await (await fetch(`${base}/v1/adapters/support-bot`, { headers: { Authorization: `Bearer ${tenantKey}` } })).json();
+  const versionRows = await versions.locator('tbody tr').evaluateAll((trs) => trs.map((tr) => [...tr.children].map((c) => c.textContent ?? '')));
+  if (versionRows.length !== 1 || versionRows[0][0] !== '1' || versionRows[0][5] !== shown.content_hash.slice(0, 12)) {
+    problems.push(`versions ${JSON.stringify(versionRows)}, the API ${JSON.stringify(shown.versions)}`);
+  }
+  await audit('adapter-versions');
+  await mine.getByRole('button', { name: 'Versions' }).click();
+  await versions.waitFor({ state: 'detached' });
+
   step('a refused upload shows the server error next to the weights file, naming the tensor');
   // The same weights with one tensor's shape reversed (the same bytes, a wrong layout).
   const headerLen = Number(weightsBytes.readBigUInt64LE(0));
