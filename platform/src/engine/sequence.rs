@@ -183,9 +183,10 @@ impl Sequence {
     }
 
     /// Whether the next token is the plain argmax of the logits (see [`Sampler::is_plain_argmax`]).
-    /// A constrained sequence never does: its grammar's mask comes first.
+    /// A sequence with a grammar never does: its mask comes first (and a lost matcher fails in
+    /// [`Sequence::sample`] instead of falling back to the plain argmax).
     pub fn wants_argmax_only(&self) -> bool {
-        self.constraint.is_none() && self.sampler.is_plain_argmax()
+        self.grammar.is_none() && self.sampler.is_plain_argmax()
     }
 
     /// Samples the next token from this sequence's logits (only among the tokens its grammar
