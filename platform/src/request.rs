@@ -116,6 +116,9 @@ pub enum SeqError {
     /// The sequence failed inside a step (detokenizing or sampling its output).
     #[error("generation failed: {0}")]
     Failed(Arc<str>),
+    /// Its grammar could not go on (a per-step limit of the request's own grammar).
+    #[error("{0}")]
+    Grammar(Arc<str>),
 }
 
 /// A request checked against the model. Only this type reaches the engine.

@@ -129,6 +129,8 @@ impl From<RuntimeError> for ApiError {
     fn from(e: RuntimeError) -> Self {
         match e {
             RuntimeError::Rejected(why) => ApiError::Invalid(why.to_string()),
+            // The request's own grammar went past a limit while generating.
+            RuntimeError::Sequence(SeqError::Grammar(_)) => ApiError::Invalid(e.to_string()),
             RuntimeError::Sequence(SeqError::PoolExhausted { .. }) => ApiError::Overloaded { message: e.to_string(), retry_after: 1 },
             // Adapters are validated at upload: failing to load one later is the server's fault.
             RuntimeError::Sequence(SeqError::AdapterFailed(_) | SeqError::Failed(_)) => ApiError::Internal(e.to_string()),

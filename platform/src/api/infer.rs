@@ -121,6 +121,8 @@ pub struct JobSpec {
     /// Keep only the last this many tokens of each prompt (LoRAX's `truncate`).
     pub truncate: Option<u32>,
     pub target: Target,
+    /// What the output must follow (structured output, tool calls).
+    pub grammar: Option<super::structured::GrammarSource>,
 }
 
 /// A started job: its events, and the facts the response headers need.
@@ -151,6 +153,10 @@ pub async fn start(state: &AppState, admitted: Admitted, spec: JobSpec) -> Resul
     };
     // Tokens.
     let prompts = validate::tokenize(state, spec.prompts).await?;
+    let grammar = match spec.grammar {
+        Some(source) => super::structured::compile(state, source).await?,
+        None => None,
+    };
     let context = state.serving.model_config().max_position_embeddings;
     let mut valid = Vec::with_capacity(prompts.len());
     let mut requests = Vec::with_capacity(prompts.len());
@@ -160,6 +166,7 @@ pub async fn start(state: &AppState, admitted: Admitted, spec: JobSpec) -> Resul
         }
         let mut request = spec.knobs.request(prompt, spec.default_max, context)?;
         request.adapter = adapter_ref.clone();
+        request.grammar = grammar.clone();
         requests.push(request);
     }
     let budget = validate::token_budget(&requests);

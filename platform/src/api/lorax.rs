@@ -106,9 +106,7 @@ async fn prepare(req: &HttpRequest, state: &AppState, payload: web::Payload) -> 
     if p.decoder_input_details {
         return Err(unsupported("decoder_input_details", "prompt logprobs are not computed"));
     }
-    if p.response_format.as_ref().is_some_and(|v| !v.is_null()) {
-        return Err(unsupported("response_format", "no constrained decoding is offered"));
-    }
+    let grammar = super::structured::response_format(p.response_format.as_ref())?.map(super::structured::GrammarSource::Spec);
     if body.inputs.is_empty() {
         return Err(ApiError::Invalid("`inputs` must not be empty".into()));
     }
@@ -141,6 +139,7 @@ async fn prepare(req: &HttpRequest, state: &AppState, payload: web::Payload) -> 
         default_max: DefaultMax::Tokens(DEFAULT_MAX_NEW_TOKENS),
         truncate: p.truncate,
         target,
+        grammar,
     };
     let prepared = Prepared { spec, adapter_id, details: p.details, full_text, seed: p.seed, eos };
     Ok((caller, prepared))

@@ -14,6 +14,8 @@ mod openai;
 pub mod openapi;
 mod peer;
 mod serving;
+pub mod structured;
+pub mod tools;
 mod ui;
 mod usage;
 pub mod validate;
@@ -55,6 +57,8 @@ pub struct ApiSettings {
     pub tenant_pinned_percent: u32,
     /// This server's name on the ledger rows it opens (see [`crate::store::Ledger`]).
     pub instance: String,
+    /// What one structured-output grammar may cost to compile and to run.
+    pub grammar: crate::grammar::GrammarLimits,
 }
 
 impl ApiSettings {
@@ -70,6 +74,7 @@ impl ApiSettings {
             max_uploads_per_key: 2,
             tenant_pinned_percent: 10,
             instance: instance.into(),
+            grammar: crate::grammar::GrammarLimits::default(),
         }
     }
 }
@@ -97,6 +102,10 @@ pub struct AppState {
     pub uploads: Arc<adapters::Uploads>,
     /// What prompts may be, from the model's context and vocabulary.
     pub prompt_limits: validate::PromptLimits,
+    /// The model's end-of-sequence tokens (they end a constrained text).
+    pub end_tokens: Arc<[u32]>,
+    /// Structured output's compiler for the served tokenizer, built on first use.
+    pub grammar: Arc<std::sync::OnceLock<Result<Arc<crate::grammar::GrammarCompiler>, crate::grammar::GrammarError>>>,
     /// Unix milliseconds.
     pub started_at: i64,
 }
@@ -118,6 +127,8 @@ impl AppState {
             })),
             uploads: Arc::new(adapters::Uploads::default()),
             prompt_limits: validate::PromptLimits { context, max_bytes },
+            end_tokens: crate::engine::end_tokens(&tokenizer, serving.model_config()).into(),
+            grammar: Arc::default(),
             store,
             serving,
             tokenizer,

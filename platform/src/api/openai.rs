@@ -5,9 +5,12 @@ use actix_web::web::Bytes;
 use actix_web::{HttpRequest, HttpResponse, web};
 use serde::Deserialize;
 use serde_json::{Value, json};
+use std::sync::Arc;
 
 use super::infer::{self, Admitted, Job, JobEvent, JobSpec, sse, usage_json};
 use super::peer::Peer;
+use super::structured::{self, GrammarSource};
+use super::tools::{ToolCall, ToolSet};
 use super::validate::{self, DefaultMax, Knobs, Prompt};
 use super::{ApiError, AppState, json_body};
 use crate::store::{Scope, now_ms};
@@ -47,6 +50,29 @@ macro_rules! knobs {
             ignore_eos: $b.ignore_eos.unwrap_or(false),
         }
     };
+}
+
+/// The one constraint on the output among the fields of either endpoint that name one.
+macro_rules! constraint {
+    ($b:ident) => {{
+        let guided = structured::Guided {
+            json: $b.guided_json.take(),
+            regex: $b.guided_regex.take(),
+            choice: $b.guided_choice.take(),
+            grammar: $b.guided_grammar.take(),
+            whitespace_pattern: $b.guided_whitespace_pattern.take(),
+            backend: $b.guided_decoding_backend.take(),
+        };
+        let found: Vec<(&'static str, crate::grammar::GrammarSpec)> = [
+            ("response_format", structured::response_format($b.response_format.as_ref())?),
+            ("structured_outputs", structured::structured_outputs($b.structured_outputs.as_ref())?),
+            ("guided_*", structured::guided(&guided)?),
+        ]
+        .into_iter()
+        .filter_map(|(name, spec)| spec.map(|s| (name, s)))
+        .collect();
+        structured::one(found)?
+    }};
 }
 
 /// `stop` as sent: a string or a list of strings (their count and lengths are checked with the
@@ -124,6 +150,14 @@ struct CompletionRequest {
     best_of: Option<u32>,
     suffix: Option<String>,
     logit_bias: Option<serde_json::Map<String, Value>>,
+    response_format: Option<Value>,
+    structured_outputs: Option<Value>,
+    guided_json: Option<Value>,
+    guided_regex: Option<String>,
+    guided_choice: Option<Vec<String>>,
+    guided_grammar: Option<String>,
+    guided_decoding_backend: Option<String>,
+    guided_whitespace_pattern: Option<String>,
 }
 
 /// What a streamed or gathered response needs to know about its request.
@@ -136,6 +170,8 @@ struct Shape {
     logprobs: Option<u32>,
     include_usage: bool,
     chat: bool,
+    /// The request's tools, when calls are read from the output.
+    tools: Option<Arc<ToolSet>>,
 }
 
 fn check_stream_options(stream: bool, options: &Option<StreamOptions>) -> Result<bool, ApiError> {
@@ -157,9 +193,11 @@ struct Parsed {
     include_usage: bool,
     logprobs: Option<u32>,
     chat: bool,
+    grammar: Option<GrammarSource>,
+    tools: Option<Arc<ToolSet>>,
 }
 
-fn parse_completion(b: CompletionRequest) -> Result<Parsed, ApiError> {
+fn parse_completion(mut b: CompletionRequest) -> Result<Parsed, ApiError> {
     if b.echo == Some(true) {
         return Err(unsupported("echo", "the prompt is not returned with the completion"));
     }
@@ -180,7 +218,19 @@ fn parse_completion(b: CompletionRequest) -> Result<Parsed, ApiError> {
     let prompts = prompts(&b.prompt)?;
     let knobs = knobs!(b, b.max_tokens, b.logprobs);
     knobs.check()?;
-    Ok(Parsed { model: b.model, prompts, knobs, default_max: DefaultMax::Tokens(16), stream, include_usage, logprobs: b.logprobs, chat: false })
+    let grammar = constraint!(b).map(GrammarSource::Spec);
+    Ok(Parsed {
+        model: b.model,
+        prompts,
+        knobs,
+        default_max: DefaultMax::Tokens(16),
+        stream,
+        include_usage,
+        logprobs: b.logprobs,
+        chat: false,
+        grammar,
+        tools: None,
+    })
 }
 
 async fn completions(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
@@ -215,21 +265,20 @@ struct ChatRequest {
     logit_bias: Option<serde_json::Map<String, Value>>,
     tools: Option<Vec<Value>>,
     tool_choice: Option<Value>,
+    parallel_tool_calls: Option<bool>,
     response_format: Option<Value>,
+    structured_outputs: Option<Value>,
+    guided_json: Option<Value>,
+    guided_regex: Option<String>,
+    guided_choice: Option<Vec<String>>,
+    guided_grammar: Option<String>,
+    guided_decoding_backend: Option<String>,
+    guided_whitespace_pattern: Option<String>,
 }
 
-fn parse_chat(b: ChatRequest) -> Result<Parsed, ApiError> {
+fn parse_chat(mut b: ChatRequest) -> Result<Parsed, ApiError> {
     if b.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
         return Err(unsupported("logit_bias", "use stop strings or penalties"));
-    }
-    if b.tools.as_ref().is_some_and(|t| !t.is_empty()) || b.tool_choice.as_ref().is_some_and(|c| !c.is_null() && c != "none") {
-        return Err(unsupported("tools", "tool calling is not offered"));
-    }
-    if let Some(f) = &b.response_format
-        && !f.is_null()
-        && f.get("type").and_then(Value::as_str) != Some("text")
-    {
-        return Err(unsupported("response_format", "only {\"type\": \"text\"} is offered"));
     }
     if b.top_logprobs.is_some() && b.logprobs != Some(true) {
         return Err(ApiError::Invalid("`top_logprobs` needs `logprobs: true`".into()));
@@ -243,9 +292,20 @@ fn parse_chat(b: ChatRequest) -> Result<Parsed, ApiError> {
     let logprobs = if b.logprobs == Some(true) { Some(b.top_logprobs.unwrap_or(0)) } else { None };
     let knobs = knobs!(b, b.max_completion_tokens.or(b.max_tokens), logprobs);
     knobs.check()?;
+    let spec = constraint!(b);
+    let tools = ToolSet::parse(b.tools.take(), b.tool_choice.as_ref(), b.parallel_tool_calls)?.map(Arc::new);
+    let calls = tools.as_ref().filter(|t| t.calls()).cloned();
+    let grammar = match (spec, &calls) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::Invalid("a request that may call tools cannot also constrain its text; use `tool_choice: \"none\"`".into()));
+        }
+        (Some(spec), None) => Some(GrammarSource::Spec(spec)),
+        (None, Some(t)) => Some(GrammarSource::Tools(t.clone())),
+        (None, None) => None,
+    };
     // Without max_tokens, a chat reply may use the rest of the context.
-    let prompts = vec![Prompt::Chat(b.messages)];
-    Ok(Parsed { model: b.model, prompts, knobs, default_max: DefaultMax::RestOfContext, stream, include_usage, logprobs, chat: true })
+    let prompts = vec![Prompt::Chat(b.messages, tools)];
+    Ok(Parsed { model: b.model, prompts, knobs, default_max: DefaultMax::RestOfContext, stream, include_usage, logprobs, chat: true, grammar, tools: calls })
 }
 
 async fn chat_completions(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
@@ -265,8 +325,9 @@ async fn run(state: &AppState, caller: Admitted, p: Parsed, endpoint: &'static s
         logprobs: p.logprobs,
         include_usage: p.include_usage,
         chat: p.chat,
+        tools: p.tools,
     };
-    let spec = JobSpec { endpoint, prompts: p.prompts, knobs: p.knobs, default_max: p.default_max, truncate: None, target };
+    let spec = JobSpec { endpoint, prompts: p.prompts, knobs: p.knobs, default_max: p.default_max, truncate: None, target, grammar: p.grammar };
     let job = infer::start(state, caller, spec).await?;
     if p.stream {
         return Ok(stream_response(state.clone(), job, shape, peer.clone()));
@@ -278,7 +339,12 @@ async fn run(state: &AppState, caller: Admitted, p: Parsed, endpoint: &'static s
             let finish = g.finish.map(|f| f.as_str());
             let logprobs = shape.logprobs.map(|_| if shape.chat { chat_logprobs(state, &g.tokens) } else { completion_logprobs(state, &g.tokens, 0) });
             let index = p * shape.n + i;
-            choices.push(if shape.chat {
+            let calls = shape.tools.as_ref().and_then(|t| t.read_calls(&g.text));
+            choices.push(if let Some(calls) = calls {
+                let calls: Vec<Value> = calls.iter().map(ToolCall::to_json).collect();
+                let finish = if finish == Some("stop") { Some("tool_calls") } else { finish };
+                json!({"index": index, "message": {"role": "assistant", "content": null, "tool_calls": calls}, "logprobs": logprobs, "finish_reason": finish})
+            } else if shape.chat {
                 json!({"index": index, "message": {"role": "assistant", "content": g.text}, "logprobs": logprobs, "finish_reason": finish})
             } else {
                 json!({"index": index, "text": g.text, "logprobs": logprobs, "finish_reason": finish})
@@ -336,11 +402,72 @@ struct Streaming {
     peer: Peer,
     shape: Shape,
     offsets: Vec<usize>,
+    /// Per choice, with tools: what is held back until it is known to be text or calls.
+    held: Vec<Held>,
     started: bool,
     done: bool,
 }
 
+/// A chat choice's stream when the model may call tools: its first characters are held until
+/// they cannot open a call block (then they, and all that follows, stream as text), and a call
+/// block is held whole, to be sent as `tool_calls` once the choice ends.
+#[derive(Debug, Default)]
+struct Held {
+    mode: HeldMode,
+    text: String,
+    tokens: Vec<crate::runtime::TokenOut>,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum HeldMode {
+    #[default]
+    Undecided,
+    Text,
+    Calls,
+}
+
 impl Streaming {
+    /// The delta for `token` of chat choice `index` when tools are offered: `None` while held.
+    fn tool_delta(&mut self, tools: &ToolSet, index: usize, token: crate::runtime::TokenOut) -> Option<Value> {
+        let held = &mut self.held[index];
+        if held.mode == HeldMode::Text {
+            let finish = token.finish.map(|f| f.as_str());
+            let logprobs = self.shape.logprobs.map(|_| chat_logprobs(&self.state, std::slice::from_ref(&token)));
+            return Some(json!({"index": index, "delta": {"content": token.text}, "logprobs": logprobs, "finish_reason": finish}));
+        }
+        let finish = token.finish.map(|f| f.as_str());
+        held.text.push_str(&token.text);
+        held.tokens.push(token);
+        if held.mode == HeldMode::Undecided {
+            if held.text.starts_with(super::tools::CALL_OPEN) {
+                held.mode = HeldMode::Calls;
+            } else if !tools.may_open_call(&held.text) {
+                held.mode = HeldMode::Text;
+            }
+        }
+        if held.mode != HeldMode::Text && finish.is_none() {
+            return None;
+        }
+        let held = std::mem::take(&mut self.held[index]);
+        let mode = if held.mode == HeldMode::Text { HeldMode::Text } else { HeldMode::Calls };
+        self.held[index].mode = mode;
+        let logprobs = self.shape.logprobs.map(|_| chat_logprobs(&self.state, &held.tokens));
+        if let Some(calls) = tools.read_calls(&held.text) {
+            let calls: Vec<Value> = calls
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    let mut v = c.to_json();
+                    v["index"] = i.into();
+                    v
+                })
+                .collect();
+            let finish = if finish == Some("stop") { Some("tool_calls") } else { finish };
+            return Some(json!({"index": index, "delta": {"tool_calls": calls}, "logprobs": logprobs, "finish_reason": finish}));
+        }
+        Some(json!({"index": index, "delta": {"content": held.text}, "logprobs": logprobs, "finish_reason": finish}))
+    }
+
     fn chunk(&self, choices: Vec<Value>, usage: Option<Value>) -> Value {
         let object = if self.shape.chat { "chat.completion.chunk" } else { "text_completion" };
         let mut v = json!({"id": self.shape.id, "object": object, "created": self.shape.created, "model": self.shape.model, "choices": choices});
@@ -369,6 +496,12 @@ impl Streaming {
         match event {
             Some(JobEvent::Token { prompt, token }) => {
                 let index = prompt * self.shape.n + token.index;
+                if let Some(tools) = self.shape.tools.clone() {
+                    if let Some(choice) = self.tool_delta(&tools, index, token) {
+                        out.extend_from_slice(&sse(&self.chunk(vec![choice], None)));
+                    }
+                    return Some(Bytes::from(out));
+                }
                 let finish = token.finish.map(|f| f.as_str());
                 let offset = self.offsets[index];
                 self.offsets[index] += token.text.len();
@@ -406,7 +539,8 @@ impl Streaming {
 
 fn stream_response(state: AppState, job: Job, shape: Shape, peer: Peer) -> HttpResponse {
     let offsets = vec![0; shape.n * shape.prompts];
-    let s = Streaming { state, job, peer, shape, offsets, started: false, done: false };
+    let held = (0..shape.n * shape.prompts).map(|_| Held::default()).collect();
+    let s = Streaming { state, job, peer, shape, offsets, held, started: false, done: false };
     let body = futures::stream::unfold(s, |mut s| async move { s.next().await.map(|b| (Ok::<_, std::convert::Infallible>(b), s)) });
     HttpResponse::Ok().content_type("text/event-stream").insert_header(("cache-control", "no-cache")).streaming(body)
 }

@@ -21,6 +21,8 @@ pub const MAX_STOPS: usize = 16;
 pub const MAX_STOP_BYTES: usize = 256;
 /// The most messages of one chat request.
 pub const MAX_MESSAGES: usize = 2048;
+/// The most tool calls one message may carry.
+pub const MAX_TOOL_CALLS: usize = 128;
 /// The roles a chat message may have.
 pub const CHAT_ROLES: [&str; 5] = ["system", "user", "assistant", "tool", "developer"];
 
@@ -135,8 +137,8 @@ impl Knobs {
 pub enum Prompt {
     Text(String),
     Ids(Vec<u32>),
-    /// Rendered with the model's chat template.
-    Chat(Vec<ChatMessage>),
+    /// Rendered with the model's chat template, with the request's tools if it offers any.
+    Chat(Vec<ChatMessage>, Option<std::sync::Arc<super::tools::ToolSet>>),
 }
 
 /// What prompts may be.
@@ -172,7 +174,7 @@ pub fn check_prompts(prompts: &[Prompt], limits: &PromptLimits) -> Result<(), Ap
             Prompt::Ids(ids) if ids.len() > limits.context => {
                 return Err(invalid(format!("the prompt has {} tokens; the model's context length is {} tokens", ids.len(), limits.context)));
             }
-            Prompt::Chat(messages) => {
+            Prompt::Chat(messages, _) => {
                 if messages.is_empty() {
                     return Err(invalid("`messages` must not be empty"));
                 }
@@ -186,6 +188,9 @@ pub fn check_prompts(prompts: &[Prompt], limits: &PromptLimits) -> Result<(), Ap
                         return Err(invalid(format!("message role {role:?} is not one of {}", CHAT_ROLES.join(", "))));
                     }
                     bytes = bytes.saturating_add(m.content.len()).saturating_add(m.role.len());
+                    if m.tool_calls.as_ref().is_some_and(|c| c.len() > MAX_TOOL_CALLS) {
+                        return Err(invalid(format!("a message may carry at most {MAX_TOOL_CALLS} tool calls")));
+                    }
                 }
                 if bytes > limits.max_bytes {
                     return Err(too_long(bytes));
@@ -239,9 +244,8 @@ pub async fn tokenize(state: &AppState, prompts: Vec<Prompt>) -> Result<Vec<Vec<
                 .map(|p| match p {
                     Prompt::Ids(ids) => Ok(ids),
                     Prompt::Text(s) => encode_bounded(&tokenizer, &s, true, context),
-                    Prompt::Chat(m) => {
-                        let text = tokenizer
-                            .apply_chat_template(&m, true)
+                    Prompt::Chat(m, tools) => {
+                        let text = super::tools::render(&tokenizer, m, tools.as_deref())
                             .map_err(|e| invalid(format!("the messages could not be rendered with the model's chat template: {e}")))?;
                         encode_bounded(&tokenizer, &text, false, context)
                     }

@@ -133,6 +133,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         max_uploads_per_key: args.max_uploads_per_key.max(1),
         tenant_pinned_percent: args.tenant_pinned_percent,
         instance: instance_id(&data_dir)?,
+        grammar: crate::grammar::GrammarLimits::default(),
     };
     actix_web::rt::System::new().block_on(async move {
         let store = Store::connect(&url).await.with_context(|| format!("opening the database {url}"))?;

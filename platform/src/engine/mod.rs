@@ -444,7 +444,11 @@ impl<B: Backend> Engine<B> {
             let sample_events = match take_tokens(s, &mut samples, pick, &self.tokenizer) {
                 Ok(out) => out,
                 Err(e) => {
-                    self.failures.push(Failure { seq: id, error: SeqError::Failed(e.to_string().into()) });
+                    let error = match e {
+                        SampleError::Grammar(g) => SeqError::Grammar(g.to_string().into()),
+                        SampleError::Tokenizer(t) => SeqError::Failed(t.to_string().into()),
+                    };
+                    self.failures.push(Failure { seq: id, error });
                     self.sched.finish(id);
                     continue;
                 }

@@ -26,7 +26,7 @@ use sha2::{Digest, Sha256};
 use crate::tokenizer::Tokenizer;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 /// What a request's output must match.
 #[derive(Debug, Clone, PartialEq)]
@@ -41,9 +41,25 @@ pub enum GrammarSpec {
     Lark(String),
     /// Exactly one of these strings.
     Choice(Vec<String>),
+    /// A Lark grammar built by the server for a request's tools (see the API's tool calls):
+    /// its own kind only so that refusals name the tools, not a grammar the client never sent.
+    Tools(String),
 }
 
 impl GrammarSpec {
+    /// A JSON schema, `strict` or not. Not strict: keywords llguidance cannot enforce are
+    /// skipped (its lenient mode) instead of refused, so output may not satisfy them; strict:
+    /// every keyword is enforced or the schema is refused.
+    pub fn json_schema(mut schema: serde_json::Value, strict: bool) -> Self {
+        if !strict
+            && let serde_json::Value::Object(map) = &mut schema
+            && let serde_json::Value::Object(options) = map.entry("x-guidance").or_insert_with(|| serde_json::json!({}))
+        {
+            options.entry("lenient").or_insert(serde_json::Value::Bool(true));
+        }
+        Self::JsonSchema(schema)
+    }
+
     /// How the API names this kind of constraint, for messages.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -52,6 +68,7 @@ impl GrammarSpec {
             Self::Regex(_) => "the regular expression",
             Self::Lark(_) => "the grammar",
             Self::Choice(_) => "the choice list",
+            Self::Tools(_) => "the tools' grammar",
         }
     }
 
@@ -60,7 +77,7 @@ impl GrammarSpec {
         match self {
             Self::JsonSchema(v) => serde_json::to_string(v).map_or(usize::MAX, |s| s.len()),
             Self::JsonObject => 0,
-            Self::Regex(s) | Self::Lark(s) => s.len(),
+            Self::Regex(s) | Self::Lark(s) | Self::Tools(s) => s.len(),
             Self::Choice(c) => c.iter().fold(0usize, |a, s| a.saturating_add(s.len()).saturating_add(1)),
         }
     }
@@ -80,6 +97,10 @@ impl GrammarSpec {
             }
             Self::Lark(s) => {
                 h.update(b"lark\0");
+                h.update(s.as_bytes());
+            }
+            Self::Tools(s) => {
+                h.update(b"tools\0");
                 h.update(s.as_bytes());
             }
             Self::Choice(c) => {
@@ -105,7 +126,7 @@ impl GrammarSpec {
                 TopLevelGrammar::from_grammar(GrammarWithLexer::from_json_schema(compact_json(serde_json::json!({"type": "object"})).map_err(refused)?))
             }
             Self::Regex(rx) => TopLevelGrammar::from_regex(rx),
-            Self::Lark(text) => TopLevelGrammar::from_lark(text.clone()),
+            Self::Lark(text) | Self::Tools(text) => TopLevelGrammar::from_lark(text.clone()),
             Self::Choice(choices) => {
                 if choices.is_empty() {
                     return Err(refused("it has no choices".into()));
@@ -117,11 +138,17 @@ impl GrammarSpec {
     }
 }
 
-/// A schema with llguidance's compact-whitespace option, unless it sets `x-guidance` itself.
-fn compact_json(mut schema: serde_json::Value) -> Result<serde_json::Value, String> {
+/// A schema with llguidance's compact-whitespace option, unless its `x-guidance` options set
+/// the whitespace themselves.
+pub fn compact_json(mut schema: serde_json::Value) -> Result<serde_json::Value, String> {
     match &mut schema {
         serde_json::Value::Object(map) => {
-            map.entry("x-guidance").or_insert_with(|| serde_json::json!({"whitespace_flexible": false}));
+            match map.entry("x-guidance").or_insert_with(|| serde_json::json!({})) {
+                serde_json::Value::Object(options) => {
+                    options.entry("whitespace_flexible").or_insert(serde_json::Value::Bool(false));
+                }
+                _ => return Err("`x-guidance` must be an object of llguidance's JSON options".into()),
+            }
             Ok(schema)
         }
         // `true` and `false` are schemas too: any value, and none.

@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 use super::*;
 
-fn tokenizer() -> Arc<Tokenizer> {
+pub(crate) fn tokenizer() -> Arc<Tokenizer> {
     static T: OnceLock<Arc<Tokenizer>> = OnceLock::new();
     T.get_or_init(|| {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/reference/llama/model-f32");
@@ -19,14 +19,14 @@ fn tokenizer() -> Arc<Tokenizer> {
     .clone()
 }
 
-fn compiler() -> &'static GrammarCompiler {
+pub(crate) fn compiler() -> &'static GrammarCompiler {
     static C: OnceLock<GrammarCompiler> = OnceLock::new();
     C.get_or_init(|| GrammarCompiler::new(tokenizer(), tokenizer().eos_token_ids(), GrammarLimits::default()).unwrap())
 }
 
 /// Samples from random logits under the constraint until end of sequence: the text (without
 /// it), or `None` past `budget` tokens.
-fn sample(constraint: &mut Constraint, rng: &mut StdRng, budget: usize) -> Option<String> {
+pub(crate) fn sample(constraint: &mut Constraint, rng: &mut StdRng, budget: usize) -> Option<String> {
     let t = tokenizer();
     let vocab = t.vocab_size() + 3; // a model's padding rows past the vocabulary
     let mut out = Vec::new();
@@ -65,7 +65,7 @@ fn sample(constraint: &mut Constraint, rng: &mut StdRng, budget: usize) -> Optio
 /// Schemas of the kinds extraction and classification adapters are deployed for: nested
 /// objects, bounded arrays, enums, patterns, numeric ranges, optional fields, references.
 /// Strings are bounded so that random logits finish them.
-fn schemas() -> Vec<Value> {
+pub(crate) fn schemas() -> Vec<Value> {
     let s = |n: u32| json!({"type": "string", "maxLength": n});
     let obj = |props: Value, required: Value| json!({"type": "object", "properties": props, "required": required, "additionalProperties": false});
     vec![

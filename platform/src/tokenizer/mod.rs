@@ -69,16 +69,24 @@ pub enum TokenizerError {
 
 /// One chat message. On input, `content` may also be an OpenAI-style list of parts
 /// (`[{"type": "text", "text": ...}, ...]`, whose texts are concatenated) or null/absent (empty).
+/// An assistant's message may carry the `tool_calls` it made, and a tool's message the
+/// `tool_call_id` it answers; templates see those fields only when they are present.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     #[serde(default, deserialize_with = "deserialize_content")]
     pub content: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self { role: role.into(), content: content.into() }
+        Self { role: role.into(), content: content.into(), tool_calls: None, tool_call_id: None, name: None }
     }
 }
 
@@ -298,6 +306,19 @@ impl Tokenizer {
     /// Renders the default chat template for `messages`.
     pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizerError> {
         self.apply_chat_template_with(messages, add_generation_prompt, &ChatTemplateOptions::default())
+    }
+
+    /// Whether the template that renders a chat (the `tool_use` one when `tools` are given and
+    /// the tokenizer has one, as transformers picks it; else the default) reads the `tools`
+    /// variable at all: a template that never mentions it would drop the tools silently.
+    pub fn chat_template_reads_tools(&self, tools: bool) -> bool {
+        self.templates.as_ref().is_some_and(|t| t.reads_tools(self.chat_template_for(tools)))
+    }
+
+    /// The template a chat is rendered with: `tool_use` for a chat with tools when there is one.
+    pub fn chat_template_for(&self, tools: bool) -> Option<&'static str> {
+        let names = self.templates.as_ref().map_or(&[][..], ChatTemplates::names);
+        (tools && names.iter().any(|n| n == "tool_use")).then_some("tool_use")
     }
 
     /// Renders a chat template with tools, documents, extra variables or a named template.

@@ -44,6 +44,8 @@ impl std::error::Error for RaisedException {}
 pub(crate) struct ChatTemplates {
     env: Environment<'static>,
     names: Vec<String>,
+    /// The templates whose source mentions `tools`.
+    tool_aware: Vec<String>,
     /// Special token strings (`bos_token`, ...) passed to every render.
     token_context: BTreeMap<String, Value>,
 }
@@ -69,8 +71,12 @@ impl ChatTemplates {
         env.add_filter("tojson", tojson_filter);
 
         let mut names = Vec::with_capacity(sources.len());
+        let mut tool_aware = Vec::new();
         for TemplateSource { name, source, path } in sources {
             let source = rewrite_generation_tags(&source);
+            if source.contains("tools") && !tool_aware.contains(&name) {
+                tool_aware.push(name.clone());
+            }
             env.add_template_owned(name.clone(), source).map_err(|e| TokenizerError::TemplateSyntax {
                 path: path.clone(),
                 name: name.clone(),
@@ -80,7 +86,13 @@ impl ChatTemplates {
                 names.push(name);
             }
         }
-        Ok(Self { env, names, token_context })
+        Ok(Self { env, names, tool_aware, token_context })
+    }
+
+    /// Whether template `name` (`None`: the default) mentions the `tools` variable.
+    pub(crate) fn reads_tools(&self, name: Option<&str>) -> bool {
+        let name = name.unwrap_or(DEFAULT_TEMPLATE);
+        self.tool_aware.iter().any(|n| n == name)
     }
 
     pub(crate) fn names(&self) -> &[String] {
@@ -189,7 +201,7 @@ mod tests {
     use super::*;
 
     fn msg(role: &str, content: &str) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage::new(role, content)
     }
 
     fn render(source: &str) -> String {

@@ -9,6 +9,8 @@
 
 use serde_json::{Map, Value, json};
 
+use crate::api::structured::MAX_CHOICES;
+use crate::api::tools::MAX_TOOLS;
 use crate::api::validate::{CHAT_ROLES, MAX_MESSAGES, MAX_PROMPTS, MAX_STOP_BYTES, MAX_STOPS};
 use crate::request::MAX_SAMPLES;
 use crate::sampling::MAX_LOGPROBS;
@@ -263,11 +265,105 @@ fn generation_fields(specific: Value) -> Value {
         "repetition_penalty": repetition_penalty(),
         "ignore_eos": nullable(boolean()),
         "logit_bias": nullable(json!({"type": "object", "maxProperties": 0, "description": "Not supported: only an empty object is accepted."})),
+        "response_format": nullable(r("ResponseFormat")),
+        "structured_outputs": nullable(r("StructuredOutputs")),
+        "guided_json": described(nullable(json!({"anyOf": [json_schema(), string()]})), "vLLM: output valid against this JSON schema (or its JSON text); not strict."),
+        "guided_regex": described(nullable(string()), "vLLM: output matching this regular expression whole."),
+        "guided_choice": described(nullable(json!({"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": {"type": "string", "minLength": 1}})), "vLLM: exactly one of these strings."),
+        "guided_grammar": described(nullable(string()), "vLLM: output of this Lark grammar (llguidance's dialect)."),
+        "guided_decoding_backend": described(nullable(string()), "Accepted for compatibility (auto, guidance, llguidance, xgrammar, outlines, lm-format-enforcer): every constraint runs on llguidance."),
+        "guided_whitespace_pattern": described(nullable(string()), "vLLM: the whitespace allowed between JSON tokens (default: none)."),
     });
     if let (Some(all), Value::Object(more)) = (v.as_object_mut(), specific) {
         all.extend(more);
     }
     v
+}
+
+/// A JSON schema (an object, or `true`).
+fn json_schema() -> Value {
+    json!({"anyOf": [{"type": "object"}, {"type": "boolean"}], "description": "A JSON schema."})
+}
+
+fn response_format() -> Value {
+    json!({
+        "type": "object",
+        "required": ["type"],
+        "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {
+                "type": "object",
+                "properties": {
+                    "name": string(),
+                    "description": string(),
+                    "schema": nullable(json_schema()),
+                    "strict": described(nullable(boolean()), "true: every keyword is enforced, or the schema is refused with 400; otherwise keywords that cannot be enforced are skipped."),
+                },
+                "description": "With type json_schema: the schema the output must be valid against.",
+            },
+            "schema": described(nullable(json!({"anyOf": [json_schema(), string()]})), "LoRAX: with type json_object, the schema to enforce."),
+        },
+        "description": "text: free text; json_object: any JSON object (or, LoRAX, valid against `schema`); json_schema: valid against `json_schema.schema`.",
+    })
+}
+
+fn structured_outputs() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "json": nullable(json!({"anyOf": [json_schema(), string()]})),
+            "regex": nullable(string()),
+            "choice": nullable(json!({"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": {"type": "string", "minLength": 1}})),
+            "grammar": described(nullable(string()), "Lark, in llguidance's dialect."),
+            "json_object": nullable(boolean()),
+            "whitespace_pattern": nullable(string()),
+            "disable_any_whitespace": nullable(boolean()),
+            "disable_fallback": nullable(boolean()),
+            "backend": nullable(string()),
+        },
+        "description": "vLLM's structured outputs: one of json, regex, choice, grammar, json_object.",
+    })
+}
+
+fn tool() -> Value {
+    json!({
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {
+            "type": constant("function"),
+            "function": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                    "description": nullable(string()),
+                    "parameters": described(nullable(json!({"type": "object"})), "A JSON schema; the arguments of every call are generated valid against it (or the request is refused with 400)."),
+                    "strict": nullable(boolean()),
+                },
+            },
+        },
+    })
+}
+
+fn tool_choice() -> Value {
+    json!({
+        "anyOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "function"], "properties": {"type": constant("function"), "function": {"type": "object", "required": ["name"], "properties": {"name": string()}}}},
+        ],
+        "description": "none: text only; auto (the default with tools): text or calls; required: one call or more; a function: one call of it.",
+    })
+}
+
+fn tool_call(index: bool) -> Value {
+    let v = record(
+        json!({"id": string(), "type": constant("function"), "function": record(json!({"name": string(), "arguments": described(string(), "The arguments object as JSON text.")}))}),
+    );
+    if index { with(v, "index", count()) } else { v }
+}
+
+fn chat_finish_reason() -> Value {
+    json!({"type": "string", "enum": ["stop", "length", "tool_calls", null], "nullable": true})
 }
 
 fn chat_message() -> Value {
@@ -282,6 +378,9 @@ fn chat_message() -> Value {
         "properties": {
             "role": {"type": "string", "enum": CHAT_ROLES},
             "content": {"anyOf": [nullable(string()), array(part)], "description": "Text, or a list of text parts (concatenated); null or absent is empty."},
+            "tool_calls": described(nullable(array(json!({"type": "object"}))), "An assistant's calls, as the API returned them."),
+            "tool_call_id": described(nullable(string()), "A tool's message: the call it answers."),
+            "name": nullable(string()),
         },
     })
 }
@@ -295,14 +394,9 @@ fn chat_request() -> Value {
             "max_completion_tokens": nullable(described(u32_from(1), "Default: the rest of the context. If `max_tokens` is given too, they must be equal.")),
             "logprobs": nullable(boolean()),
             "top_logprobs": nullable(described(uint(0, MAX_LOGPROBS as u64), "Needs `logprobs: true`.")),
-            "tools": nullable(json!({"type": "array", "maxItems": 0, "items": {}, "description": "Not supported: only an empty list is accepted."})),
-            "tool_choice": nullable(json!({"type": "string", "enum": ["none"], "description": "Not supported: only \"none\" is accepted."})),
-            "response_format": nullable(json!({
-                "type": "object",
-                "required": ["type"],
-                "properties": {"type": constant("text")},
-                "description": "Only {\"type\": \"text\"} is accepted.",
-            })),
+            "tools": nullable(json!({"type": "array", "maxItems": MAX_TOOLS, "items": r("Tool"), "description": "Functions the model may call (through its chat template)."})),
+            "tool_choice": nullable(r("ToolChoice")),
+            "parallel_tool_calls": described(nullable(boolean()), "Default true: several calls in one answer."),
         })),
     )
 }
@@ -342,8 +436,16 @@ fn completion() -> Value {
 }
 
 fn chat_completion() -> Value {
-    let message = record(json!({"role": constant("assistant"), "content": string()}));
-    let choice = record(json!({"index": count(), "message": message, "logprobs": chat_logprobs(), "finish_reason": finish_reason()}));
+    let message = json!({
+        "type": "object",
+        "required": ["role", "content"],
+        "properties": {
+            "role": constant("assistant"),
+            "content": described(nullable(string()), "null when the answer is tool calls."),
+            "tool_calls": array(tool_call(false)),
+        },
+    });
+    let choice = record(json!({"index": count(), "message": message, "logprobs": chat_logprobs(), "finish_reason": chat_finish_reason()}));
     with(completion_object("chat.completion", choice), "usage", r("Usage"))
 }
 
@@ -359,8 +461,11 @@ fn completion_chunk() -> Value {
 }
 
 fn chat_completion_chunk() -> Value {
-    let delta = json!({"type": "object", "required": ["content"], "properties": {"role": constant("assistant"), "content": string()}});
-    chunk("chat.completion.chunk", record(json!({"index": count(), "delta": delta, "logprobs": chat_logprobs(), "finish_reason": finish_reason()})))
+    let delta = json!({
+        "type": "object",
+        "properties": {"role": constant("assistant"), "content": string(), "tool_calls": described(array(tool_call(true)), "Sent whole, once the choice ends.")},
+    });
+    chunk("chat.completion.chunk", record(json!({"index": count(), "delta": delta, "logprobs": chat_logprobs(), "finish_reason": chat_finish_reason()})))
 }
 
 /// One server-sent event whose `data` is a JSON value of one of `schemas` (or `[DONE]`). What
@@ -439,7 +544,7 @@ fn generate_parameters() -> Value {
             "details": boolean(),
             "decoder_input_details": {"type": "boolean", "enum": [false], "description": "Not supported: only false is accepted."},
             "return_k_alternatives": logprobs_count(),
-            "response_format": only_null("no constrained decoding"),
+            "response_format": nullable(r("ResponseFormat")),
         }),
     )
 }
@@ -746,6 +851,10 @@ pub fn schemas() -> Value {
         ("Prompt", prompt()),
         ("CompletionRequest", completion_request()),
         ("ChatMessage", chat_message()),
+        ("ResponseFormat", response_format()),
+        ("StructuredOutputs", structured_outputs()),
+        ("Tool", tool()),
+        ("ToolChoice", tool_choice()),
         ("ChatCompletionRequest", chat_request()),
         ("Completion", completion()),
         ("ChatCompletion", chat_completion()),

@@ -4,6 +4,7 @@
 mod adapters;
 mod billing;
 mod inference;
+mod structured;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -48,6 +49,13 @@ impl Harness {
             out.push(Self::on(dir, &url, settings()).await);
         }
         out
+    }
+
+    /// A harness on a SQLite file of its own.
+    pub async fn sqlite(settings: ApiSettings) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("db.sqlite").display());
+        Self::on(dir, &url, settings).await
     }
 
     pub async fn on(dir: tempfile::TempDir, url: &str, settings: ApiSettings) -> Self {

@@ -51,15 +51,15 @@ fn prompts_are_refused_by_their_size_before_tokenizing() {
         (vec![Prompt::Text("x".into()); MAX_PROMPTS + 1], "at most 64 prompts"),
         (vec![Prompt::Text("x".repeat(l.max_bytes + 1))], "more than the model's context"),
         (vec![Prompt::Ids(vec![1; l.context + 1])], "context length"),
-        (vec![Prompt::Chat(vec![])], "messages"),
-        (vec![Prompt::Chat(vec![ChatMessage::new("wizard", "hi")])], "role \"wizard\""),
-        (vec![Prompt::Chat(vec![ChatMessage::new("user", "x".repeat(l.max_bytes))])], "more than the model's context"),
+        (vec![Prompt::Chat(vec![], None)], "messages"),
+        (vec![Prompt::Chat(vec![ChatMessage::new("wizard", "hi")], None)], "role \"wizard\""),
+        (vec![Prompt::Chat(vec![ChatMessage::new("user", "x".repeat(l.max_bytes))], None)], "more than the model's context"),
     ] {
         let m = message(check_prompts(&prompts, &l).unwrap_err());
         assert!(m.contains(needle), "{needle}: {m}");
     }
     for role in CHAT_ROLES {
-        assert!(check_prompts(&[Prompt::Chat(vec![ChatMessage::new(role, "hi")])], &l).is_ok(), "{role}");
+        assert!(check_prompts(&[Prompt::Chat(vec![ChatMessage::new(role, "hi")], None)], &l).is_ok(), "{role}");
     }
 }
 
@@ -152,7 +152,7 @@ proptest! {
     #[test]
     fn any_chat_is_accepted_or_refused_with_a_400(roles in proptest::collection::vec("[a-z]{0,12}", 0..8), content in ".{0,400}") {
         let messages: Vec<ChatMessage> = roles.iter().map(|r| ChatMessage::new(r.clone(), content.clone())).collect();
-        if let Err(e) = check_prompts(&[Prompt::Chat(messages)], &limits()) { message(e); }
+        if let Err(e) = check_prompts(&[Prompt::Chat(messages, None)], &limits()) { message(e); }
     }
 }
 
