@@ -319,7 +319,12 @@ impl GrammarCompiler {
 
     fn build(&self, spec: &GrammarSpec) -> Result<Matcher, GrammarError> {
         let refused = |message: String| GrammarError::Refused { what: spec.kind(), message };
-        let parser = self.factory.create_parser(spec.to_llguidance()?).map_err(|e| refused(e.to_string()))?;
+        let grammar = spec.to_llguidance()?;
+        // The compiler asserts on some inputs it does not expect; that is a refusal of this
+        // specification, never the end of the thread serving it.
+        let parser = std::panic::catch_unwind(AssertUnwindSafe(|| self.factory.create_parser(grammar)))
+            .map_err(|_| refused("the grammar compiler failed on it".into()))?
+            .map_err(|e| refused(e.to_string()))?;
         let mut matcher = Matcher::new(Ok(parser));
         // Some problems (an empty language, a lexer limit) show only when the first mask is
         // computed: find them now, and keep that mask computed for every copy.
