@@ -366,7 +366,37 @@ pub struct ServeArgs {
     #[arg(long, env = "LORAPLEX_TENANT_PINNED_PERCENT", default_value_t = 10, value_parser = clap::value_parser!(u32).range(0..=100))]
     pub tenant_pinned_percent: u32,
     #[command(flatten)]
+    pub batch: BatchArgs,
+    #[command(flatten)]
     pub engine: EngineArgs,
+}
+
+/// The Batch API's bounds.
+#[derive(Debug, Clone, Args)]
+pub struct BatchArgs {
+    /// Largest batch input file an upload may send, in MiB.
+    #[arg(long, env = "LORAPLEX_MAX_FILE_MB", default_value_t = 200)]
+    pub max_file_mb: u64,
+    /// Most bytes one tenant's files (inputs and outputs) may hold together, in MiB.
+    #[arg(long, env = "LORAPLEX_MAX_TENANT_FILES_MB", default_value_t = 2048)]
+    pub max_tenant_files_mb: u64,
+    /// Batches one tenant may have running at once.
+    #[arg(long, env = "LORAPLEX_MAX_ACTIVE_BATCHES", default_value_t = 16)]
+    pub max_active_batches: u32,
+    /// Lines of batches in flight on the server at once (queued or running in the batch class).
+    #[arg(long, env = "LORAPLEX_BATCH_CONCURRENCY", default_value_t = 32)]
+    pub batch_concurrency: u32,
+}
+
+impl BatchArgs {
+    pub fn settings(&self) -> crate::api::BatchSettings {
+        crate::api::BatchSettings {
+            max_file_bytes: self.max_file_mb.saturating_mul(1 << 20),
+            max_tenant_file_bytes: self.max_tenant_files_mb.saturating_mul(1 << 20),
+            max_active: self.max_active_batches.max(1),
+            concurrency: self.batch_concurrency.max(1),
+        }
+    }
 }
 
 /// Where the model runs.

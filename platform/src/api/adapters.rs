@@ -98,7 +98,7 @@ pub struct Uploads {
 }
 
 /// One running upload of a key; the count drops with it.
-struct UploadSlot<'a> {
+pub(super) struct UploadSlot<'a> {
     uploads: &'a Uploads,
     key: String,
 }
@@ -108,7 +108,7 @@ impl Uploads {
         self.running.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn enter(&self, key: &str, max: u32) -> Result<UploadSlot<'_>, ApiError> {
+    pub(super) fn enter(&self, key: &str, max: u32) -> Result<UploadSlot<'_>, ApiError> {
         let mut running = self.lock();
         let n = running.entry(key.to_string()).or_default();
         if *n >= max {
@@ -305,7 +305,7 @@ impl Drop for Scratch {
 }
 
 /// Reads one multipart field into memory, refusing more than `limit` bytes.
-async fn read_small(state: &AppState, field: &mut actix_multipart::Field, what: &str, limit: usize) -> Result<Vec<u8>, ApiError> {
+pub(super) async fn read_small(state: &AppState, field: &mut actix_multipart::Field, what: &str, limit: usize) -> Result<Vec<u8>, ApiError> {
     let mut out = Vec::new();
     while let Some(chunk) = super::next_chunk(field, state.settings.body_timeout).await? {
         let chunk = chunk.map_err(|e| ApiError::Invalid(format!("reading `{what}`: {e}")))?;
@@ -320,9 +320,9 @@ async fn read_small(state: &AppState, field: &mut actix_multipart::Field, what: 
 /// Bytes of `weights` gathered before each write to disk.
 const WRITE_CHUNK: usize = 1 << 20;
 
-/// Streams the `weights` field into `path` (written on the background pool, a megabyte at a
+/// Streams the form field `what` into `path` (written on the background pool, a megabyte at a
 /// time), refusing more than `limit` bytes; returns its size.
-async fn write_weights(state: &AppState, field: &mut actix_multipart::Field, path: PathBuf, limit: u64) -> Result<u64, ApiError> {
+pub(super) async fn write_field(state: &AppState, field: &mut actix_multipart::Field, what: &str, path: PathBuf, limit: u64) -> Result<u64, ApiError> {
     let io = |e: std::io::Error| ApiError::Internal(format!("writing the upload: {e}"));
     let mut file = Some(state.background.run(move || std::fs::File::create(path)).await?.map_err(io)?);
     let mut size = 0u64;
@@ -331,10 +331,10 @@ async fn write_weights(state: &AppState, field: &mut actix_multipart::Field, pat
         let chunk = super::next_chunk(field, state.settings.body_timeout).await?;
         let done = chunk.is_none();
         if let Some(chunk) = chunk {
-            let chunk = chunk.map_err(|e| ApiError::Invalid(format!("reading `weights`: {e}")))?;
+            let chunk = chunk.map_err(|e| ApiError::Invalid(format!("reading `{what}`: {e}")))?;
             size = size.saturating_add(chunk.len() as u64);
             if size > limit {
-                return Err(ApiError::TooLarge(format!("`weights` is larger than the limit of {limit} bytes")));
+                return Err(ApiError::TooLarge(format!("`{what}` is larger than the limit of {limit} bytes")));
             }
             buffer.extend_from_slice(&chunk);
         }
@@ -396,7 +396,7 @@ async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
             }
             "config" => config = Some(read_small(&state, &mut field, "config", MAX_CONFIG_BYTES).await?),
             "weights" if weights.is_some() => return Err(ApiError::Invalid("the form has two `weights` fields".into())),
-            "weights" => weights = Some(write_weights(&state, &mut field, dir.join("adapter_model.safetensors"), max_weights).await?),
+            "weights" => weights = Some(write_field(&state, &mut field, "weights", dir.join("adapter_model.safetensors"), max_weights).await?),
             other => {
                 let other: String = other.chars().take(64).collect();
                 return Err(ApiError::Invalid(format!(

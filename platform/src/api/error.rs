@@ -21,6 +21,9 @@ pub enum ApiError {
     NotFound(String),
     #[error("{0}")]
     Invalid(String),
+    /// A file of requests with invalid lines: the problem of each (the first ones).
+    #[error("{message}")]
+    InvalidLines { message: String, lines: Vec<LineError> },
     #[error("{0}")]
     Conflict(String),
     #[error("{0}")]
@@ -59,6 +62,7 @@ impl ApiError {
             ApiError::Forbidden(_) => ("insufficient_scope", "permission_error"),
             ApiError::NotFound(_) => ("not_found", "not_found_error"),
             ApiError::Invalid(_) => ("invalid_request", "invalid_request_error"),
+            ApiError::InvalidLines { .. } => ("invalid_lines", "invalid_request_error"),
             ApiError::Conflict(_) => ("conflict", "invalid_request_error"),
             ApiError::TooLarge(_) => ("payload_too_large", "invalid_request_error"),
             ApiError::RateLimited { .. } => ("rate_limit_exceeded", "rate_limit_error"),
@@ -74,8 +78,22 @@ impl ApiError {
     /// The body, also sent inside event streams.
     pub fn body(&self) -> serde_json::Value {
         let (code, kind) = self.code();
-        serde_json::json!({"error": {"message": self.to_string(), "type": kind, "code": code}})
+        let mut body = serde_json::json!({"error": {"message": self.to_string(), "type": kind, "code": code}});
+        if let ApiError::InvalidLines { lines, .. } = self {
+            body["error"]["lines"] = serde_json::to_value(lines).unwrap_or_default();
+        }
+        body
     }
+}
+
+/// What is wrong with one line of a file of requests.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct LineError {
+    /// From 1, as an editor counts.
+    pub line: u64,
+    /// The line's `custom_id`, where it could be read.
+    pub custom_id: Option<String>,
+    pub message: String,
 }
 
 impl ResponseError for ApiError {
@@ -84,7 +102,7 @@ impl ResponseError for ApiError {
             ApiError::MissingKey | ApiError::BadKey => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
-            ApiError::Invalid(_) => StatusCode::BAD_REQUEST,
+            ApiError::Invalid(_) | ApiError::InvalidLines { .. } => StatusCode::BAD_REQUEST,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::RateLimited { .. } | ApiError::Quota(_) => StatusCode::TOO_MANY_REQUESTS,
@@ -116,6 +134,7 @@ impl ResponseError for ApiError {
             | ApiError::Forbidden(_)
             | ApiError::NotFound(_)
             | ApiError::Invalid(_)
+            | ApiError::InvalidLines { .. }
             | ApiError::Conflict(_)
             | ApiError::TooLarge(_)
             | ApiError::Cancelled
@@ -155,6 +174,7 @@ impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::Conflict { .. } => ApiError::Conflict(e.to_string()),
+            StoreError::InUse(why) => ApiError::Conflict(why),
             StoreError::NotFound(what) => ApiError::NotFound(what.to_string()),
             StoreError::Invalid { .. } => ApiError::Invalid(e.to_string()),
             StoreError::Quota(why) => ApiError::Quota(why),

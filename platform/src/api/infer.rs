@@ -29,12 +29,14 @@ use super::{ApiError, AppState, principal};
 use crate::memory::AdapterRef;
 use crate::request::FinishReason;
 use crate::runtime::{Event, RequestHandle, RuntimeError, TokenOut, Usage};
-use crate::scheduler::{Placement, TenantId};
-use crate::store::{AdapterRecord, ApiKey, Plan, Scope, Tenant, UsageRecord, now_ms, outcome};
+use crate::scheduler::{Placement, Priority, TenantId};
+use crate::store::{AdapterRecord, Plan, Scope, Tenant, UsageRecord, now_ms, outcome};
 
 /// An authenticated tenant's key, with the tenant and its plan.
+#[derive(Debug, Clone)]
 pub struct Caller {
-    pub key: ApiKey,
+    /// The key's id (the ledger records it).
+    pub key_id: String,
     pub tenant: Tenant,
     pub plan: Plan,
 }
@@ -45,7 +47,7 @@ pub async fn caller(req: &HttpRequest, state: &AppState, scope: Scope) -> Result
     let Some((tenant, plan)) = found.tenant.clone() else {
         return Err(ApiError::Invalid("the operator's key manages tenants; inference and adapters need a tenant's key".into()));
     };
-    Ok(Caller { key: found.key.clone(), tenant, plan })
+    Ok(Caller { key_id: found.key.id.clone(), tenant, plan })
 }
 
 /// A caller admitted against its tenant's concurrency and requests-per-minute limits, before its
@@ -123,6 +125,16 @@ pub struct JobSpec {
     pub target: Target,
     /// What the output must follow (structured output, tool calls).
     pub grammar: Option<super::structured::GrammarSource>,
+    /// The batch this is a line of: it runs in the batch class, at the plan's batch prices.
+    pub batch: Option<BatchLine>,
+}
+
+/// A request that is a line of a batch.
+#[derive(Debug, Clone)]
+pub struct BatchLine {
+    pub batch_id: std::sync::Arc<str>,
+    /// The id of its usage row, chosen by the batch, which records it with the line's result.
+    pub usage_id: String,
 }
 
 /// A started job: its events, and the facts the response headers need.
@@ -178,10 +190,15 @@ pub async fn start(state: &AppState, admitted: Admitted, spec: JobSpec) -> Resul
 
     // The ledger row, durable before anything is generated.
     let label = spec.target.label();
+    let plan = &caller.plan;
+    let (prompt_price, cached_prompt_price, completion_price) = match spec.batch {
+        Some(_) => plan.batch_prices(),
+        None => (plan.prompt_price, plan.cached_prompt_price, plan.completion_price),
+    };
     let record = UsageRecord {
-        id: crate::store::random_id("use"),
+        id: spec.batch.as_ref().map_or_else(|| crate::store::random_id("use"), |b| b.usage_id.clone()),
         tenant_id: caller.tenant.id.clone(),
-        key_id: caller.key.id.clone(),
+        key_id: caller.key_id.clone(),
         adapter: label.clone(),
         prompt_tokens: prompt_tokens as i64,
         cached_prompt_tokens: 0,
@@ -192,14 +209,18 @@ pub async fn start(state: &AppState, admitted: Admitted, spec: JobSpec) -> Resul
         outcome: outcome::RUNNING.into(),
         started_at,
         finished_at: started_at,
-        plan: caller.plan.name.clone(),
-        prompt_price: caller.plan.prompt_price,
-        cached_prompt_price: caller.plan.cached_prompt_price,
-        completion_price: caller.plan.completion_price,
+        plan: plan.name.clone(),
+        prompt_price,
+        cached_prompt_price,
+        completion_price,
         instance: state.settings.instance.clone(),
+        batch_id: spec.batch.as_ref().map_or_else(String::new, |b| b.batch_id.to_string()),
     };
     state.ledger.open(record.clone()).await?;
-    let placement = Placement::tenant(TenantId::new(&caller.tenant.id), caller.tenant.weight);
+    let mut placement = Placement::tenant(TenantId::new(&caller.tenant.id), caller.tenant.weight);
+    if spec.batch.is_some() {
+        placement.priority = Priority::Batch;
+    }
     let mut handles = Vec::with_capacity(valid.len());
     for request in valid {
         match state.serving.submit(request, placement.clone()).await {

@@ -59,10 +59,106 @@ impl Window {
     }
 }
 
+impl Window {
+    /// Refuses a request over `limits`' concurrency or requests per minute.
+    fn check(&self, limits: &TenantLimits, now: Instant, what: &str) -> Result<(), ApiError> {
+        if let Some(max) = limits.max_concurrent
+            && self.concurrent as i64 >= max
+        {
+            return Err(ApiError::RateLimited { message: format!("too many concurrent {what}: the limit is {max}"), retry_after: 1 });
+        }
+        if let Some(max) = limits.requests_per_min
+            && self.requests.len() as i64 >= max
+        {
+            let retry_after = self.requests.front().map_or(1, |&(t, _)| seconds_until(t, now)).max(1);
+            return Err(ApiError::RateLimited { message: format!("too many {what}: the limit is {max} per minute"), retry_after });
+        }
+        Ok(())
+    }
+
+    /// The burst bucket after taking one request from it, or why it holds none.
+    fn take(&self, limits: &TenantLimits, now: Instant) -> Result<Option<(f64, Instant)>, ApiError> {
+        let Some(max) = limits.requests_per_min else { return Ok(None) };
+        let (cap, rate) = (burst(max), max.max(0) as f64 / 60.0);
+        let (held, at) = self.bucket.unwrap_or((cap, now));
+        let held = (held + now.saturating_duration_since(at).as_secs_f64() * rate).min(cap);
+        if held < 1.0 {
+            // The minute's limit refuses a tenant allowed none at all.
+            let retry_after = ((1.0 - held) / rate.max(1e-9)).ceil().clamp(1.0, 60.0) as u64;
+            return Err(ApiError::RateLimited {
+                message: format!("too many requests at once: the limit of {max} per minute allows {} at once, then one every {:.1} s", cap as u64, 1.0 / rate),
+                retry_after,
+            });
+        }
+        Ok(Some((held - 1.0, now)))
+    }
+
+    fn enter(&mut self, now: Instant, id: u64) {
+        self.requests.push_back((now, id));
+        self.concurrent += 1;
+    }
+
+    /// Whether `tokens` more fit `limits`' tokens per minute, or when to retry.
+    fn room(&self, limits: &TenantLimits, now: Instant, tokens: u64, what: &str) -> Result<(), ApiError> {
+        if let Some(max) = limits.tokens_per_min {
+            let max = max.max(0) as u64;
+            if tokens > max {
+                return Err(ApiError::Invalid(format!(
+                    "this request may use {tokens} tokens (prompt plus max_tokens times n), more than the limit of {max} tokens per minute{what}; lower max_tokens"
+                )));
+            }
+            let mut sum = self.token_sum();
+            if sum.saturating_add(tokens) > max {
+                // Retry once enough of the window has expired.
+                let mut retry_after = 1;
+                for &(t, _, n) in &self.tokens {
+                    sum = sum.saturating_sub(n);
+                    retry_after = seconds_until(t, now).max(1);
+                    if sum.saturating_add(tokens) <= max {
+                        break;
+                    }
+                }
+                return Err(ApiError::RateLimited {
+                    message: format!("too many tokens{what}: the limit is {max} per minute and this request may use {tokens}"),
+                    retry_after,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn settle(&mut self, id: u64, tokens: u64) {
+        if let Some(entry) = self.tokens.iter_mut().find(|(_, i, _)| *i == id) {
+            entry.2 = tokens;
+        }
+    }
+}
+
+/// The share of a tenant's limits its batch work may take: half of its requests and tokens per
+/// minute and of its concurrency (rounded up), so that its interactive requests always have the
+/// other half.
+pub fn batch_share(limits: &TenantLimits) -> TenantLimits {
+    let half = |v: Option<i64>| v.map(|x| if x > 0 { x / 2 + x % 2 } else { x });
+    TenantLimits {
+        requests_per_min: half(limits.requests_per_min),
+        tokens_per_min: half(limits.tokens_per_min),
+        max_concurrent: half(limits.max_concurrent),
+        ..limits.clone()
+    }
+}
+
+#[derive(Debug, Default)]
+struct Windows {
+    /// Every request of each tenant, interactive and batch.
+    tenants: HashMap<String, Window>,
+    /// The batch requests of each tenant.
+    batch: HashMap<String, Window>,
+}
+
 /// The windows of every tenant. Cheap to share.
 #[derive(Debug, Default)]
 pub struct Limiter {
-    tenants: Mutex<HashMap<String, Window>>,
+    windows: Mutex<Windows>,
     next_id: std::sync::atomic::AtomicU64,
 }
 
@@ -75,6 +171,8 @@ pub struct Permit {
     tenant: String,
     limits: TenantLimits,
     id: u64,
+    /// For batch work: the share of the limits it runs under ([`batch_share`]).
+    share: Option<TenantLimits>,
 }
 
 fn seconds_until(t: Instant, now: Instant) -> u64 {
@@ -87,8 +185,8 @@ impl Limiter {
         Arc::new(Self::default())
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Window>> {
-        self.tenants.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, Windows> {
+        self.windows.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Admits one request of `tenant` against its concurrency and requests-per-minute limits,
@@ -100,89 +198,75 @@ impl Limiter {
 
     fn admit_at(self: &Arc<Self>, tenant: &str, limits: &TenantLimits, now: Instant) -> Result<Permit, ApiError> {
         let mut all = self.lock();
-        let w = all.entry(tenant.to_string()).or_default();
+        let w = all.tenants.entry(tenant.to_string()).or_default();
         w.expire(now);
-        if let Some(max) = limits.max_concurrent
-            && w.concurrent as i64 >= max
-        {
-            return Err(ApiError::RateLimited { message: format!("too many concurrent requests: the limit is {max}"), retry_after: 1 });
-        }
-        if let Some(max) = limits.requests_per_min
-            && w.requests.len() as i64 >= max
-        {
-            let retry_after = w.requests.front().map_or(1, |&(t, _)| seconds_until(t, now)).max(1);
-            return Err(ApiError::RateLimited { message: format!("too many requests: the limit is {max} per minute"), retry_after });
-        }
-        let mut bucket = None;
-        if let Some(max) = limits.requests_per_min {
-            let (cap, rate) = (burst(max), max.max(0) as f64 / 60.0);
-            let (held, at) = w.bucket.unwrap_or((cap, now));
-            let held = (held + now.saturating_duration_since(at).as_secs_f64() * rate).min(cap);
-            if held < 1.0 {
-                // The minute's limit above refuses a tenant allowed none at all.
-                let retry_after = ((1.0 - held) / rate.max(1e-9)).ceil().clamp(1.0, 60.0) as u64;
-                return Err(ApiError::RateLimited {
-                    message: format!(
-                        "too many requests at once: the limit of {max} per minute allows {} at once, then one every {:.1} s",
-                        cap as u64,
-                        1.0 / rate
-                    ),
-                    retry_after,
-                });
-            }
-            bucket = Some((held - 1.0, now));
-        }
-        w.bucket = bucket;
+        w.check(limits, now, "requests")?;
+        w.bucket = w.take(limits, now)?;
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        w.requests.push_back((now, id));
-        w.concurrent += 1;
-        Ok(Permit { limiter: self.clone(), tenant: tenant.to_string(), limits: limits.clone(), id })
+        w.enter(now, id);
+        Ok(Permit { limiter: self.clone(), tenant: tenant.to_string(), limits: limits.clone(), id, share: None })
+    }
+
+    /// Admits one line of `tenant`'s batch work: within its [`batch_share`] of the limits, and
+    /// within the limits themselves counting every request of the tenant. The tenant's burst
+    /// bucket is left to its interactive requests; batch work has one of its own.
+    pub fn admit_batch(self: &Arc<Self>, tenant: &str, limits: &TenantLimits) -> Result<Permit, ApiError> {
+        self.admit_batch_at(tenant, limits, Instant::now())
+    }
+
+    fn admit_batch_at(self: &Arc<Self>, tenant: &str, limits: &TenantLimits, now: Instant) -> Result<Permit, ApiError> {
+        let share = batch_share(limits);
+        let mut all = self.lock();
+        let Windows { tenants, batch } = &mut *all;
+        let w = tenants.entry(tenant.to_string()).or_default();
+        w.expire(now);
+        w.check(limits, now, "requests")?;
+        let b = batch.entry(tenant.to_string()).or_default();
+        b.expire(now);
+        b.check(&share, now, "batch requests (half the limit)")?;
+        b.bucket = b.take(&share, now)?;
+        let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        w.enter(now, id);
+        b.enter(now, id);
+        Ok(Permit { limiter: self.clone(), tenant: tenant.to_string(), limits: limits.clone(), id, share: Some(share) })
     }
 }
 
 impl Permit {
     /// Reserves the most tokens the request may use (prompt plus what it may generate) against
-    /// the tokens-per-minute limit, or says when to retry.
+    /// the tokens-per-minute limit (and batch work against its share too), or says when to retry.
     pub fn reserve(&mut self, tokens: u64) -> Result<(), ApiError> {
         let now = Instant::now();
         let mut all = self.limiter.lock();
-        let w = all.entry(self.tenant.clone()).or_default();
-        w.expire(now);
-        if let Some(max) = self.limits.tokens_per_min {
-            let max = max.max(0) as u64;
-            if tokens > max {
-                return Err(ApiError::Invalid(format!(
-                    "this request may use {tokens} tokens (prompt plus max_tokens times n), more than the limit of {max} tokens per minute; lower max_tokens"
-                )));
-            }
-            let mut sum = w.token_sum();
-            if sum.saturating_add(tokens) > max {
-                // Retry once enough of the window has expired.
-                let mut retry_after = 1;
-                for &(t, _, n) in &w.tokens {
-                    sum = sum.saturating_sub(n);
-                    retry_after = seconds_until(t, now).max(1);
-                    if sum.saturating_add(tokens) <= max {
-                        break;
-                    }
-                }
-                return Err(ApiError::RateLimited {
-                    message: format!("too many tokens: the limit is {max} per minute and this request may use {tokens}"),
-                    retry_after,
-                });
-            }
+        let Windows { tenants, batch } = &mut *all;
+        // The share first: a line that could never fit it is told so, not to wait.
+        let mut share = None;
+        if let Some(limits) = &self.share {
+            let b = batch.entry(self.tenant.clone()).or_default();
+            b.expire(now);
+            b.room(limits, now, tokens, " for batch work (half the limit)")?;
+            share = Some(b);
         }
+        let w = tenants.entry(self.tenant.clone()).or_default();
+        w.expire(now);
+        w.room(&self.limits, now, tokens, "")?;
         w.tokens.push_back((now, self.id, tokens));
+        if let Some(b) = share {
+            b.tokens.push_back((now, self.id, tokens));
+        }
         Ok(())
     }
 
     /// Replaces the reservation with the tokens the request really used.
     pub fn settle(&self, tokens: u64) {
         let mut all = self.limiter.lock();
-        if let Some(w) = all.get_mut(&self.tenant)
-            && let Some(entry) = w.tokens.iter_mut().find(|(_, id, _)| *id == self.id)
+        if let Some(w) = all.tenants.get_mut(&self.tenant) {
+            w.settle(self.id, tokens);
+        }
+        if self.share.is_some()
+            && let Some(b) = all.batch.get_mut(&self.tenant)
         {
-            entry.2 = tokens;
+            b.settle(self.id, tokens);
         }
     }
 }
@@ -190,8 +274,13 @@ impl Permit {
 impl Drop for Permit {
     fn drop(&mut self) {
         let mut all = self.limiter.lock();
-        if let Some(w) = all.get_mut(&self.tenant) {
+        if let Some(w) = all.tenants.get_mut(&self.tenant) {
             w.concurrent = w.concurrent.saturating_sub(1);
+        }
+        if self.share.is_some()
+            && let Some(b) = all.batch.get_mut(&self.tenant)
+        {
+            b.concurrent = b.concurrent.saturating_sub(1);
         }
     }
 }
@@ -280,5 +369,51 @@ mod tests {
         assert!((99..=101).contains(&within(0, 5_000)), "{}", within(0, 5_000));
         assert!((0..60_000).step_by(1_000).all(|from| within(from, 60_000) <= 600));
         assert!(within(0, 60_000) >= 590, "{}", within(0, 60_000));
+    }
+
+    #[test]
+    fn batch_work_takes_at_most_half_of_each_limit_and_never_the_interactive_burst() {
+        assert_eq!(batch_share(&limits(Some(7), Some(100), Some(1))), limits(Some(4), Some(50), Some(1)));
+        assert_eq!(batch_share(&limits(None, Some(0), None)), limits(None, Some(0), None));
+        let l = Limiter::new();
+        let t0 = Instant::now();
+        // Concurrency 4: batch work holds at most 2, and interactive requests get the rest.
+        let conc = limits(None, None, Some(4));
+        let batch: Vec<Permit> = (0..2).map(|_| l.admit_batch_at("c", &conc, t0).unwrap()).collect();
+        assert!(matches!(l.admit_batch_at("c", &conc, t0), Err(ApiError::RateLimited { .. })));
+        let interactive: Vec<Permit> = (0..2).map(|_| l.admit_at("c", &conc, t0).unwrap()).collect();
+        assert!(l.admit_at("c", &conc, t0).is_err(), "batch and interactive count together");
+        drop(interactive);
+        // Interactive requests may take the whole limit: then batch work waits too.
+        drop(batch);
+        let interactive: Vec<Permit> = (0..4).map(|_| l.admit_at("c", &conc, t0).unwrap()).collect();
+        assert!(l.admit_batch_at("c", &conc, t0).is_err());
+        drop(interactive);
+
+        // 20 a minute: batch work gets 10 of them, from a bucket of its own; the tenant's burst of
+        // 10 interactive requests is still there, and the minute holds 20 in all.
+        let rpm = limits(Some(20), None, None);
+        for i in 0..10 {
+            l.admit_batch_at("r", &rpm, t0).unwrap_or_else(|e| panic!("batch {i}: {e}"));
+        }
+        assert!(l.admit_batch_at("r", &rpm, t0).is_err());
+        for i in 0..10 {
+            l.admit_at("r", &rpm, t0).unwrap_or_else(|e| panic!("interactive {i}: {e}"));
+        }
+        assert!(l.admit_at("r", &rpm, t0 + Duration::from_secs(30)).is_err(), "the minute's 20 are used");
+
+        // Tokens: batch work reserves at most half the minute's tokens; one line that could never
+        // fit its half is a client error, not a wait.
+        let tpm = limits(None, Some(100), None);
+        let mut a = l.admit_batch_at("k", &tpm, t0).unwrap();
+        a.reserve(50).unwrap();
+        let mut b = l.admit_batch_at("k", &tpm, t0).unwrap();
+        assert!(matches!(b.reserve(1), Err(ApiError::RateLimited { .. })));
+        assert!(matches!(b.reserve(51), Err(ApiError::Invalid(_))));
+        let mut i = l.admit_at("k", &tpm, t0).unwrap();
+        i.reserve(50).unwrap();
+        assert!(matches!(l.admit_at("k", &tpm, t0).unwrap().reserve(1), Err(ApiError::RateLimited { .. })));
+        a.settle(10);
+        b.reserve(40).unwrap();
     }
 }

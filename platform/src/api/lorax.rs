@@ -140,6 +140,7 @@ async fn prepare(req: &HttpRequest, state: &AppState, payload: web::Payload) -> 
         truncate: p.truncate,
         target,
         grammar,
+        batch: None,
     };
     let prepared = Prepared { spec, adapter_id, details: p.details, full_text, seed: p.seed, eos };
     Ok((caller, prepared))

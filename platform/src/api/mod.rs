@@ -4,8 +4,10 @@
 mod adapters;
 mod admin;
 mod admission;
+pub mod batch;
 mod blocking;
 mod error;
+pub mod files;
 mod infer;
 mod limits;
 mod lorax;
@@ -59,6 +61,27 @@ pub struct ApiSettings {
     pub instance: String,
     /// What one structured-output grammar may cost to compile and to run.
     pub grammar: crate::grammar::GrammarLimits,
+    /// The Batch API's bounds.
+    pub batch: BatchSettings,
+}
+
+/// The Batch API's bounds.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchSettings {
+    /// Largest input file.
+    pub max_file_bytes: u64,
+    /// Most bytes of one tenant's live files.
+    pub max_tenant_file_bytes: u64,
+    /// Batches with work left, per tenant.
+    pub max_active: u32,
+    /// Batch lines in flight on the server.
+    pub concurrency: u32,
+}
+
+impl Default for BatchSettings {
+    fn default() -> Self {
+        Self { max_file_bytes: 200 << 20, max_tenant_file_bytes: 2 << 30, max_active: 16, concurrency: 32 }
+    }
 }
 
 impl ApiSettings {
@@ -75,6 +98,7 @@ impl ApiSettings {
             tenant_pinned_percent: 10,
             instance: instance.into(),
             grammar: crate::grammar::GrammarLimits::default(),
+            batch: BatchSettings::default(),
         }
     }
 }
@@ -100,6 +124,8 @@ pub struct AppState {
     /// Work no generation waits on, at low CPU priority: adapter validation and files.
     pub background: Arc<BlockingPool>,
     pub uploads: Arc<adapters::Uploads>,
+    /// The batches this server runs.
+    pub batches: Arc<batch::Batches>,
     /// What prompts may be, from the model's context and vocabulary.
     pub prompt_limits: validate::PromptLimits,
     /// The model's end-of-sequence tokens (they end a constrained text).
@@ -126,6 +152,7 @@ impl AppState {
                 BlockingPool::new(settings.blocking_threads, settings.blocking_queue)
             })),
             uploads: Arc::new(adapters::Uploads::default()),
+            batches: Arc::new(batch::Batches::new(settings.batch.concurrency)),
             prompt_limits: validate::PromptLimits { context, max_bytes },
             end_tokens: crate::engine::end_tokens(&tokenizer, serving.model_config()).into(),
             grammar: Arc::default(),
@@ -173,6 +200,21 @@ impl Jobs {
         });
     }
 
+    /// Runs the future `make` returns on the system's arbiter, as [`Jobs::spawn`], for futures
+    /// that must stay on one thread (those that submit to the runtime).
+    pub fn spawn_local<F, Fut>(self: &Arc<Self>, make: F)
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + 'static,
+    {
+        self.running.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        let token = JobToken(self.clone());
+        on_main_thread(move || async move {
+            let _token = token;
+            make().await;
+        });
+    }
+
     pub fn running(&self) -> usize {
         self.running.load(std::sync::atomic::Ordering::Acquire)
     }
@@ -193,6 +235,18 @@ impl Jobs {
     }
 }
 
+/// Runs the future `make` returns on the system's arbiter (the main thread, which outlives the
+/// HTTP workers), where it may stay on one thread.
+pub fn on_main_thread<F, Fut>(make: F)
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + 'static,
+{
+    actix_web::rt::System::current().arbiter().spawn_fn(move || {
+        actix_web::rt::spawn(make());
+    });
+}
+
 /// Mounts every route.
 pub fn routes(cfg: &mut web::ServiceConfig) {
     cfg.app_data(web::PathConfig::default().error_handler(|e, _| ApiError::Invalid(e.to_string()).into()))
@@ -207,6 +261,8 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .configure(lorax::routes)
         .configure(adapters::routes)
         .configure(usage::routes)
+        .configure(files::routes)
+        .configure(batch::routes)
         .configure(ui::routes)
         .default_service(web::to(unknown_route));
 }

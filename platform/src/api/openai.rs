@@ -184,8 +184,8 @@ fn check_stream_options(stream: bool, options: &Option<StreamOptions>) -> Result
 
 /// A request of either endpoint, translated and checked as far as it can be without the
 /// model: what [`run`] needs.
-struct Parsed {
-    model: String,
+pub(super) struct Parsed {
+    pub model: String,
     prompts: Vec<Prompt>,
     knobs: Knobs,
     default_max: DefaultMax,
@@ -316,6 +316,22 @@ async fn chat_completions(req: HttpRequest, state: web::Data<AppState>, payload:
 
 async fn run(state: &AppState, caller: Admitted, p: Parsed, endpoint: &'static str, peer: &Peer) -> Result<HttpResponse, ApiError> {
     let target = infer::resolve(state, &caller.caller.tenant.id, &p.model).await?;
+    if p.stream {
+        let (job, shape) = start(state, caller, p, target, endpoint, None).await?;
+        return Ok(stream_response(state.clone(), job, shape, peer.clone()));
+    }
+    Ok(HttpResponse::Ok().json(answer(state, caller, p, target, endpoint, None, peer).await?))
+}
+
+/// Starts the job of a request whose `model` resolved to `target`.
+async fn start(
+    state: &AppState,
+    caller: Admitted,
+    p: Parsed,
+    target: infer::Target,
+    endpoint: &'static str,
+    batch: Option<infer::BatchLine>,
+) -> Result<(Job, Shape), ApiError> {
     let shape = Shape {
         id: infer::response_id(if p.chat { "chatcmpl" } else { "cmpl" }),
         model: p.model,
@@ -327,11 +343,22 @@ async fn run(state: &AppState, caller: Admitted, p: Parsed, endpoint: &'static s
         chat: p.chat,
         tools: p.tools,
     };
-    let spec = JobSpec { endpoint, prompts: p.prompts, knobs: p.knobs, default_max: p.default_max, truncate: None, target, grammar: p.grammar };
-    let job = infer::start(state, caller, spec).await?;
-    if p.stream {
-        return Ok(stream_response(state.clone(), job, shape, peer.clone()));
-    }
+    let spec = JobSpec { endpoint, prompts: p.prompts, knobs: p.knobs, default_max: p.default_max, truncate: None, target, grammar: p.grammar, batch };
+    Ok((infer::start(state, caller, spec).await?, shape))
+}
+
+/// The whole (non-streamed) answer to a request whose `model` resolved to `target`: the body
+/// of the HTTP response, and of a batch line's.
+pub(super) async fn answer(
+    state: &AppState,
+    caller: Admitted,
+    p: Parsed,
+    target: infer::Target,
+    endpoint: &'static str,
+    batch: Option<infer::BatchLine>,
+    peer: &Peer,
+) -> Result<Value, ApiError> {
+    let (job, shape) = start(state, caller, p, target, endpoint, batch).await?;
     let (samples, usage) = infer::gather(job, shape.prompts, shape.n, peer).await?;
     let mut choices = Vec::with_capacity(shape.prompts * shape.n);
     for (p, prompt) in samples.iter().enumerate() {
@@ -352,14 +379,61 @@ async fn run(state: &AppState, caller: Admitted, p: Parsed, endpoint: &'static s
         }
     }
     let object = if shape.chat { "chat.completion" } else { "text_completion" };
-    Ok(HttpResponse::Ok().json(json!({
+    Ok(json!({
         "id": shape.id,
         "object": object,
         "created": shape.created,
         "model": shape.model,
         "choices": choices,
         "usage": usage_json(&usage),
-    })))
+    }))
+}
+
+/// The endpoints a batch can call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchEndpoint {
+    Completions,
+    ChatCompletions,
+}
+
+impl BatchEndpoint {
+    pub const ALL: [BatchEndpoint; 2] = [BatchEndpoint::ChatCompletions, BatchEndpoint::Completions];
+
+    pub fn url(self) -> &'static str {
+        match self {
+            BatchEndpoint::Completions => "/v1/completions",
+            BatchEndpoint::ChatCompletions => "/v1/chat/completions",
+        }
+    }
+
+    pub fn from_url(url: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|e| e.url() == url)
+    }
+
+    /// The name its lines carry in metrics.
+    pub fn batch_name(self) -> &'static str {
+        match self {
+            BatchEndpoint::Completions => "batch_completions",
+            BatchEndpoint::ChatCompletions => "batch_chat_completions",
+        }
+    }
+
+    /// A line's body, checked as the endpoint checks a request's: the request it makes, and the
+    /// model it names.
+    pub(super) fn parse(self, body: &serde_json::value::RawValue) -> Result<Parsed, ApiError> {
+        let parsed = match self {
+            BatchEndpoint::Completions => parse_completion(parse_body(body)?)?,
+            BatchEndpoint::ChatCompletions => parse_chat(parse_body(body)?)?,
+        };
+        if parsed.stream {
+            return Err(unsupported("stream", "a batch writes whole answers to its output file"));
+        }
+        Ok(parsed)
+    }
+}
+
+fn parse_body<T: serde::de::DeserializeOwned>(body: &serde_json::value::RawValue) -> Result<T, ApiError> {
+    serde_json::from_str(body.get()).map_err(|e| ApiError::Invalid(format!("invalid body: {e}")))
 }
 
 fn completion_logprobs(state: &AppState, tokens: &[crate::runtime::TokenOut], offset: usize) -> Value {

@@ -53,6 +53,15 @@ pub const ROUTES: &[(&str, &str, &str, &str)] = &[
     ("get", "/admin/keys", "The operator's keys, revoked ones included, newest first (never their secrets).", "admin"),
     ("delete", "/admin/keys/{id}", "Revoke a key.", "admin"),
     ("get", "/admin/billing/report", "Every tenant's bill: ?from=&to=&format=json|csv.", "admin"),
+    ("post", "/v1/files", "Upload a file of requests for the Batch API (multipart: purpose=batch, file: JSONL, one request a line).", "inference"),
+    ("get", "/v1/files", "The caller's files, newest first: ?purpose=&limit=&after=&order=asc|desc.", "inference"),
+    ("get", "/v1/files/{id}", "One file.", "inference"),
+    ("delete", "/v1/files/{id}", "Delete a file (not the input of a batch that is running).", "inference"),
+    ("get", "/v1/files/{id}/content", "A file's bytes: the requests uploaded, or a batch's answers or failures (JSONL).", "inference"),
+    ("post", "/v1/batches", "Run a file of requests as a batch, in capacity interactive requests leave, at the plan's batch prices.", "inference"),
+    ("get", "/v1/batches", "The caller's batches, newest first: ?limit=&after=.", "inference"),
+    ("get", "/v1/batches/{id}", "One batch: its status, progress and usage.", "inference"),
+    ("post", "/v1/batches/{id}/cancel", "Cancel a batch: its lines in flight stop (unbilled); what finished goes to its output file.", "inference"),
 ];
 
 /// The error statuses a client can see, with the name of their entry in
@@ -350,6 +359,36 @@ fn shape(method: &str, path: &str) -> Shape {
             q.push(query("tenant_id", "Only this tenant.", json!({"type": "string"})));
             q
         }),
+        ("post", "/v1/files") => Shape::new(vec![("200", json_ok("The file, checked and stored.", r("File")))], &[400, 401, 403, 408, 413, 429, 503]).body(
+            json!({
+                "required": true,
+                "content": {"multipart/form-data": {"schema": r("FileUpload"), "encoding": {"file": {"contentType": "application/jsonl, application/octet-stream"}}}},
+            }),
+        ),
+        ("get", "/v1/files") => Shape::new(vec![("200", json_ok("A page of files.", r("FileList")))], &[400, 401, 403, 503]).query(vec![
+            query("purpose", "Only files of this purpose.", json!({"type": "string", "enum": ["batch", "batch_output"]})),
+            query("limit", "Files on the page (default 100).", json!({"type": "integer", "minimum": 1, "maximum": super::files::MAX_PAGE})),
+            query("after", "The last id of the previous page.", json!({"type": "string"})),
+            query("order", "By creation time; default desc.", json!({"type": "string", "enum": ["asc", "desc"]})),
+        ]),
+        ("get", "/v1/files/{id}") => Shape::new(vec![("200", json_ok("The file.", r("File")))], &[400, 401, 403, 404, 503]),
+        ("delete", "/v1/files/{id}") => Shape::new(vec![("200", json_ok("Deleted.", r("FileDeleted")))], &[400, 401, 403, 404, 409, 503]),
+        ("get", "/v1/files/{id}/content") => Shape::new(
+            vec![("200", json!({"description": "The file's lines.", "content": {"application/jsonl": {"schema": {"type": "string"}}}}))],
+            &[400, 401, 403, 404, 503],
+        ),
+        ("post", "/v1/batches") => Shape::new(vec![("200", json_ok("The batch, running.", r("Batch")))], &[400, 401, 403, 404, 408, 413, 429, 503]).body(json_body(
+            "CreateBatch",
+            &[("batch", json!({"input_file_id": "file-0123456789abcdef01234567", "endpoint": "/v1/chat/completions", "completion_window": "24h"}))],
+        )),
+        ("get", "/v1/batches") => Shape::new(vec![("200", json_ok("A page of batches.", r("BatchList")))], &[400, 401, 403, 503]).query(vec![
+            query("limit", "Batches on the page (default 20).", json!({"type": "integer", "minimum": 1, "maximum": super::files::MAX_PAGE})),
+            query("after", "The last id of the previous page.", json!({"type": "string"})),
+        ]),
+        ("get", "/v1/batches/{id}") => Shape::new(vec![("200", json_ok("The batch.", r("Batch")))], &[400, 401, 403, 404, 503]),
+        ("post", "/v1/batches/{id}/cancel") => {
+            Shape::new(vec![("200", json_ok("The batch, cancelling or cancelled.", r("Batch")))], &[400, 401, 403, 404, 409, 503])
+        }
         // A route of ROUTES without a shape here is caught by the tests.
         _ => Shape::new(Vec::new(), &[]),
     }

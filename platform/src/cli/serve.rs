@@ -134,6 +134,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         tenant_pinned_percent: args.tenant_pinned_percent,
         instance: instance_id(&data_dir)?,
         grammar: crate::grammar::GrammarLimits::default(),
+        batch: args.batch.settings(),
     };
     actix_web::rt::System::new().block_on(async move {
         let store = Store::connect(&url).await.with_context(|| format!("opening the database {url}"))?;
@@ -156,6 +157,10 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         if interrupted > 0 {
             println!("ledger: {interrupted} requests of the last run were interrupted (recorded without charge)");
         }
+        let removed = api::batch::sweep(&data_dir, &store).await.context("cleaning the files directory")?;
+        if removed > 0 {
+            println!("files: removed {removed} that no record names");
+        }
         let state = AppState::new(store.clone(), serving, tokenizer, &model_name, &data_dir, settings);
         let app_state = state.clone();
         let mut server =
@@ -167,12 +172,18 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         }
         let server = server.bind((args.host.as_str(), args.port)).with_context(|| format!("listening on {}:{}", args.host, args.port))?;
         println!("serving `{model_name}` on {}", state.serving.device_name());
+        let resumed = api::batch::resume(&state).await.context("resuming the batches of the last run")?;
+        if resumed > 0 {
+            println!("batches: {resumed} of the last run go on");
+        }
         for addr in server.addrs() {
             println!("listening on http://{addr}");
         }
         use std::io::Write;
         std::io::stdout().flush()?;
         server.run().await?;
+        // No batch starts another line; the lines in flight are jobs, and finish below.
+        state.batches.shutdown();
         // The server has stopped taking requests and its responses are done; jobs whose
         // clients left early may still be recording their usage.
         if !state.jobs.drain(Duration::from_secs(args.shutdown_timeout)).await {

@@ -167,9 +167,28 @@ pub struct Engine<B: Backend> {
     residency_events: Vec<ResidencyEvent>,
     /// Sequences sent back to their queue to free pages, since the engine started.
     preemptions: u64,
+    grammar_time: GrammarTime,
+}
+
+/// What structured output has cost the engine's steps, since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GrammarTime {
+    /// Steps in which at least one row computed a mask.
+    pub steps: u64,
+    /// Masks computed.
+    pub masks: u64,
+    /// Time the masks took, on their own thread.
+    pub mask_ns: u64,
+    /// Time steps waited for masks after their forward had finished.
+    pub wait_ns: u64,
 }
 
 impl<B: Backend> Engine<B> {
+    /// What structured output has cost the steps so far.
+    pub fn grammar_time(&self) -> GrammarTime {
+        self.grammar_time
+    }
+
     pub fn new(model: Arc<Model<B>>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Result<Self, EngineError> {
         Self::with_host_tier(model, tokenizer, config, None)
     }
@@ -213,6 +232,7 @@ impl<B: Backend> Engine<B> {
             failures: Vec::new(),
             residency_events: Vec::new(),
             preemptions: 0,
+            grammar_time: GrammarTime::default(),
         })
     }
 
@@ -390,21 +410,32 @@ impl<B: Backend> Engine<B> {
             (self.model.forward(&batch, lora.as_ref(), &mut self.mem.buffer, &self.mem.layout), Vec::new())
         } else {
             let (model, mem) = (&self.model, &mut self.mem);
-            std::thread::scope(|scope| {
+            let count = constrained.len() as u64;
+            let (logits, masked, mask_ns, wait_ns) = std::thread::scope(|scope| {
                 let masks = scope.spawn(move || {
-                    constrained
+                    let began = std::time::Instant::now();
+                    let masks = constrained
                         .into_iter()
                         .map(|(id, mut c)| {
                             let mask = c.mask();
                             (id, c, mask)
                         })
-                        .collect::<Vec<_>>()
+                        .collect::<Vec<_>>();
+                    (masks, began.elapsed())
                 });
                 let logits = model.forward(&batch, lora.as_ref(), &mut mem.buffer, &mem.layout);
+                let waited = std::time::Instant::now();
                 // The matcher catches its own panics; a row whose matcher a lost thread took
                 // fails when it samples (it never samples without one).
-                (logits, masks.join().unwrap_or_default())
-            })
+                let (masked, took) = masks.join().unwrap_or_default();
+                (logits, masked, took.as_nanos() as u64, waited.elapsed().as_nanos() as u64)
+            });
+            let t = &mut self.grammar_time;
+            t.steps += 1;
+            t.masks += count;
+            t.mask_ns += mask_ns;
+            t.wait_ns += wait_ns;
+            (logits, masked)
         };
         for (id, c, mask) in masked {
             if let Some(s) = self.sched.get_mut(id) {

@@ -53,6 +53,8 @@ pub struct UsageRecord {
     pub completion_price: i64,
     /// The server instance that admitted it.
     pub instance: String,
+    /// The batch it is a line of; empty for an interactive request.
+    pub batch_id: String,
 }
 
 /// Most rows in one transaction.
@@ -259,8 +261,8 @@ pub fn date(day: i64) -> String {
 }
 
 const UPSERT_USAGE: &str = "INSERT INTO usage (id, tenant_id, key_id, adapter, prompt_tokens, cached_prompt_tokens, completion_tokens, queue_ms, ttft_ms, \
-     total_ms, outcome, started_at, finished_at, plan, prompt_price, cached_prompt_price, completion_price, instance) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18) \
+     total_ms, outcome, started_at, finished_at, plan, prompt_price, cached_prompt_price, completion_price, instance, batch_id) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19) \
      ON CONFLICT (id) DO UPDATE SET prompt_tokens = excluded.prompt_tokens, cached_prompt_tokens = excluded.cached_prompt_tokens, \
      completion_tokens = excluded.completion_tokens, queue_ms = excluded.queue_ms, ttft_ms = excluded.ttft_ms, total_ms = excluded.total_ms, \
      outcome = excluded.outcome, finished_at = excluded.finished_at";
@@ -291,6 +293,7 @@ impl Store {
                     .bind(r.cached_prompt_price)
                     .bind(r.completion_price)
                     .bind(&r.instance)
+                    .bind(&r.batch_id)
                     .execute(&mut *tx)
                     .await?;
             }
@@ -321,7 +324,7 @@ impl Store {
     pub async fn usage_row(&self, id: &str) -> Result<Option<UsageRecord>, StoreError> {
         Ok(sqlx::query_as(
             "SELECT id, tenant_id, key_id, adapter, prompt_tokens, cached_prompt_tokens, completion_tokens, queue_ms, ttft_ms, total_ms, outcome, \
-             started_at, finished_at, plan, prompt_price, cached_prompt_price, completion_price, instance FROM usage WHERE id = $1",
+             started_at, finished_at, plan, prompt_price, cached_prompt_price, completion_price, instance, batch_id FROM usage WHERE id = $1",
         )
         .bind(id)
         .fetch_optional(&self.pool)

@@ -6,6 +6,7 @@
 //! connect.
 
 mod auth;
+mod batches;
 mod keys;
 mod ledger;
 mod money;
@@ -45,6 +46,7 @@ use sqlx::AnyPool;
 use sqlx::any::AnyPoolOptions;
 
 pub use auth::Principal;
+pub use batches::{BatchRecord, BatchResult, BatchUsage, FileRecord, Page, batch_status, file_purpose};
 pub use keys::KeyInfo;
 pub use ledger::{BillingLine, BillingReport, DAY_MS, Ledger, TenantTotals, Totals, UsageRecord, date, outcome};
 pub use money::Money;
@@ -79,6 +81,9 @@ pub enum StoreError {
     Conflict { what: &'static str, name: String },
     #[error("{0} not found")]
     NotFound(&'static str),
+    /// The record is in use by another that needs it as it is.
+    #[error("{0}")]
+    InUse(String),
     #[error("invalid {field}: {why}")]
     Invalid { field: &'static str, why: String },
     /// A tenant's quota (adapters, adapter bytes) would be exceeded.
@@ -241,14 +246,16 @@ impl Store {
     // Plans and tenants
 
     pub async fn plan(&self, name: &str) -> Result<Option<Plan>, StoreError> {
-        Ok(sqlx::query_as("SELECT name, prompt_price, cached_prompt_price, completion_price FROM plans WHERE name = $1")
+        Ok(sqlx::query_as("SELECT name, prompt_price, cached_prompt_price, completion_price, batch_percent FROM plans WHERE name = $1")
             .bind(name)
             .fetch_optional(&self.pool)
             .await?)
     }
 
     pub async fn plans(&self) -> Result<Vec<Plan>, StoreError> {
-        Ok(sqlx::query_as("SELECT name, prompt_price, cached_prompt_price, completion_price FROM plans ORDER BY name").fetch_all(&self.pool).await?)
+        Ok(sqlx::query_as("SELECT name, prompt_price, cached_prompt_price, completion_price, batch_percent FROM plans ORDER BY name")
+            .fetch_all(&self.pool)
+            .await?)
     }
 
     pub async fn create_tenant(&self, new: &NewTenant) -> Result<Tenant, StoreError> {
@@ -386,6 +393,17 @@ pub struct Plan {
     pub prompt_price: i64,
     pub cached_prompt_price: i64,
     pub completion_price: i64,
+    /// Percent of these prices that a token of batch work costs.
+    pub batch_percent: i64,
+}
+
+impl Plan {
+    /// The prices of batch work: each price times [`Plan::batch_percent`], rounded down to a
+    /// whole micro-dollar per million tokens.
+    pub fn batch_prices(&self) -> (i64, i64, i64) {
+        let share = |price: i64| i64::try_from(i128::from(price) * i128::from(self.batch_percent.clamp(0, 100)) / 100).unwrap_or(price);
+        (share(self.prompt_price), share(self.cached_prompt_price), share(self.completion_price))
+    }
 }
 
 /// Per-tenant limits; `None` is unlimited (for `max_pinned_pages`: the server's default).

@@ -123,6 +123,7 @@ async fn the_ledger_commits_in_groups_and_the_report_adds_up() {
                 prompt_price: plan.prompt_price,
                 cached_prompt_price: plan.cached_prompt_price,
                 completion_price: plan.completion_price,
+                batch_id: String::new(),
                 instance: "test".into(),
                 key_id: "key".into(),
                 adapter: if i % 2 == 0 { "support@1".into() } else { String::new() },
@@ -211,6 +212,7 @@ fn row(id: &str, tenant: &Tenant, plan: &Plan, outcome: &str, instance: &str, fi
         cached_prompt_price: plan.cached_prompt_price,
         completion_price: plan.completion_price,
         instance: instance.into(),
+        batch_id: String::new(),
     }
 }
 

@@ -87,7 +87,7 @@ fn table(context: usize) -> Vec<(&'static str, &'static str, Value, u16, String)
             "more than the model's context",
         ),
         c("content of a wrong type", chat, json!({"model": m, "messages": [{"role": "user", "content": 5}]}), 400, "invalid JSON"),
-        c("tools", chat, json!({"model": m, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}), 400, "not supported"),
+        c("a tool without a name", chat, json!({"model": m, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}), 400, "with a `name`"),
         c(
             "two max token fields that disagree",
             chat,
@@ -96,11 +96,11 @@ fn table(context: usize) -> Vec<(&'static str, &'static str, Value, u16, String)
             "give one of",
         ),
         c(
-            "response_format json",
+            "a response_format of an unknown type",
             chat,
-            json!({"model": m, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}),
+            json!({"model": m, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}),
             400,
-            "not supported",
+            "response_format",
         ),
         c("a body that is not an object", cmp, json!([1, 2, 3]), 400, "invalid JSON"),
         c("a body that is a string", cmp, json!("prompt"), 400, "invalid JSON"),

@@ -9,6 +9,8 @@
 
 use serde_json::{Map, Value, json};
 
+mod batch;
+
 use crate::api::structured::MAX_CHOICES;
 use crate::api::tools::MAX_TOOLS;
 use crate::api::validate::{CHAT_ROLES, MAX_MESSAGES, MAX_PROMPTS, MAX_STOP_BYTES, MAX_STOPS};
@@ -168,6 +170,7 @@ fn error() -> Value {
         "insufficient_scope",
         "not_found",
         "invalid_request",
+        "invalid_lines",
         "conflict",
         "payload_too_large",
         "rate_limit_exceeded",
@@ -179,11 +182,14 @@ fn error() -> Value {
         "internal_error",
     ];
     let types = ["authentication_error", "permission_error", "not_found_error", "invalid_request_error", "rate_limit_error", "server_error"];
-    record(json!({"error": record(json!({
+    let line = record(json!({"line": described(count(), "From 1."), "custom_id": nullable(string()), "message": string()}));
+    let mut body = record(json!({
         "message": string(),
         "type": {"type": "string", "enum": types},
         "code": {"type": "string", "enum": codes},
-    }))}))
+    }));
+    body["properties"]["lines"] = described(array(line), "With `invalid_lines`: the problem of each invalid line of a file (the first 100).");
+    record(json!({"error": body}))
 }
 
 fn usage() -> Value {
@@ -943,5 +949,5 @@ pub fn schemas() -> Value {
         ("Health", record(json!({"status": constant("ok")}))),
         ("Ready", ready()),
     ];
-    Value::Object(all.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+    Value::Object(all.into_iter().chain(batch::schemas()).map(|(k, v)| (k.to_string(), v)).collect())
 }

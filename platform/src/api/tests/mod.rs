@@ -2,6 +2,7 @@
 //! PostgreSQL where the tests say so), requests through the real routes.
 
 mod adapters;
+mod batch;
 mod billing;
 mod inference;
 mod structured;
