@@ -113,30 +113,41 @@ fn shutdown_lets_running_requests_finish_and_records_them() {
     assert!(report.contains("\"completion_tokens\":300"), "the usage row was committed: {report}");
 }
 
-#[test]
-fn the_official_openai_python_client_works_unchanged() {
+/// Runs a client script of `tests/clients` against a fresh server on the embedded defaults:
+/// `python SCRIPT URL ADMIN_KEY ADAPTERS`, where ADAPTERS is the first of `adapters` synthesized
+/// adapters (rank 8 on `targets`), or with `every` the directory of all of them; what it printed.
+/// `None` where no Python with the client is configured (`.ci/run` configures one).
+fn client_script(script: &str, adapters: usize, targets: &str, every: bool) -> Option<String> {
     let Some(python) = std::env::var_os("LORAPLEX_TEST_PYTHON") else {
         assert!(std::env::var_os("LORAPLEX_REQUIRE_OPENAI").is_none(), "LORAPLEX_REQUIRE_OPENAI is set but LORAPLEX_TEST_PYTHON is not");
-        eprintln!("LORAPLEX_TEST_PYTHON is not set: the openai client test is skipped (.ci/run sets it)");
-        return;
+        eprintln!("LORAPLEX_TEST_PYTHON is not set: {script} is skipped (.ci/run sets it)");
+        return None;
     };
     let data = tempfile::tempdir().unwrap();
-    let adapters = data.path().join("synth");
+    let synth = data.path().join("synth");
     let out = Command::new(env!("CARGO_BIN_EXE_loraplex"))
-        .args(["synth", "--preset", "tiny", "--adapters", "1", "--ranks", "8", "--targets", "qv", "--out"])
-        .arg(&adapters)
+        .args(["synth", "--preset", "tiny", "--adapters", &adapters.to_string(), "--ranks", "8", "--targets", targets, "--out"])
+        .arg(&synth)
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let admin = "operator-key-0123456789";
     let server = start(&data.path().join("server"), &["--admin-key", admin]);
-    let adapter = std::fs::read_dir(adapters.join("adapters")).unwrap().next().unwrap().unwrap().path();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/clients/openai_client.py");
+    let dir = synth.join("adapters");
+    let adapter = if every { dir } else { std::fs::read_dir(&dir).unwrap().next().unwrap().unwrap().path() };
+    let script = format!("{}/../tests/clients/{script}", env!("CARGO_MANIFEST_DIR"));
     let out = Command::new(python).arg(script).arg(format!("http://{}", server.addr)).arg(admin).arg(&adapter).output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains(": ok ("), "{stdout}");
     eprintln!("{stdout}");
+    Some(stdout)
+}
+
+#[test]
+fn the_official_openai_python_client_works_unchanged() {
+    if let Some(said) = client_script("openai_client.py", 1, "qv", false) {
+        assert!(said.contains(": ok ("), "{said}");
+    }
 }
 
 /// The script a GPU run checks `serve --device cuda` with (`.ci/gpu-run`), kept honest here on
@@ -189,26 +200,84 @@ fn without_cuda_auto_serves_on_the_cpu_and_cuda_is_a_clear_error() {
 /// validated with the `jsonschema` package.
 #[test]
 fn the_official_openai_client_gets_structured_output_and_tool_calls() {
-    let Some(python) = std::env::var_os("LORAPLEX_TEST_PYTHON") else {
-        assert!(std::env::var_os("LORAPLEX_REQUIRE_OPENAI").is_none(), "LORAPLEX_REQUIRE_OPENAI is set but LORAPLEX_TEST_PYTHON is not");
-        eprintln!("LORAPLEX_TEST_PYTHON is not set: the structured client test is skipped (.ci/run sets it)");
-        return;
-    };
+    if let Some(said) = client_script("openai_structured.py", 1, "all", false) {
+        assert!(said.contains("structured ok ("), "{said}");
+    }
+}
+
+/// The Batch API through the official client (`openai_batch.py`): files, batches over three
+/// adapters and the base model answered as the interactive API answers, cancel, listings.
+#[test]
+fn the_official_openai_client_runs_batches() {
+    if let Some(said) = client_script("openai_batch.py", 3, "all", true) {
+        assert!(said.contains("batch ok ("), "{said}");
+    }
+}
+
+/// A batch whose server is killed (SIGKILL, no shutdown) goes on when it starts again: every line
+/// is answered once, and billed once.
+#[test]
+fn a_batch_survives_its_server_being_killed() {
+    use loraplex::bench::http::{Request, multipart};
+    use serde_json::{Value, json};
     let data = tempfile::tempdir().unwrap();
-    let adapters = data.path().join("synth");
-    let out = Command::new(env!("CARGO_BIN_EXE_loraplex"))
-        .args(["synth", "--preset", "tiny", "--adapters", "1", "--ranks", "8", "--targets", "all", "--out"])
-        .arg(&adapters)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let admin = "operator-key-0123456789";
-    let server = start(&data.path().join("server"), &["--admin-key", admin]);
-    let adapter = std::fs::read_dir(adapters.join("adapters")).unwrap().next().unwrap().unwrap().path();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/clients/openai_structured.py");
-    let out = Command::new(python).arg(script).arg(format!("http://{}", server.addr)).arg(admin).arg(&adapter).output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("structured ok ("), "{stdout}");
-    eprintln!("{stdout}");
+    let args = ["--admin-key", admin, "--batch-concurrency", "2"];
+    let mut server = start(data.path(), &args);
+    let key = tenant_key(&server.addr, admin, "acme");
+    let lines: Vec<String> = (0..30)
+        .map(|i| {
+            let body = json!({"model": "loraplex-tiny", "prompt": format!("line {i}"), "max_tokens": 64, "ignore_eos": true, "temperature": 0});
+            json!({"custom_id": format!("l{i}"), "method": "POST", "url": "/v1/completions", "body": body}).to_string() + "\n"
+        })
+        .collect();
+    let (content_type, form) = multipart(&[("purpose", b"batch"), ("file", lines.concat().as_bytes())]);
+    let file = server.client().send(&Request::new("POST", "/v1/files").key(&key).body(&content_type, &form)).unwrap();
+    assert_eq!(file.status, 200, "{}", file.text());
+    let create = json!({"input_file_id": file.json()["id"], "endpoint": "/v1/completions", "completion_window": "24h"});
+    let batch = server.client().json("POST", "/v1/batches", Some(&key), Some(&create)).unwrap().json();
+    let id = batch["id"].as_str().unwrap().to_string();
+    let get = |server: &loraplex::bench::server::Server| server.client().json("GET", &format!("/v1/batches/{id}"), Some(&key), None).unwrap().json();
+    let wait = |server: &loraplex::bench::server::Server, done: &dyn Fn(&Value) -> bool| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        loop {
+            let b = get(server);
+            if done(&b) {
+                return b;
+            }
+            assert!(std::time::Instant::now() < deadline, "{b}");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    let before = wait(&server, &|b| b["request_counts"]["completed"].as_i64() >= Some(4));
+    server.kill();
+    let _ = server.child.wait();
+    let before = before["request_counts"]["completed"].as_i64().unwrap();
+    assert!(before < 30, "the kill came before the end: {before}");
+
+    let again = start(data.path(), &args);
+    assert!(again.output.lock().unwrap().iter().any(|l| l.contains("batches: 1 of the last run go on")), "{:?}", again.output.lock().unwrap());
+    let batch = wait(&again, &|b| b["status"] == "completed");
+    assert_eq!((batch["request_counts"]["completed"].as_i64(), batch["request_counts"]["failed"].as_i64()), (Some(30), Some(0)), "{batch}");
+    let output =
+        again.client().send(&Request::new("GET", &format!("/v1/files/{}/content", batch["output_file_id"].as_str().unwrap())).key(&key)).unwrap().text();
+    let mut ids: Vec<String> = output.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()["custom_id"].as_str().unwrap().to_string()).collect();
+    ids.sort_by_key(|i| i[1..].parse::<u32>().unwrap());
+    assert_eq!(ids, (0..30).map(|i| format!("l{i}")).collect::<Vec<_>>(), "every line answered once");
+    // Billed once per line: the batch's tokens are the answers' tokens, and the bill is theirs
+    // at half the standard plan's prices.
+    let answers: Vec<Value> = output.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()["response"]["body"].clone()).collect();
+    let prompt: i64 = answers.iter().map(|a| a["usage"]["prompt_tokens"].as_i64().unwrap()).sum();
+    assert!(answers.iter().all(|a| a["usage"]["completion_tokens"] == 64));
+    assert_eq!((batch["usage"]["input_tokens"].as_i64(), batch["usage"]["output_tokens"].as_i64()), (Some(prompt), Some(30 * 64)));
+    let report = again.client().json("GET", "/admin/billing/report", Some(admin), None).unwrap().json();
+    let expected = loraplex::store::Money::of(prompt, 250_000).checked_add(loraplex::store::Money::of(30 * 64, 750_000)).unwrap();
+    assert_eq!(report["totals"]["cost"].as_str(), Some(expected.to_string().as_str()), "{report}");
+    // The answers are the ones an uninterrupted run gives: the interactive API's.
+    for (a, l) in answers.iter().zip(output.lines()).take(5) {
+        let line: usize = serde_json::from_str::<Value>(l).unwrap()["custom_id"].as_str().unwrap()[1..].parse().unwrap();
+        let body: Value = serde_json::from_str::<Value>(&lines[line]).unwrap()["body"].clone();
+        let direct = again.client().json("POST", "/v1/completions", Some(&key), Some(&body)).unwrap().json();
+        assert_eq!(a["choices"], direct["choices"], "line {line}");
+    }
 }

@@ -87,7 +87,13 @@ fn table(context: usize) -> Vec<(&'static str, &'static str, Value, u16, String)
             "more than the model's context",
         ),
         c("content of a wrong type", chat, json!({"model": m, "messages": [{"role": "user", "content": 5}]}), 400, "invalid JSON"),
-        c("a tool without a name", chat, json!({"model": m, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}), 400, "with a `name`"),
+        c(
+            "a tool without a name",
+            chat,
+            json!({"model": m, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}),
+            400,
+            "with a `name`",
+        ),
         c(
             "two max token fields that disagree",
             chat,
