@@ -525,6 +525,42 @@ pub enum BenchCommand {
     /// another sends each abusive pattern at its limits.
     #[command(name = "noisy-neighbor")]
     NoisyNeighbor(BenchNoisyArgs),
+    /// Decode throughput with every row of the batch following a JSON schema, against the same
+    /// batch unconstrained, and the grammar masks' time per step.
+    Structured(BenchStructuredArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchStructuredArgs {
+    /// Synthesized model size to measure (ignored with --model).
+    #[arg(long, value_enum, default_value_t = Preset::Bench)]
+    pub preset: Preset,
+    /// Element type the synthesized model is saved in.
+    #[arg(long, value_enum, default_value_t = FileDType::F32)]
+    pub model_dtype: FileDType,
+    /// What activations enter the matmuls of bf16 weights as (see `serve --matmul-dtype`).
+    #[arg(long, value_enum, default_value_t = MatmulDType::F32)]
+    pub matmul_dtype: MatmulDType,
+    /// Measure this model directory instead of a synthesized one.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Rows of the decode batch.
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    /// Prompt length of each row.
+    #[arg(long, default_value_t = 64)]
+    pub context: usize,
+    /// Decode steps timed per round and mode.
+    #[arg(long, default_value_t = 32)]
+    pub steps: usize,
+    /// Rounds of the two modes, alternating.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    #[arg(long, env = "LORAPLEX_THREADS")]
+    pub threads: Option<usize>,
+    /// Where the JSON report goes.
+    #[arg(long, default_value = "bench-structured.json")]
+    pub out: PathBuf,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -629,8 +665,8 @@ pub struct BenchNoisyArgs {
     /// Serve this model directory instead of a synthesized one.
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Abusive patterns to run, in order: huge-prompts, stop-lists, adapter-configs,
-    /// pin-storms, disconnects, stalled-bodies, or all.
+    /// Abusive patterns to run, in order: plain, huge-prompts, stop-lists, adapter-configs,
+    /// pin-storms, disconnects, stalled-bodies, batch, or all.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     pub patterns: Vec<String>,
     /// Tenant B's offered load, as a fraction of the capacity the run measures.
@@ -671,6 +707,9 @@ pub struct BenchNoisyArgs {
     /// seven projections).
     #[arg(long, default_value_t = 16)]
     pub pin_adapters: usize,
+    /// Batch: lines of A's batch (long generations; more than the phase can run).
+    #[arg(long, default_value_t = 4000)]
+    pub batch_lines: usize,
     /// Server limits the run relies on (each passed to `serve` explicitly).
     #[arg(long, default_value_t = 16)]
     pub max_running: usize,
@@ -706,13 +745,13 @@ pub struct BenchLoraArgs {
     /// Measure this model directory instead of a synthesized one (adapters are synthesized for it).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Decode batch size; also the number of distinct adapters.
     /// Key/value heads of the synthesized model instead of the preset's (see `synth --kv-heads`).
     #[arg(long)]
     pub kv_heads: Option<usize>,
     /// The device to measure: cpu, or cuda / cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: Device,
+    /// Decode batch size; also the number of distinct adapters.
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
     /// Rank of every adapter (all seven modules targeted).

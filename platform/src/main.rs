@@ -17,6 +17,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Runtime(args) } => loraplex::bench::runtime::run(args),
         Command::Bench { which: BenchCommand::Kernels(args) } => loraplex::bench::kernels::run(args),
         Command::Bench { which: BenchCommand::NoisyNeighbor(args) } => loraplex::bench::noisy::run(args),
+        Command::Bench { which: BenchCommand::Structured(args) } => loraplex::bench::structured::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -27,6 +27,7 @@ fn noisy_neighbor_runs_every_pattern_and_reports_it() {
         a_warmup_ms: 400,
         stalled: 4,
         pin_adapters: 2,
+        batch_lines: 400,
         max_running: 4,
         max_batch_tokens: 64,
         serve_args: Vec::new(),
@@ -38,7 +39,7 @@ fn noisy_neighbor_runs_every_pattern_and_reports_it() {
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
     let rows = report["rows"].as_array().unwrap();
     let phases: Vec<&str> = rows.iter().map(|r| r["phase"].as_str().unwrap()).collect();
-    assert_eq!(phases, ["alone", "plain", "huge-prompts", "stop-lists", "adapter-configs", "pin-storms", "disconnects", "stalled-bodies"]);
+    assert_eq!(phases, ["alone", "plain", "huge-prompts", "stop-lists", "adapter-configs", "pin-storms", "disconnects", "stalled-bodies", "batch"]);
     for r in rows {
         assert_eq!(r["b"]["failed"], 0, "every request of B completes: {r}");
         assert_eq!(r["b_samples"].as_array().unwrap().len(), 6);
@@ -54,5 +55,8 @@ fn noisy_neighbor_runs_every_pattern_and_reports_it() {
     let uploads = &rows[4]["a_kinds"];
     assert!(uploads["heavy config (allowed)"]["ok"].as_u64().unwrap() > 0, "{uploads}");
     assert_eq!(uploads["heavy config (over a cap)"]["ok"], 0, "{uploads}");
+    // The batch ran some of its lines while B was measured, and was cancelled.
+    let batch = &rows[8]["a_kinds"];
+    assert!(batch["batch lines"]["ok"].as_u64().unwrap() > 0 && batch["cancel"]["ok"] == 1, "{batch}");
     assert!(report["capacity"]["requests_per_s"].as_f64().unwrap() > 0.0);
 }

@@ -8,6 +8,7 @@ pub mod lora;
 pub mod noisy;
 pub mod runtime;
 pub mod server;
+pub mod structured;
 
 use std::path::{Path, PathBuf};
 

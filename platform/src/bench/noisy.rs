@@ -38,6 +38,15 @@ use crate::tokenizer::Tokenizer;
 /// B's p99 with A abusing over B's p99 alone, for time to first token and end to end.
 pub const TARGET: f64 = 2.0;
 
+/// The same ratio while A's batch runs: batch work takes only the capacity interactive
+/// requests leave.
+pub const BATCH_TARGET: f64 = 1.5;
+
+/// The target of a phase.
+fn target(phase: &str) -> f64 {
+    if phase.starts_with(Pattern::Batch.name()) { BATCH_TARGET } else { TARGET }
+}
+
 /// Tenant A's limits, a share of the measured capacity.
 #[derive(Debug, Clone, Serialize)]
 struct ALimits {
@@ -208,6 +217,7 @@ pub fn run_with(args: &BenchNoisyArgs, exe: &Path) -> anyhow::Result<()> {
         short_prompt: B_PROMPT,
         upload_dir: &upload_dir,
         pin_adapters,
+        batch_lines: args.batch_lines,
     })?;
 
     let shared_b = if args.shared_b { Some(tenant(&client, &admin, "tenant-b", &json!({}))?) } else { None };
@@ -234,7 +244,9 @@ pub fn run_with(args: &BenchNoisyArgs, exe: &Path) -> anyhow::Result<()> {
             None => measure(&b, pid, args, every, n, &name),
             Some(spec) => {
                 let p = spec.pattern;
-                let key = tenant(&client, &admin, &format!("tenant-a-{n}"), &json!(limits))?;
+                // A batch is limited by the server's batch concurrency, not by a tenant's rates.
+                let a_limits = if p == Pattern::Batch { json!({}) } else { json!(limits) };
+                let key = tenant(&client, &admin, &format!("tenant-a-{n}"), &a_limits)?;
                 let pins = if p == Pattern::PinStorms { upload_pins(&client, &key, &kit.pin_adapters)? } else { Vec::new() };
                 let a = Tenant { key: &key, pins: &pins };
                 let tallies = Tallies::default();
@@ -254,6 +266,7 @@ pub fn run_with(args: &BenchNoisyArgs, exe: &Path) -> anyhow::Result<()> {
                 row.a_ledger_rows = client.json("GET", "/v1/usage", Some(&key), None)?.json()["totals"]["requests"].as_u64().unwrap_or(0);
                 row.a_accepted = match p {
                     Pattern::Plain | Pattern::HugePrompts | Pattern::StopLists | Pattern::Disconnects => row.a_ledger_rows,
+                    Pattern::Batch => row.a_kinds.get("batch lines").map_or(0, |t| t.ok),
                     _ => row.a_total.ok,
                 };
                 row
@@ -264,7 +277,8 @@ pub fn run_with(args: &BenchNoisyArgs, exe: &Path) -> anyhow::Result<()> {
         let row = rows.last_mut().context("no row")?;
         row.ttft_ratio = row.b.ttft_p99_ms / alone_ttft;
         row.e2e_ratio = row.b.e2e_p99_ms / alone_e2e;
-        row.pass = row.b.failed == 0 && row.ttft_ratio <= TARGET && row.e2e_ratio <= TARGET;
+        let goal = target(&row.phase);
+        row.pass = row.b.failed == 0 && row.ttft_ratio <= goal && row.e2e_ratio <= goal;
         print_progress(row);
     }
     drop(server);
@@ -434,7 +448,8 @@ fn rescore(rows: &mut [Row]) {
     for row in rows.iter_mut() {
         row.ttft_ratio = row.b.ttft_p99_ms / ttft;
         row.e2e_ratio = row.b.e2e_p99_ms / e2e;
-        row.pass = row.b.failed == 0 && row.ttft_ratio <= TARGET && row.e2e_ratio <= TARGET;
+        let goal = target(&row.phase);
+        row.pass = row.b.failed == 0 && row.ttft_ratio <= goal && row.e2e_ratio <= goal;
     }
 }
 
@@ -461,7 +476,7 @@ fn print_progress(r: &Row) {
 fn print_table(r: &Report) {
     println!();
     println!(
-        "B: {:.2} requests/s ({:.0}% of {:.2}), {} per phase; target: B's p99 with A <= {TARGET}x alone",
+        "B: {:.2} requests/s ({:.0}% of {:.2}), {} per phase; target: B's p99 with A <= {TARGET}x alone ({BATCH_TARGET}x while A's batch runs)",
         r.b_requests_per_s,
         r.b_fraction * 100.0,
         r.capacity.requests_per_s,
@@ -502,7 +517,7 @@ fn print_table(r: &Report) {
     if r.failed.is_empty() {
         println!("every pattern met the target");
     } else {
-        println!("FAILED the {TARGET}x target: {}", r.failed.join(", "));
+        println!("FAILED the target: {}", r.failed.join(", "));
     }
 }
 

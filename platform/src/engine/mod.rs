@@ -411,8 +411,15 @@ impl<B: Backend> Engine<B> {
         } else {
             let (model, mem) = (&self.model, &mut self.mem);
             let count = constrained.len() as u64;
-            let (logits, masked, mask_ns, wait_ns) = std::thread::scope(|scope| {
-                let masks = scope.spawn(move || {
+            // Both sides go to the kernels' pool: while the forward's kernels run on this
+            // thread, another takes the masks, and takes kernel work again once they are done;
+            // no thread is started per step, and no core waits on a thread it does not know.
+            let (forward, masks) = rayon::join(
+                || {
+                    let logits = model.forward(&batch, lora.as_ref(), &mut mem.buffer, &mem.layout);
+                    (logits, std::time::Instant::now())
+                },
+                move || {
                     let began = std::time::Instant::now();
                     let masks = constrained
                         .into_iter()
@@ -421,15 +428,11 @@ impl<B: Backend> Engine<B> {
                             (id, c, mask)
                         })
                         .collect::<Vec<_>>();
-                    (masks, began.elapsed())
-                });
-                let logits = model.forward(&batch, lora.as_ref(), &mut mem.buffer, &mem.layout);
-                let waited = std::time::Instant::now();
-                // The matcher catches its own panics; a row whose matcher a lost thread took
-                // fails when it samples (it never samples without one).
-                let (masked, took) = masks.join().unwrap_or_default();
-                (logits, masked, took.as_nanos() as u64, waited.elapsed().as_nanos() as u64)
-            });
+                    (masks, began.elapsed(), std::time::Instant::now())
+                },
+            );
+            let ((logits, forward_done), (masked, took, masks_done)) = (forward, masks);
+            let (mask_ns, wait_ns) = (took.as_nanos() as u64, masks_done.saturating_duration_since(forward_done).as_nanos() as u64);
             let t = &mut self.grammar_time;
             t.steps += 1;
             t.masks += count;

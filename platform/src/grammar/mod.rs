@@ -437,6 +437,11 @@ impl TokenMask {
             if bits == u32::MAX && chunk.len() == BITS {
                 continue;
             }
+            // Most words of a narrow mask allow nothing.
+            if bits == 0 {
+                chunk.fill(f32::NEG_INFINITY);
+                continue;
+            }
             for (b, logit) in chunk.iter_mut().enumerate() {
                 if bits & (1 << b) == 0 {
                     *logit = f32::NEG_INFINITY;

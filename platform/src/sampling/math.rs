@@ -2,6 +2,8 @@
 //! every result is fixed by IEEE-754 single/double arithmetic alone (no platform `expf`), which
 //! keeps seeded sampling bit-identical across machines.
 
+use loraplex_kernels::cpu::isa::{Isa, Kernel, Path};
+
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 /// 1.5 * 2^23: adding it rounds a float of magnitude < 2^22 to an integer (ties to even).
 const ROUND_MAGIC: f32 = 12_582_912.0;
@@ -13,7 +15,7 @@ const EXP_FLOOR: f32 = -87.0;
 
 /// `exp(d)` for `d <= 0` (including -inf, which gives exactly 0), relative error about 2e-7.
 /// `exp_neg(0.0)` is exactly 1. Results below `exp(-87)` are flushed to 0.
-#[inline]
+#[inline(always)]
 pub(super) fn exp_neg(d: f32) -> f32 {
     let dc = d.max(EXP_FLOOR);
     let t = dc * LOG2E + ROUND_MAGIC;
@@ -33,9 +35,38 @@ pub(super) fn exp_neg(d: f32) -> f32 {
     if d < EXP_FLOOR { 0.0 } else { e * scale }
 }
 
+/// Runs `f` compiled for the widest instruction set this CPU has ([`Path::detect`]): the
+/// loops below are plain scalar code, which the compiler vectorizes to that width. Their
+/// results do not depend on the width: Rust neither reassociates nor contracts floating-point
+/// arithmetic, and every reduction spells out its order (a test compares every path's bits).
+#[inline]
+fn wide<R>(f: impl FnOnce() -> R) -> R {
+    wide_on(Path::detect(), f)
+}
+
+#[inline]
+fn wide_on<R>(path: Path, f: impl FnOnce() -> R) -> R {
+    struct Wide<F>(F);
+    impl<R, F: FnOnce() -> R> Kernel for Wide<F> {
+        type Output = R;
+        #[inline(always)]
+        fn run<S: Isa>(self, _: S) -> R {
+            (self.0)()
+        }
+    }
+    path.run(Wide(f))
+}
+
 /// Overwrites `out` with `exp_neg((x - max) * inv_t)` for each logit `x`.
 pub(super) fn fill_weights(out: &mut Vec<f32>, logits: &[f32], max: f32, inv_t: f32) {
-    out.clear();
+    wide(
+        #[inline(always)]
+        || fill_into(out, logits, max, inv_t),
+    );
+}
+
+#[inline(always)]
+fn fill_into(out: &mut Vec<f32>, logits: &[f32], max: f32, inv_t: f32) {
     out.resize(logits.len(), 0.0);
     for (w, &x) in out.iter_mut().zip(logits) {
         *w = exp_neg((x - max) * inv_t);
@@ -54,6 +85,7 @@ pub(super) fn fill_weights_of(out: &mut Vec<f32>, cands: &[(f32, u32)], max: f32
 /// Weights are summed in blocks of this many, each block with eight interleaved accumulators.
 const BLOCK: usize = 64;
 
+#[inline(always)]
 fn block_sum(ws: &[f32]) -> f64 {
     let mut acc = [0.0f64; 8];
     let chunks = ws.chunks_exact(8);
@@ -72,11 +104,27 @@ fn block_sum(ws: &[f32]) -> f64 {
 
 /// Sum in f64: block sums added in order. Fast, and the same order on every machine.
 pub(super) fn sum(ws: &[f32]) -> f64 {
+    wide(
+        #[inline(always)]
+        || sum_of(ws),
+    )
+}
+
+#[inline(always)]
+fn sum_of(ws: &[f32]) -> f64 {
     ws.chunks(BLOCK).fold(0.0, |acc, block| acc + block_sum(block))
 }
 
 /// Maximum of NaN-free values (-inf for an empty slice).
 pub(super) fn max(xs: &[f32]) -> f32 {
+    wide(
+        #[inline(always)]
+        || max_of(xs),
+    )
+}
+
+#[inline(always)]
+fn max_of(xs: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; 8];
     let chunks = xs.chunks_exact(8);
     let rest = chunks.remainder();
@@ -86,6 +134,54 @@ pub(super) fn max(xs: &[f32]) -> f32 {
         }
     }
     acc.into_iter().chain(rest.iter().copied()).fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// NaN becomes -inf and +inf (or an overflow) becomes `f32::MAX`, in place.
+pub(super) fn sanitize(logits: &mut [f32]) {
+    wide(
+        #[inline(always)]
+        || sanitize_in(logits),
+    );
+}
+
+#[inline(always)]
+fn sanitize_in(logits: &mut [f32]) {
+    for x in logits.iter_mut() {
+        *x = clean(*x);
+    }
+}
+
+/// NaN becomes -inf and +inf (or an overflow) becomes `f32::MAX`.
+#[inline(always)]
+pub(super) fn clean(x: f32) -> f32 {
+    if x.is_nan() { f32::NEG_INFINITY } else { x.min(f32::MAX) }
+}
+
+/// Lanes [`argmax`] compares at a time.
+const ARGMAX_CHUNK: usize = 64;
+
+/// Index of the first largest of NaN-free values (0 for an empty slice or all -inf): the
+/// maximum first, then the first chunk that holds it, then the place in that chunk.
+pub(super) fn argmax(xs: &[f32]) -> u32 {
+    wide(
+        #[inline(always)]
+        || argmax_of(xs),
+    )
+}
+
+#[inline(always)]
+fn argmax_of(xs: &[f32]) -> u32 {
+    let m = max_of(xs);
+    if m == f32::NEG_INFINITY {
+        return 0;
+    }
+    for (c, chunk) in xs.chunks(ARGMAX_CHUNK).enumerate() {
+        if chunk.iter().fold(false, |hit, &x| hit | (x == m)) {
+            let at = chunk.iter().position(|&x| x == m).unwrap_or(0);
+            return (c * ARGMAX_CHUNK + at) as u32;
+        }
+    }
+    0
 }
 
 /// The index at which the running sum of `ws` first exceeds `target`; if rounding leaves the
@@ -163,5 +259,35 @@ mod tests {
         assert_eq!(pick(&ws, 1.0), Some(3));
         assert_eq!(pick(&ws, 3.0), Some(3)); // unreachable target: last positive weight
         assert_eq!(pick(&[0.0, 0.0], 0.0), None);
+    }
+
+    #[test]
+    fn every_instruction_set_gives_the_same_bits() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for len in [0usize, 1, 7, 8, 63, 64, 65, 1000, 32_000] {
+            let mut logits: Vec<f32> = (0..len).map(|_| rng.random_range(-30.0f32..30.0)).collect();
+            for (i, special) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 29.9, 29.9].into_iter().enumerate() {
+                if len > 3 * i + 2 {
+                    logits[3 * i + 2] = special;
+                }
+            }
+            let run = |path: Path| {
+                wide_on(path, || {
+                    let mut x = logits.clone();
+                    sanitize_in(&mut x);
+                    let m = max_of(&x);
+                    let mut w = Vec::new();
+                    fill_into(&mut w, &x, m, 0.7);
+                    let bits: Vec<u32> = x.iter().chain(&w).map(|v| v.to_bits()).collect();
+                    (bits, m.to_bits(), sum_of(&w).to_bits(), argmax_of(&x))
+                })
+            };
+            let scalar = run(Path::Scalar);
+            assert_eq!(argmax_of(&[1.0, 3.0, 3.0]), 1, "the first of equal maxima");
+            for path in Path::available() {
+                assert!(run(path) == scalar, "{path:?}, {len} logits");
+            }
+        }
     }
 }

@@ -84,19 +84,9 @@ pub(super) fn by_rank(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
     b.0.partial_cmp(&a.0).unwrap_or(Ordering::Equal).then(a.1.cmp(&b.1))
 }
 
-/// Replaces NaN by -inf and +inf by `f32::MAX`, so every later comparison and subtraction is
-/// well defined.
-fn sanitize(logits: &mut [f32]) {
-    for x in logits.iter_mut() {
-        *x = clean(*x);
-    }
-}
-
-/// NaN becomes -inf and +inf (or an overflow) becomes `f32::MAX`.
-#[inline]
-fn clean(x: f32) -> f32 {
-    if x.is_nan() { f32::NEG_INFINITY } else { x.min(f32::MAX) }
-}
+// Logits are sanitized first (NaN to -inf, +inf to `f32::MAX`), so every later comparison and
+// subtraction is well defined; argmax ties go to the lowest id (what `torch.argmax` returns).
+use math::{argmax, clean, sanitize};
 
 /// The `n` largest logits as (logit, id), largest first, lower id first among equals.
 fn top_n(logits: &[f32], n: usize) -> Vec<(f32, u32)> {
@@ -114,19 +104,6 @@ fn top_n(logits: &[f32], n: usize) -> Vec<(f32, u32)> {
         top.truncate(n);
     }
     top
-}
-
-/// Argmax with ties going to the lowest id (what `torch.argmax` returns).
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    let mut best_x = f32::NEG_INFINITY;
-    for (i, &x) in logits.iter().enumerate() {
-        if x > best_x {
-            best = i;
-            best_x = x;
-        }
-    }
-    best as u32
 }
 
 impl Sampler {

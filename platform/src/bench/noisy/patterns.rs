@@ -48,11 +48,23 @@ pub enum Pattern {
     Disconnects,
     /// Connections that send their head and part of a body, then nothing.
     StalledBodies,
+    /// A large batch (the Batch API) of long generations, from a tenant without rate limits:
+    /// it fills the capacity interactive requests leave, up to the server's
+    /// `--batch-concurrency`.
+    Batch,
 }
 
 impl Pattern {
-    pub const ALL: [Pattern; 7] =
-        [Pattern::Plain, Pattern::HugePrompts, Pattern::StopLists, Pattern::AdapterConfigs, Pattern::PinStorms, Pattern::Disconnects, Pattern::StalledBodies];
+    pub const ALL: [Pattern; 8] = [
+        Pattern::Plain,
+        Pattern::HugePrompts,
+        Pattern::StopLists,
+        Pattern::AdapterConfigs,
+        Pattern::PinStorms,
+        Pattern::Disconnects,
+        Pattern::StalledBodies,
+        Pattern::Batch,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -63,6 +75,7 @@ impl Pattern {
             Pattern::PinStorms => "pin-storms",
             Pattern::Disconnects => "disconnects",
             Pattern::StalledBodies => "stalled-bodies",
+            Pattern::Batch => "batch",
         }
     }
 
@@ -213,6 +226,8 @@ pub struct Kit {
     pub hangup_blocking: Vec<u8>,
     /// Adapters for the pin storm, uploaded to each phase's tenant A.
     pub pin_adapters: Vec<PathBuf>,
+    /// The batch: a file of long generations (content type, multipart body).
+    pub batch_file: (String, Vec<u8>),
 }
 
 /// What A's kit is built from.
@@ -235,6 +250,8 @@ pub struct KitOptions<'a> {
     /// A rank-8 adapter for the model, which the heavy uploads carry.
     pub upload_dir: &'a Path,
     pub pin_adapters: Vec<PathBuf>,
+    /// Lines of the batch.
+    pub batch_lines: usize,
 }
 
 impl Kit {
@@ -288,6 +305,12 @@ impl Kit {
         cfg["exclude_modules"] = json!("zzzz");
         let refused = serde_json::to_vec(&cfg)?;
         let weights = std::fs::read(o.upload_dir.join("adapter_model.safetensors"))?;
+        let mut lines = String::new();
+        for i in 0..o.batch_lines {
+            let body = json!({"model": o.model, "prompt": format!("{} {i}", o.short_prompt), "max_tokens": long, "ignore_eos": true});
+            lines.push_str(&json!({"custom_id": format!("line-{i}"), "method": "POST", "url": "/v1/completions", "body": body}).to_string());
+            lines.push('\n');
+        }
         Ok(Kit {
             client: Client { timeout: Duration::from_secs(60), ..o.client.clone() },
             model: o.model.to_string(),
@@ -306,6 +329,7 @@ impl Kit {
             hangup_stream: completion(o.short_prompt, 256.min(long), true, json!({})),
             hangup_blocking: completion(o.short_prompt, 256.min(long), false, json!({})),
             pin_adapters: o.pin_adapters,
+            batch_file: multipart(&[("purpose", b"batch"), ("file", lines.as_bytes())]),
         })
     }
 }
@@ -324,14 +348,16 @@ pub fn run(spec: Spec, kit: &Kit, a: &Tenant<'_>, stop: &AtomicBool, tallies: &T
     std::thread::scope(|s| {
         let threads = match pattern {
             Pattern::AdapterConfigs => kit.uploads_per_key,
-            Pattern::StalledBodies => 1,
+            Pattern::StalledBodies | Pattern::Batch => 1,
             _ => kit.concurrency,
         };
         for t in 0..threads {
             let pacer = &pacer;
             s.spawn(move || {
-                if pattern == Pattern::StalledBodies {
-                    return stalled_bodies(kit, a, stop, tallies);
+                match pattern {
+                    Pattern::StalledBodies => return stalled_bodies(kit, a, stop, tallies),
+                    Pattern::Batch => return batch(kit, a, stop, tallies),
+                    _ => {}
                 }
                 let mut i = t;
                 while !stop.load(Ordering::Relaxed) {
@@ -342,7 +368,7 @@ pub fn run(spec: Spec, kit: &Kit, a: &Tenant<'_>, stop: &AtomicBool, tallies: &T
                         Pattern::AdapterConfigs => upload(kit, a, spec.kind(i), tallies),
                         Pattern::PinStorms => pin(kit, a, i, tallies),
                         Pattern::Disconnects => disconnect(kit, a, spec.kind(i), pacer, tallies),
-                        Pattern::StalledBodies => false,
+                        Pattern::StalledBodies | Pattern::Batch => false,
                     };
                     if refused {
                         std::thread::sleep(kit.retry);
@@ -456,6 +482,49 @@ impl Pacer {
         if let Some(d) = at.checked_sub(self.start.elapsed()) {
             std::thread::sleep(d);
         }
+    }
+}
+
+/// Uploads the batch file, runs it until `stop`, then cancels it. Its lines answered count as
+/// requests that succeeded, those that failed as failures.
+fn batch(kit: &Kit, a: &Tenant<'_>, stop: &AtomicBool, tallies: &Tallies) {
+    let (ctype, body) = &kit.batch_file;
+    let file = kit.client.send(&Request::new("POST", "/v1/files").key(a.key).body(ctype, body));
+    let id = match &file {
+        Ok(r) if r.status == 200 => r.json()["id"].as_str().map(str::to_string),
+        _ => None,
+    };
+    tallies.record("batch file", Outcome::of(file.map(|r| r.status)));
+    let Some(id) = id else { return };
+    let create = json!({"input_file_id": id, "endpoint": "/v1/completions", "completion_window": "24h"});
+    let created = kit.client.json("POST", "/v1/batches", Some(a.key), Some(&create));
+    let batch = match &created {
+        Ok(r) if r.status == 200 => r.json()["id"].as_str().map(str::to_string),
+        _ => None,
+    };
+    tallies.record("batch", Outcome::of(created.map(|r| r.status)));
+    let Some(batch) = batch else { return };
+    while !stop.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let cancelled = kit.client.json("POST", &format!("/v1/batches/{batch}/cancel"), Some(a.key), None);
+    tallies.record("cancel", Outcome::of(cancelled.map(|r| r.status)));
+    // The lines that finished before the cancel took effect.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        let Ok(r) = kit.client.json("GET", &format!("/v1/batches/{batch}"), Some(a.key), None) else { break };
+        let b = r.json();
+        if b["status"] == "cancelled" {
+            let counts = &b["request_counts"];
+            for _ in 0..counts["completed"].as_u64().unwrap_or(0) {
+                tallies.record("batch lines", Outcome::Status(200));
+            }
+            for _ in 0..counts["failed"].as_u64().unwrap_or(0) {
+                tallies.record("batch lines", Outcome::Failed);
+            }
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
