@@ -38,13 +38,15 @@ use crate::tokenizer::Tokenizer;
 /// B's p99 with A abusing over B's p99 alone, for time to first token and end to end.
 pub const TARGET: f64 = 2.0;
 
-/// The same ratio while A's batch runs: batch work takes only the capacity interactive
-/// requests leave.
+/// B's p99 time to first token while A's batch runs over B's alone: batch work takes only
+/// the capacity interactive requests leave. (Its end-to-end time is reported, not held to a
+/// target: B's decode steps carry the batch's rows.)
 pub const BATCH_TARGET: f64 = 1.5;
 
-/// The target of a phase.
-fn target(phase: &str) -> f64 {
-    if phase.starts_with(Pattern::Batch.name()) { BATCH_TARGET } else { TARGET }
+/// Whether a phase met its target.
+fn passes(row: &Row) -> bool {
+    let held = if row.phase.starts_with(Pattern::Batch.name()) { row.ttft_ratio <= BATCH_TARGET } else { row.ttft_ratio <= TARGET && row.e2e_ratio <= TARGET };
+    row.b.failed == 0 && held
 }
 
 /// Tenant A's limits, a share of the measured capacity.
@@ -277,8 +279,7 @@ pub fn run_with(args: &BenchNoisyArgs, exe: &Path) -> anyhow::Result<()> {
         let row = rows.last_mut().context("no row")?;
         row.ttft_ratio = row.b.ttft_p99_ms / alone_ttft;
         row.e2e_ratio = row.b.e2e_p99_ms / alone_e2e;
-        let goal = target(&row.phase);
-        row.pass = row.b.failed == 0 && row.ttft_ratio <= goal && row.e2e_ratio <= goal;
+        row.pass = passes(row);
         print_progress(row);
     }
     drop(server);
@@ -448,8 +449,7 @@ fn rescore(rows: &mut [Row]) {
     for row in rows.iter_mut() {
         row.ttft_ratio = row.b.ttft_p99_ms / ttft;
         row.e2e_ratio = row.b.e2e_p99_ms / e2e;
-        let goal = target(&row.phase);
-        row.pass = row.b.failed == 0 && row.ttft_ratio <= goal && row.e2e_ratio <= goal;
+        row.pass = passes(row);
     }
 }
 
@@ -476,7 +476,7 @@ fn print_progress(r: &Row) {
 fn print_table(r: &Report) {
     println!();
     println!(
-        "B: {:.2} requests/s ({:.0}% of {:.2}), {} per phase; target: B's p99 with A <= {TARGET}x alone ({BATCH_TARGET}x while A's batch runs)",
+        "B: {:.2} requests/s ({:.0}% of {:.2}), {} per phase; target: B's p99 with A <= {TARGET}x alone (TTFT <= {BATCH_TARGET}x while A's batch runs)",
         r.b_requests_per_s,
         r.b_fraction * 100.0,
         r.capacity.requests_per_s,

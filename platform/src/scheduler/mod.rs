@@ -523,7 +523,10 @@ impl<S: Schedulable> Scheduler<S> {
         let mut cost = 0.0;
         let mut ids = Vec::new();
         for j in self.running.iter().filter(|j| pending(j) == 1) {
-            if j.tenant != tenant && ahead(key, short(self.key(j, in_service))) && !self.deferred.contains(&j.seq.id()) {
+            // Another tenant's decodes behind the prompt, and the prompt's own tenant's
+            // decodes of a lower class (its batch work behind its interactive prompt).
+            let behind = (j.tenant != tenant || j.priority > key.0) && ahead(key, short(self.key(j, in_service)));
+            if behind && !self.deferred.contains(&j.seq.id()) {
                 cost += self.config.cost(j.seq.computed(), 1);
                 ids.push(j.seq.id());
             }

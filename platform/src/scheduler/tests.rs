@@ -537,6 +537,31 @@ fn a_newcomers_prompt_runs_without_the_decodes_behind_it_for_one_step() {
     assert!(plan.chunks.contains(&(b, 20)) && a.iter().all(|id| plan.chunks.contains(&(*id, 1))), "{:?}", plan.chunks);
 }
 
+/// A tenant's interactive prompt runs without the decodes of batch work behind it, its own
+/// batch work included; decodes of its own class ride along.
+#[test]
+fn an_interactive_prompt_runs_without_the_batch_decodes_behind_it() {
+    let defer = SchedulerConfig { defer_decodes: Some(0.25), step_overhead: Some(16.0), ..config(64, 16) };
+    let mut sim = Sim::new(defer.clone(), Mem::new(100_000, 16));
+    let batch: Vec<SeqId> = (0..8).map(|_| sim.add("a", 1.0, Priority::Batch, 4, 1000, None)).collect();
+    for _ in 0..40 {
+        sim.step();
+    }
+    let prompt = sim.add("a", 1.0, Priority::Interactive, 20, 10, None);
+    assert_eq!(sim.step().chunks, [(prompt, 20)], "the tenant's own prompt alone");
+    let plan = sim.step();
+    assert!(batch.iter().all(|id| plan.chunks.contains(&(*id, 1))), "the batch decodes are back the step after: {:?}", plan.chunks);
+    // Interactive decodes of the same tenant are not deferred for its prompt.
+    let mut sim = Sim::new(defer, Mem::new(100_000, 16));
+    let own: Vec<SeqId> = (0..8).map(|_| sim.add("a", 1.0, Priority::Interactive, 4, 1000, None)).collect();
+    for _ in 0..40 {
+        sim.step();
+    }
+    let prompt = sim.add("a", 1.0, Priority::Interactive, 20, 10, None);
+    let plan = sim.step();
+    assert!(plan.chunks.contains(&(prompt, 20)) && own.iter().all(|id| plan.chunks.contains(&(*id, 1))), "{:?}", plan.chunks);
+}
+
 /// A flood of prompts from a newcomer defers the decodes of the tenant running only while the
 /// newcomer is ahead in the fair order (its one step of credit), never two steps in a row;
 /// once it has had its share, the decodes run in every step.
