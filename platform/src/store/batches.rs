@@ -328,10 +328,18 @@ impl Store {
         Ok(done.rows_affected() > 0)
     }
 
-    /// Records that a batch failed as a whole, with OpenAI's error list (JSON).
-    pub async fn fail_batch(&self, id: &str, errors: &str) -> Result<bool, StoreError> {
-        let sql = format!("UPDATE batches SET status = $1, failed_at = $2, errors = $3 WHERE id = $4 AND {}", active_in());
-        let done = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(batch_status::FAILED).bind(now_ms()).bind(errors).bind(id).execute(&self.pool).await?;
+    /// Records why a batch with work left fails as a whole (OpenAI's error list, JSON); its
+    /// end is recorded by [`Store::finish_batch`], or [`Store::fail_batch`].
+    pub async fn set_batch_errors(&self, id: &str, errors: &str) -> Result<bool, StoreError> {
+        let sql = format!("UPDATE batches SET errors = $1 WHERE id = $2 AND {}", active_in());
+        let done = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(errors).bind(id).execute(&self.pool).await?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    /// Records that a batch with work left failed, without files (they could not be written).
+    pub async fn fail_batch(&self, id: &str) -> Result<bool, StoreError> {
+        let sql = format!("UPDATE batches SET status = $1, failed_at = $2 WHERE id = $3 AND {}", active_in());
+        let done = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(batch_status::FAILED).bind(now_ms()).bind(id).execute(&self.pool).await?;
         Ok(done.rows_affected() > 0)
     }
 

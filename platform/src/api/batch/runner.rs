@@ -40,8 +40,9 @@ const READ_LINES: usize = 64;
 /// Results written into the output files at a time.
 const WRITE_RESULTS: i64 = 512;
 
-/// How long a batch whose run failed (its database unreachable, say) waits before it tries again.
-const RETRY_RUN: Duration = Duration::from_secs(5);
+/// How long a batch whose run failed (its database unreachable, say) waits before it tries again
+/// (a moment in tests).
+const RETRY_RUN: Duration = if cfg!(test) { Duration::from_millis(50) } else { Duration::from_secs(5) };
 
 /// What a running batch is told.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,14 +152,29 @@ enum End {
     Failed(String),
 }
 
-/// A batch's task: runs it to its end, or until the server stops; a failed run (the database
-/// unreachable) is tried again after a pause.
+/// Runs of a batch that fail for a reason that does not pass (a file that cannot be read, an
+/// inconsistent record) before the batch fails; capacity and an unreachable database are waited
+/// out.
+const GIVE_UP: u32 = 3;
+
+/// A batch's task: runs it to its end, or until the server stops; a failed run is tried again
+/// after a pause, and a batch whose runs keep failing for the same lasting reason fails.
 async fn drive(state: &AppState, id: &str, mut stop: watch::Receiver<Stop>) {
+    let mut failures = 0;
     loop {
         match run(state, id, &mut stop).await {
             Ok(()) => return,
             Err(e) => {
-                eprintln!("warning: batch {id} stopped: {e}; it goes on in {} s", RETRY_RUN.as_secs());
+                let passes = matches!(e, ApiError::Unavailable(_) | ApiError::Overloaded { .. } | ApiError::RateLimited { .. });
+                failures = if passes { 0 } else { failures + 1 };
+                if failures >= GIVE_UP {
+                    eprintln!("warning: batch {id} failed: {e}");
+                    if let Err(e) = fail(state, id, &e.to_string()).await {
+                        eprintln!("warning: batch {id}: recording its failure: {e}");
+                    }
+                    return;
+                }
+                eprintln!("warning: batch {id} stopped: {e}; it goes on in {:.1} s", RETRY_RUN.as_secs_f64());
                 tokio::select! {
                     () = tokio::time::sleep(RETRY_RUN) => {}
                     _ = stop.wait_for(|s| *s == Stop::Shutdown) => return,
@@ -166,6 +182,20 @@ async fn drive(state: &AppState, id: &str, mut stop: watch::Receiver<Stop>) {
             }
         }
     }
+}
+
+/// Ends a batch that cannot go on as `failed`, with `why` as its error: what finished is still
+/// written to its output and error files (and billed), as at any other end.
+async fn fail(state: &AppState, id: &str, why: &str) -> Result<(), ApiError> {
+    let errors = json!([{"code": "batch_failed", "message": why, "param": null, "line": null}]).to_string();
+    state.store.set_batch_errors(id, &errors).await?;
+    let Some(batch) = state.store.batch_by_id(id).await? else { return Ok(()) };
+    if let Err(e) = finalize(state, &batch, batch_status::FAILED).await {
+        // Its files could not be written: it fails without them.
+        state.store.fail_batch(id).await?;
+        return Err(e);
+    }
+    Ok(())
 }
 
 async fn run(state: &AppState, id: &str, stop: &mut watch::Receiver<Stop>) -> Result<(), ApiError> {
@@ -183,11 +213,7 @@ async fn run(state: &AppState, id: &str, stop: &mut watch::Receiver<Stop>) -> Re
                 }
                 End::Expired => return finalize(state, &batch, batch_status::EXPIRED).await,
                 End::Shutdown => return Ok(()),
-                End::Failed(why) => {
-                    let errors = json!([{"code": "batch_failed", "message": why, "param": null, "line": null}]);
-                    state.store.fail_batch(id, &errors.to_string()).await?;
-                    return Ok(());
-                }
+                End::Failed(why) => return fail(state, id, &why).await,
             },
             batch_status::FINALIZING => return finalize(state, &batch, batch_status::COMPLETED).await,
             batch_status::CANCELLING => return finalize(state, &batch, batch_status::CANCELLED).await,

@@ -551,3 +551,83 @@ async fn batch_lines_run_in_the_batch_class_and_interactive_requests_in_theirs()
     assert_eq!(classes, [[Priority::Batch; 6].as_slice(), &[Priority::Interactive]].concat());
     assert!(placements.iter().all(|p| &*p.tenant.0 == tenant_id.as_str()), "{placements:?}");
 }
+
+#[actix_web::test]
+async fn a_batch_whose_tenant_is_deleted_fails_with_what_finished_written_and_billed() {
+    let h = Harness::sqlite(batch_settings(1)).await;
+    let app = app!(&h.state);
+    let (tenant_id, key) = tenant(&app, &h.admin, json!({"name": "acme", "plan": "standard"})).await;
+    // More lines than one read of the input file, so the tenant is looked up again mid-run.
+    let batch = start_batch(&app, &key, "/v1/completions", &long_lines(200, 16)).await;
+    let id = batch["id"].as_str().unwrap().to_string();
+    wait_for(&app, &key, &id, |b| b["request_counts"]["completed"].as_i64() >= Some(2)).await;
+    let (status, _) = call(&app, "DELETE", &format!("/admin/tenants/{tenant_id}"), Some(&h.admin), None).await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let record = loop {
+        let b = h.state.store.batch(&tenant_id, &id).await.unwrap().unwrap();
+        if !b.is_active() {
+            break b;
+        }
+        assert!(std::time::Instant::now() < deadline, "{b:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(record.status, "failed");
+    assert!(record.errors.as_deref().unwrap_or_default().contains("the tenant was deleted"), "{record:?}");
+    assert!(record.completed >= 2 && record.completed < 200, "{record:?}");
+    let output = std::fs::read_to_string(h.dir.path().join(crate::api::files::relative_path(record.output_file_id.as_deref().unwrap()))).unwrap();
+    assert_eq!(output.lines().count() as i64, record.completed);
+    let rows = batch_rows(&h.state, &id).await;
+    assert_eq!(rows.iter().filter(|r| r.prompt_price > 0).count() as i64, record.completed, "billed what was written: {rows:?}");
+}
+
+#[actix_web::test]
+async fn a_batch_whose_input_cannot_be_read_fails_after_a_few_tries() {
+    let h = Harness::sqlite(batch_settings(1)).await;
+    let app = app!(&h.state);
+    let (tenant_id, key) = tenant(&app, &h.admin, json!({"name": "acme", "plan": "standard"})).await;
+    let (_, file) = upload_file(&app, &key, "batch", &jsonl(&long_lines(3, 2))).await;
+    let file_id = file["id"].as_str().unwrap();
+    // The bytes are lost behind the server's back.
+    std::fs::remove_file(h.dir.path().join(crate::api::files::relative_path(file_id))).unwrap();
+    let (status, batch) =
+        call(&app, "POST", "/v1/batches", Some(&key), Some(json!({"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}))).await;
+    // Creating it reads the file too: a server fault, said as such.
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{batch}");
+    // A batch that was created before its file was lost fails after a few runs.
+    let (_, file) = upload_file(&app, &key, "batch", &jsonl(&long_lines(3, 2))).await;
+    let file_id = file["id"].as_str().unwrap().to_string();
+    let record = crate::store::BatchRecord {
+        id: crate::store::random_id("batch"),
+        tenant_id: tenant_id.clone(),
+        key_id: "key".into(),
+        endpoint: "/v1/completions".into(),
+        input_file_id: file_id.clone(),
+        completion_window: "24h".into(),
+        status: "in_progress".into(),
+        instance: "test-instance".into(),
+        metadata: "{}".into(),
+        total: 3,
+        completed: 0,
+        failed: 0,
+        output_file_id: None,
+        error_file_id: None,
+        errors: None,
+        created_at: crate::store::now_ms(),
+        expires_at: crate::store::now_ms() + 3_600_000,
+        in_progress_at: None,
+        finalizing_at: None,
+        completed_at: None,
+        failed_at: None,
+        expired_at: None,
+        cancelling_at: None,
+        cancelled_at: None,
+    };
+    h.state.store.insert_batch(&record, None).await.unwrap();
+    std::fs::remove_file(h.dir.path().join(crate::api::files::relative_path(&file_id))).unwrap();
+    Batches::start(&h.state, &record.id);
+    let batch = wait_for(&app, &key, &record.id, ended).await;
+    assert_eq!(batch["status"], "failed", "{batch}");
+    let message = batch["errors"]["data"][0]["message"].as_str().unwrap();
+    assert!(message.contains("opening the input file"), "{message}");
+}
