@@ -28,7 +28,7 @@ pub enum Command {
     /// Write a random model in the HuggingFace layout.
     Synth(SynthArgs),
     /// Run the HTTP server: OpenAI- and LoRAX-compatible inference, adapters, tenants, billing.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Measure performance.
     Bench {
         #[command(subcommand)]
@@ -366,9 +366,29 @@ pub struct ServeArgs {
     #[arg(long, env = "LORAPLEX_TENANT_PINNED_PERCENT", default_value_t = 10, value_parser = clap::value_parser!(u32).range(0..=100))]
     pub tenant_pinned_percent: u32,
     #[command(flatten)]
+    pub cluster: ClusterArgs,
+    #[command(flatten)]
     pub batch: BatchArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
+}
+
+/// Running several replicas on one PostgreSQL database.
+#[derive(Debug, Clone, Args)]
+pub struct ClusterArgs {
+    /// Where adapter files live: s3://bucket/prefix (endpoint, region and credentials from the
+    /// usual AWS_* variables; AWS_ALLOW_HTTP=true for a plain-HTTP endpoint) or file:///path (a
+    /// filesystem every replica mounts); each replica keeps copies under its data directory.
+    /// Default: the data directory itself (one server).
+    #[arg(long, env = "LORAPLEX_ADAPTER_STORE")]
+    pub adapter_store: Option<String>,
+    /// Also serve /metrics without a key on this port (for scrapers inside the cluster, such as
+    /// an inference gateway's endpoint picker), with /health.
+    #[arg(long, env = "LORAPLEX_METRICS_PORT")]
+    pub metrics_port: Option<u16>,
+    /// How often to look for adapters deleted through other replicas, in milliseconds.
+    #[arg(long, env = "LORAPLEX_CLUSTER_SYNC_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=3_600_000))]
+    pub cluster_sync_ms: u64,
 }
 
 /// The Batch API's bounds.

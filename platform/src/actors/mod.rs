@@ -216,6 +216,8 @@ pub struct WorkerStats {
     /// Bytes of adapters in the host tier (one tier shared by every worker).
     pub host_adapter_bytes: u64,
     pub adapters: AdapterCounters,
+    /// The keys of the adapter versions resident in its pool.
+    pub resident_adapters: Vec<String>,
 }
 
 /// Where requests found their adapters, and the loads that followed.

@@ -379,6 +379,7 @@ impl<B: Backend> Handler<GetStats> for Worker<B> {
             prefix,
             host_adapter_bytes,
             adapters: self.adapters,
+            resident_adapters: self.engine.as_ref().map(|e| e.resident_adapters().iter().map(|k| k.to_string()).collect()).unwrap_or_default(),
         }]
     }
 }

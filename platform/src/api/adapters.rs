@@ -294,7 +294,7 @@ pub async fn sweep(
 // Upload
 
 /// A scratch directory removed on drop unless kept.
-struct Scratch(Option<PathBuf>);
+pub(super) struct Scratch(pub(super) Option<PathBuf>);
 
 impl Drop for Scratch {
     fn drop(&mut self) {
@@ -370,7 +370,7 @@ struct Checked {
 
 async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     let owner = owner(&req, &state).await?;
-    let _permit = admit_tenant_request(&state, &owner)?;
+    let _permit = admit_tenant_request(&state, &owner).await?;
     let _slot = state.uploads.enter(&owner.key_id, state.settings.max_uploads_per_key)?;
     let mut form = Multipart::new(req.headers(), payload);
     let scratch_root = state.data_dir.join("uploads");
@@ -445,16 +445,26 @@ async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
 
     let blob_id = crate::store::random_id("blob");
     let blob = format!("adapters/{blob_id}");
-    let target = state.data_dir.join(&blob);
-    let (from, to, root) = (dir.clone(), target.clone(), state.data_dir.join("adapters"));
-    state
-        .background
-        .run(move || std::fs::create_dir_all(&root).and_then(|()| std::fs::rename(&from, &to)))
-        .await?
-        .map_err(|e| ApiError::Internal(format!("moving the upload into place: {e}")))?;
-    scratch.0 = Some(target);
-    let new = NewAdapter { owner: owner.id.clone(), name, rank: checked.rank, targets: checked.targets, bytes, content_hash: checked.content_hash, blob };
-    let record = state.store.insert_adapter(&new, &limits).await?;
+    // Into the adapter store (and this replica's directory) before the row names it.
+    state.adapter_files.publish(&state.background, &dir, &blob).await?;
+    scratch.0 = Some(state.adapter_files.dir(&blob));
+    let new = NewAdapter {
+        owner: owner.id.clone(),
+        name,
+        rank: checked.rank,
+        targets: checked.targets,
+        bytes,
+        content_hash: checked.content_hash,
+        blob: blob.clone(),
+    };
+    let record = match state.store.insert_adapter(&new, &limits).await {
+        Ok(record) => record,
+        Err(e) => {
+            state.adapter_files.forget(&blob);
+            state.adapter_files.remove(&blob).await;
+            return Err(e.into());
+        }
+    };
     // Recorded: the files are the adapter's now.
     scratch.0 = None;
     Ok(HttpResponse::Created().json(record_json(&record)))
@@ -514,10 +524,31 @@ async fn delete(req: HttpRequest, state: web::Data<AppState>, name: web::Path<St
     let mut gone = Vec::new();
     for r in &deleted {
         state.serving.unload_adapter(r.id.as_str().into(), owner.id.as_str().into(), true).await;
-        gone.extend(state.blobs.retire(&r.id, state.data_dir.join(&r.blob)));
+        gone.extend(retire(&state, r));
+        state.adapter_files.remove(&r.blob).await;
     }
     remove_dirs(&state, gone).await;
     Ok(HttpResponse::Ok().json(json!({"name": &*name, "deleted_versions": deleted.iter().map(|r| r.version).collect::<Vec<_>>()})))
+}
+
+/// A deleted version leaves this replica: new requests refuse it, and its files go now (the
+/// directory returned) or once the requests running on it finish.
+#[must_use]
+pub(super) fn retire(state: &AppState, r: &AdapterRecord) -> Option<PathBuf> {
+    state.adapter_files.forget(&r.blob);
+    state.metrics.forget_adapter(&r.id);
+    state.blobs.retire(&r.id, state.adapter_files.dir(&r.blob))
+}
+
+/// The local directory of `record`'s files, fetched from the adapter store and verified first
+/// when this replica has no copy.
+pub(super) async fn adapter_dir(state: &AppState, record: &AdapterRecord) -> Result<PathBuf, ApiError> {
+    let (shape, limits) = (*state.serving.base_shape(), *state.serving.adapter_limits());
+    let verify: super::objects::Verify =
+        Arc::new(move |dir: &Path| LoraAdapter::load_validated(dir, &shape, &limits).map(|a| a.content_hash_hex()).map_err(|e| e.to_string()));
+    let max_bytes = u64::try_from(record.bytes).unwrap_or(0);
+    state.metrics.name_adapter(&record.id, &record.name);
+    state.adapter_files.local_dir(&state.background, &record.blob, &record.content_hash, max_bytes, verify).await
 }
 
 fn residency_name(r: &Residency) -> String {
@@ -532,10 +563,10 @@ fn residency_name(r: &Residency) -> String {
 
 /// A tenant's uploads, loads and unloads count against its request limits (requests per minute,
 /// concurrency), so that a storm of them is bounded like any other traffic.
-fn admit_tenant_request(state: &AppState, owner: &Owner) -> Result<Option<super::limits::Permit>, ApiError> {
+async fn admit_tenant_request(state: &AppState, owner: &Owner) -> Result<Option<super::limits::Permit>, ApiError> {
     let Some(tenant) = &owner.tenant else { return Ok(None) };
-    let mut permit = state.limiter.admit(&tenant.id, &tenant.limits()).inspect_err(|_| state.metrics.limited(&tenant.name))?;
-    permit.reserve(0)?;
+    let mut permit = state.limiter.admit(&tenant.id, &tenant.limits()).await.inspect_err(|_| state.metrics.limited(&tenant.name))?;
+    permit.reserve(0).await?;
     Ok(Some(permit))
 }
 
@@ -552,7 +583,7 @@ fn hold_error(e: HoldError) -> ApiError {
 /// cap.
 async fn load(req: HttpRequest, state: web::Data<AppState>, name: web::Path<String>) -> Result<HttpResponse, ApiError> {
     let owner = owner(&req, &state).await?;
-    let _permit = admit_tenant_request(&state, &owner)?;
+    let _permit = admit_tenant_request(&state, &owner).await?;
     let record = state.store.visible_adapter(&owner.id, &name).await?.ok_or_else(|| not_found(&name))?;
     let _guard = state.blobs.enter(&record.id).ok_or_else(|| not_found(&name))?;
     pin_latest(&state, &record, owner.holder(&state)).await
@@ -564,7 +595,7 @@ async fn load(req: HttpRequest, state: web::Data<AppState>, name: web::Path<Stri
 /// rest once placed.
 async fn pin_latest(state: &AppState, record: &AdapterRecord, holder: Holder) -> Result<HttpResponse, ApiError> {
     let name = &record.name;
-    let adapter = AdapterRef::validated(record.id.as_str(), state.data_dir.join(&record.blob));
+    let adapter = AdapterRef::validated(record.id.as_str(), adapter_dir(state, record).await?);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
         let mut states = Vec::new();
@@ -590,7 +621,7 @@ async fn pin_latest(state: &AppState, record: &AdapterRecord, holder: Holder) ->
 /// adapter) stay.
 async fn unload(req: HttpRequest, state: web::Data<AppState>, name: web::Path<String>) -> Result<HttpResponse, ApiError> {
     let owner = owner(&req, &state).await?;
-    let _permit = admit_tenant_request(&state, &owner)?;
+    let _permit = admit_tenant_request(&state, &owner).await?;
     let record = state.store.visible_adapter(&owner.id, &name).await?.ok_or_else(|| not_found(&name))?;
     let mut released = false;
     for v in state.store.adapter_versions(&record.owner, &record.name).await? {

@@ -87,7 +87,8 @@ async fn delete_tenant(req: HttpRequest, state: web::Data<AppState>, id: web::Pa
     let mut gone = Vec::new();
     for a in adapters {
         state.serving.unload_adapter(a.id.as_str().into(), id.as_str().into(), true).await;
-        gone.extend(state.blobs.retire(&a.id, state.data_dir.join(&a.blob)));
+        gone.extend(super::adapters::retire(&state, &a));
+        state.adapter_files.remove(&a.blob).await;
     }
     if !gone.is_empty() {
         state.background.run(move || gone.iter().for_each(|d| super::adapters::remove_dir(d))).await?;

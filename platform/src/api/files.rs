@@ -76,8 +76,8 @@ async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
     let caller = infer::caller(&req, &state, Scope::Inference).await?;
     // An upload counts against the tenant's requests like any other, and each key may run only
     // a few at once.
-    let mut permit = state.limiter.admit(&caller.tenant.id, &caller.tenant.limits()).inspect_err(|_| state.metrics.limited(&caller.tenant.name))?;
-    permit.reserve(0)?;
+    let mut permit = state.limiter.admit(&caller.tenant.id, &caller.tenant.limits()).await.inspect_err(|_| state.metrics.limited(&caller.tenant.name))?;
+    permit.reserve(0).await?;
     let _slot = state.uploads.enter(&caller.key_id, state.settings.max_uploads_per_key)?;
     let limits = state.settings.batch;
     let scratch_root = state.data_dir.join("uploads");

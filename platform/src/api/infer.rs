@@ -61,7 +61,7 @@ pub struct Admitted {
 /// [`caller`] with the inference scope, then admission against the tenant's limits.
 pub async fn admitted(req: &HttpRequest, state: &AppState) -> Result<Admitted, ApiError> {
     let caller = caller(req, state, Scope::Inference).await?;
-    let permit = state.limiter.admit(&caller.tenant.id, &caller.tenant.limits()).inspect_err(|_| state.metrics.limited(&caller.tenant.name))?;
+    let permit = state.limiter.admit(&caller.tenant.id, &caller.tenant.limits()).await.inspect_err(|_| state.metrics.limited(&caller.tenant.name))?;
     Ok(Admitted { caller, permit })
 }
 
@@ -161,7 +161,7 @@ pub async fn start(state: &AppState, admitted: Admitted, spec: JobSpec) -> Resul
     };
     let adapter_ref = match &spec.target {
         Target::Base => None,
-        Target::Adapter(a) => Some(AdapterRef::validated(a.id.as_str(), state.data_dir.join(&a.blob))),
+        Target::Adapter(a) => Some(AdapterRef::validated(a.id.as_str(), super::adapters::adapter_dir(state, a).await?)),
     };
     // Tokens.
     let prompts = validate::tokenize(state, spec.prompts).await?;
@@ -186,7 +186,7 @@ pub async fn start(state: &AppState, admitted: Admitted, spec: JobSpec) -> Resul
         valid.push(state.serving.validate(request)?);
     }
     let prompt_tokens: usize = valid.iter().map(|r| r.get().prompt.len()).sum();
-    permit.reserve(budget).inspect_err(|_| state.metrics.limited(&caller.tenant.name))?;
+    permit.reserve(budget).await.inspect_err(|_| state.metrics.limited(&caller.tenant.name))?;
 
     // The ledger row, durable before anything is generated.
     let label = spec.target.label();

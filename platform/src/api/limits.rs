@@ -9,13 +9,21 @@
 //! Tokens are reserved when a request is admitted (its prompt plus the most it may generate)
 //! and corrected to what it really used when it ends, so a burst of long requests cannot slip
 //! past the limit while they run.
+//!
+//! On PostgreSQL the limits hold across every replica sharing the database ([`Limiter::shared`]):
+//! the same rules are decided on rows (`store::limits`), one transaction under the tenant's
+//! lock per admission and per reservation, on the database's clock. Releases and settlements
+//! are written behind the request by a task of the limiter (in batches), which also marks the
+//! replica alive: the slots of a replica that died stop counting within
+//! [`crate::store::limits::REPLICA_TIMEOUT_MS`]. A tenant without any of these limits costs no
+//! query.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::ApiError;
-use crate::store::TenantLimits;
+use crate::store::{Store, StoreError, TenantLimits};
 
 const WINDOW: Duration = Duration::from_secs(60);
 
@@ -59,38 +67,76 @@ impl Window {
     }
 }
 
+/// Refuses a request over `limits`' concurrency (`concurrent` held now) or requests per minute
+/// (`requests` in the last minute; `retry_after` seconds until the oldest leaves it).
+fn check_counts(limits: &TenantLimits, concurrent: i64, requests: i64, retry_after: impl FnOnce() -> u64, what: &str) -> Result<(), ApiError> {
+    if let Some(max) = limits.max_concurrent
+        && concurrent >= max
+    {
+        return Err(ApiError::RateLimited { message: format!("too many concurrent {what}: the limit is {max}"), retry_after: 1 });
+    }
+    if let Some(max) = limits.requests_per_min
+        && requests >= max
+    {
+        return Err(ApiError::RateLimited { message: format!("too many {what}: the limit is {max} per minute"), retry_after: retry_after().max(1) });
+    }
+    Ok(())
+}
+
+/// The burst bucket after taking one request from it, or why it holds none: `held` requests
+/// as of `elapsed` seconds ago (`None`: a full bucket). `Ok(None)` without a per-minute limit.
+fn take_bucket(limits: &TenantLimits, held: Option<(f64, f64)>) -> Result<Option<f64>, ApiError> {
+    let Some(max) = limits.requests_per_min else { return Ok(None) };
+    let (cap, rate) = (burst(max), max.max(0) as f64 / 60.0);
+    let (held, elapsed) = held.unwrap_or((cap, 0.0));
+    let held = (held + elapsed.max(0.0) * rate).min(cap);
+    if held < 1.0 {
+        // The minute's limit refuses a tenant allowed none at all.
+        let retry_after = ((1.0 - held) / rate.max(1e-9)).ceil().clamp(1.0, 60.0) as u64;
+        return Err(ApiError::RateLimited {
+            message: format!("too many requests at once: the limit of {max} per minute allows {} at once, then one every {:.1} s", cap as u64, 1.0 / rate),
+            retry_after,
+        });
+    }
+    Ok(Some(held - 1.0))
+}
+
+/// Whether `tokens` more fit a tokens-per-minute limit of `max` over `sum` held now; `entries`
+/// are the window's (seconds until it leaves the window, tokens), oldest first, read only when
+/// they do not fit, to say when to retry.
+fn check_tokens<I: IntoIterator<Item = (u64, u64)>>(max: i64, tokens: u64, sum: u64, entries: impl FnOnce() -> I, what: &str) -> Result<(), ApiError> {
+    let max = max.max(0) as u64;
+    if tokens > max {
+        return Err(ApiError::Invalid(format!(
+            "this request may use {tokens} tokens (prompt plus max_tokens times n), more than the limit of {max} tokens per minute{what}; lower max_tokens"
+        )));
+    }
+    if sum.saturating_add(tokens) <= max {
+        return Ok(());
+    }
+    // Retry once enough of the window has expired.
+    let (mut sum, mut retry_after) = (sum, 1);
+    for (left, n) in entries() {
+        sum = sum.saturating_sub(n);
+        retry_after = left.max(1);
+        if sum.saturating_add(tokens) <= max {
+            break;
+        }
+    }
+    Err(ApiError::RateLimited { message: format!("too many tokens{what}: the limit is {max} per minute and this request may use {tokens}"), retry_after })
+}
+
 impl Window {
     /// Refuses a request over `limits`' concurrency or requests per minute.
     fn check(&self, limits: &TenantLimits, now: Instant, what: &str) -> Result<(), ApiError> {
-        if let Some(max) = limits.max_concurrent
-            && self.concurrent as i64 >= max
-        {
-            return Err(ApiError::RateLimited { message: format!("too many concurrent {what}: the limit is {max}"), retry_after: 1 });
-        }
-        if let Some(max) = limits.requests_per_min
-            && self.requests.len() as i64 >= max
-        {
-            let retry_after = self.requests.front().map_or(1, |&(t, _)| seconds_until(t, now)).max(1);
-            return Err(ApiError::RateLimited { message: format!("too many {what}: the limit is {max} per minute"), retry_after });
-        }
-        Ok(())
+        let retry = || self.requests.front().map_or(1, |&(t, _)| seconds_until(t, now));
+        check_counts(limits, self.concurrent as i64, self.requests.len() as i64, retry, what)
     }
 
     /// The burst bucket after taking one request from it, or why it holds none.
     fn take(&self, limits: &TenantLimits, now: Instant) -> Result<Option<(f64, Instant)>, ApiError> {
-        let Some(max) = limits.requests_per_min else { return Ok(None) };
-        let (cap, rate) = (burst(max), max.max(0) as f64 / 60.0);
-        let (held, at) = self.bucket.unwrap_or((cap, now));
-        let held = (held + now.saturating_duration_since(at).as_secs_f64() * rate).min(cap);
-        if held < 1.0 {
-            // The minute's limit refuses a tenant allowed none at all.
-            let retry_after = ((1.0 - held) / rate.max(1e-9)).ceil().clamp(1.0, 60.0) as u64;
-            return Err(ApiError::RateLimited {
-                message: format!("too many requests at once: the limit of {max} per minute allows {} at once, then one every {:.1} s", cap as u64, 1.0 / rate),
-                retry_after,
-            });
-        }
-        Ok(Some((held - 1.0, now)))
+        let held = self.bucket.map(|(held, at)| (held, now.saturating_duration_since(at).as_secs_f64()));
+        Ok(take_bucket(limits, held)?.map(|held| (held, now)))
     }
 
     fn enter(&mut self, now: Instant, id: u64) {
@@ -100,31 +146,10 @@ impl Window {
 
     /// Whether `tokens` more fit `limits`' tokens per minute, or when to retry.
     fn room(&self, limits: &TenantLimits, now: Instant, tokens: u64, what: &str) -> Result<(), ApiError> {
-        if let Some(max) = limits.tokens_per_min {
-            let max = max.max(0) as u64;
-            if tokens > max {
-                return Err(ApiError::Invalid(format!(
-                    "this request may use {tokens} tokens (prompt plus max_tokens times n), more than the limit of {max} tokens per minute{what}; lower max_tokens"
-                )));
-            }
-            let mut sum = self.token_sum();
-            if sum.saturating_add(tokens) > max {
-                // Retry once enough of the window has expired.
-                let mut retry_after = 1;
-                for &(t, _, n) in &self.tokens {
-                    sum = sum.saturating_sub(n);
-                    retry_after = seconds_until(t, now).max(1);
-                    if sum.saturating_add(tokens) <= max {
-                        break;
-                    }
-                }
-                return Err(ApiError::RateLimited {
-                    message: format!("too many tokens{what}: the limit is {max} per minute and this request may use {tokens}"),
-                    retry_after,
-                });
-            }
+        match limits.tokens_per_min {
+            Some(max) => check_tokens(max, tokens, self.token_sum(), || self.tokens.iter().map(|&(t, _, n)| (seconds_until(t, now), n)), what),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     fn settle(&mut self, id: u64, tokens: u64) {
@@ -155,11 +180,75 @@ struct Windows {
     batch: HashMap<String, Window>,
 }
 
-/// The windows of every tenant. Cheap to share.
+/// The windows of every tenant: in memory, or shared by every replica of a PostgreSQL database
+/// ([`Limiter::shared`]).
 #[derive(Debug, Default)]
 pub struct Limiter {
     windows: Mutex<Windows>,
     next_id: std::sync::atomic::AtomicU64,
+    shared: Option<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    store: Store,
+    /// This server's name on its rows.
+    replica: String,
+    /// Releases and settlements, written behind the requests by [`maintain`].
+    changes: tokio::sync::mpsc::UnboundedSender<Change>,
+}
+
+#[derive(Debug)]
+enum Change {
+    Release(String),
+    Settle(String, u64),
+}
+
+/// How often a replica marks itself alive (well within the timeout after which its slots stop
+/// counting).
+const HEARTBEAT: Duration = Duration::from_secs(3);
+
+/// The shared limiter's writer: marks the replica alive every [`HEARTBEAT`] (and deletes rows
+/// nothing counts any more), and writes releases and settlements in batches, keeping those
+/// that failed (the database away) for the next try.
+async fn maintain(store: Store, replica: String, mut changes: tokio::sync::mpsc::UnboundedReceiver<Change>) {
+    let mut beat = tokio::time::interval(HEARTBEAT);
+    let (mut releases, mut settles): (Vec<String>, Vec<(String, u64)>) = (Vec::new(), Vec::new());
+    let mut warned = false;
+    loop {
+        tokio::select! {
+            _ = beat.tick() => {
+                if let Err(e) = store.limit_heartbeat(&replica).await
+                    && !std::mem::replace(&mut warned, true)
+                {
+                    eprintln!("warning: shared limits: marking this replica alive: {e} (retrying)");
+                }
+            }
+            change = changes.recv() => {
+                let Some(first) = change else { break };
+                let mut next = Some(first);
+                while let Some(change) = next.take() {
+                    match change {
+                        Change::Release(id) => releases.push(id),
+                        Change::Settle(id, tokens) => settles.push((id, tokens)),
+                    }
+                    if releases.len() + settles.len() < 1024 {
+                        next = changes.try_recv().ok();
+                    }
+                }
+            }
+        }
+        // Settlements first: a released request's tokens are final.
+        while let Some((id, tokens)) = settles.first() {
+            if store.limit_settle(id, i64::try_from(*tokens).unwrap_or(i64::MAX)).await.is_err() {
+                break;
+            }
+            settles.remove(0);
+        }
+        if !releases.is_empty() && store.limit_release(&releases).await.is_ok() {
+            releases.clear();
+        }
+    }
 }
 
 /// An admitted request: holds a concurrency slot until dropped. It counts against the
@@ -173,6 +262,8 @@ pub struct Permit {
     id: u64,
     /// For batch work: the share of the limits it runs under ([`batch_share`]).
     share: Option<TenantLimits>,
+    /// Shared limits: the request's row (`None` for a tenant without limits).
+    row: Option<String>,
 }
 
 fn seconds_until(t: Instant, now: Instant) -> u64 {
@@ -181,19 +272,72 @@ fn seconds_until(t: Instant, now: Instant) -> u64 {
 }
 
 impl Limiter {
+    /// Limits kept in this server's memory.
     pub fn new() -> Arc<Self> {
         Arc::new(Self::default())
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Windows> {
-        self.windows.lock().unwrap_or_else(|e| e.into_inner())
+    /// Limits held across every replica of `store`'s PostgreSQL database, `replica` naming this
+    /// one. Slots its previous run left held are released, and it is marked alive, before it
+    /// admits anything. Call inside the server's runtime (its writer runs on the main thread).
+    pub async fn shared(store: Store, replica: &str) -> Result<Arc<Self>, StoreError> {
+        store.limit_heartbeat(replica).await?;
+        store.limit_restart(replica).await?;
+        let (changes, rx) = tokio::sync::mpsc::unbounded_channel();
+        let (writer, name) = (store.clone(), replica.to_string());
+        super::on_main_thread(move || maintain(writer, name, rx));
+        Ok(Arc::new(Self { shared: Some(Shared { store, replica: replica.to_string(), changes }), ..Self::default() }))
+    }
+
+    pub fn is_shared(&self) -> bool {
+        self.shared.is_some()
     }
 
     /// Admits one request of `tenant` against its concurrency and requests-per-minute limits,
     /// or says when to retry. Its tokens are reserved later ([`Permit::reserve`]), once they
     /// are counted.
-    pub fn admit(self: &Arc<Self>, tenant: &str, limits: &TenantLimits) -> Result<Permit, ApiError> {
-        self.admit_at(tenant, limits, Instant::now())
+    pub async fn admit(self: &Arc<Self>, tenant: &str, limits: &TenantLimits) -> Result<Permit, ApiError> {
+        match &self.shared {
+            None => self.admit_at(tenant, limits, Instant::now()),
+            Some(shared) => self.admit_shared(shared, tenant, limits, None).await,
+        }
+    }
+
+    /// Admits one line of `tenant`'s batch work: within its [`batch_share`] of the limits, and
+    /// within the limits themselves counting every request of the tenant. The tenant's burst
+    /// bucket is left to its interactive requests; batch work has one of its own.
+    pub async fn admit_batch(self: &Arc<Self>, tenant: &str, limits: &TenantLimits) -> Result<Permit, ApiError> {
+        match &self.shared {
+            None => self.admit_batch_at(tenant, limits, Instant::now()),
+            Some(shared) => self.admit_shared(shared, tenant, limits, Some(batch_share(limits))).await,
+        }
+    }
+
+    async fn admit_shared(self: &Arc<Self>, shared: &Shared, tenant: &str, limits: &TenantLimits, share: Option<TenantLimits>) -> Result<Permit, ApiError> {
+        let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut permit = Permit { limiter: self.clone(), tenant: tenant.to_string(), limits: limits.clone(), id, share, row: None };
+        if limits.requests_per_min.is_none() && limits.tokens_per_min.is_none() && limits.max_concurrent.is_none() {
+            return Ok(permit);
+        }
+        let batch = permit.share.is_some();
+        let row = crate::store::random_id("lim");
+        let mut tx = shared.store.limit_tx(tenant).await?;
+        let v = tx.view(batch).await?;
+        let retry = |oldest: Option<i64>| move || oldest.map_or(1, |t| ((t + WINDOW.as_millis() as i64 - v.now_ms).max(0) as u64).div_ceil(1000));
+        check_counts(limits, v.running, v.requests, retry(v.oldest_ms), "requests")?;
+        if let Some(share) = &permit.share {
+            check_counts(share, v.batch_running, v.batch_requests, retry(v.batch_oldest_ms), "batch requests (half the limit)")?;
+        }
+        let held = v.bucket.map(|(held, at)| (held, (v.now_ms - at).max(0) as f64 / 1000.0));
+        let bucket = take_bucket(permit.share.as_ref().unwrap_or(limits), held)?;
+        tx.admit(&row, batch, &shared.replica, bucket).await?;
+        tx.commit().await?;
+        permit.row = Some(row);
+        Ok(permit)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Windows> {
+        self.windows.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn admit_at(self: &Arc<Self>, tenant: &str, limits: &TenantLimits, now: Instant) -> Result<Permit, ApiError> {
@@ -204,14 +348,7 @@ impl Limiter {
         w.bucket = w.take(limits, now)?;
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         w.enter(now, id);
-        Ok(Permit { limiter: self.clone(), tenant: tenant.to_string(), limits: limits.clone(), id, share: None })
-    }
-
-    /// Admits one line of `tenant`'s batch work: within its [`batch_share`] of the limits, and
-    /// within the limits themselves counting every request of the tenant. The tenant's burst
-    /// bucket is left to its interactive requests; batch work has one of its own.
-    pub fn admit_batch(self: &Arc<Self>, tenant: &str, limits: &TenantLimits) -> Result<Permit, ApiError> {
-        self.admit_batch_at(tenant, limits, Instant::now())
+        Ok(Permit { limiter: self.clone(), tenant: tenant.to_string(), limits: limits.clone(), id, share: None, row: None })
     }
 
     fn admit_batch_at(self: &Arc<Self>, tenant: &str, limits: &TenantLimits, now: Instant) -> Result<Permit, ApiError> {
@@ -228,14 +365,47 @@ impl Limiter {
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         w.enter(now, id);
         b.enter(now, id);
-        Ok(Permit { limiter: self.clone(), tenant: tenant.to_string(), limits: limits.clone(), id, share: Some(share) })
+        Ok(Permit { limiter: self.clone(), tenant: tenant.to_string(), limits: limits.clone(), id, share: Some(share), row: None })
     }
 }
 
 impl Permit {
     /// Reserves the most tokens the request may use (prompt plus what it may generate) against
     /// the tokens-per-minute limit (and batch work against its share too), or says when to retry.
-    pub fn reserve(&mut self, tokens: u64) -> Result<(), ApiError> {
+    pub async fn reserve(&mut self, tokens: u64) -> Result<(), ApiError> {
+        let limiter = self.limiter.clone();
+        match &limiter.shared {
+            None => self.reserve_at(tokens),
+            Some(shared) => self.reserve_shared(shared, tokens).await,
+        }
+    }
+
+    async fn reserve_shared(&mut self, shared: &Shared, tokens: u64) -> Result<(), ApiError> {
+        let share_max = self.share.as_ref().and_then(|s| s.tokens_per_min);
+        let (Some(row), true) = (&self.row, self.limits.tokens_per_min.is_some() || share_max.is_some()) else { return Ok(()) };
+        let mut tx = shared.store.limit_tx(&self.tenant).await?;
+        let (all, batch) = tx.token_sums().await?;
+        let now = tx.now_ms;
+        let left = |at: i64| ((at + WINDOW.as_millis() as i64 - now).max(0) as u64).div_ceil(1000);
+        // The share first: a line that could never fit it is told so, not to wait.
+        if let Some(max) = share_max
+            && batch.saturating_add(tokens) > max.max(0) as u64
+        {
+            let rows = tx.token_rows(true).await?;
+            check_tokens(max, tokens, batch, || rows.iter().map(|&(at, n)| (left(at), n)), " for batch work (half the limit)")?;
+        }
+        if let Some(max) = self.limits.tokens_per_min
+            && all.saturating_add(tokens) > max.max(0) as u64
+        {
+            let rows = tx.token_rows(false).await?;
+            check_tokens(max, tokens, all, || rows.iter().map(|&(at, n)| (left(at), n)), "")?;
+        }
+        tx.reserve(row, tokens).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    fn reserve_at(&mut self, tokens: u64) -> Result<(), ApiError> {
         let now = Instant::now();
         let mut all = self.limiter.lock();
         let Windows { tenants, batch } = &mut *all;
@@ -259,6 +429,12 @@ impl Permit {
 
     /// Replaces the reservation with the tokens the request really used.
     pub fn settle(&self, tokens: u64) {
+        if let Some(shared) = &self.limiter.shared {
+            if let Some(row) = &self.row {
+                let _ = shared.changes.send(Change::Settle(row.clone(), tokens));
+            }
+            return;
+        }
         let mut all = self.limiter.lock();
         if let Some(w) = all.tenants.get_mut(&self.tenant) {
             w.settle(self.id, tokens);
@@ -273,6 +449,12 @@ impl Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
+        if let Some(shared) = &self.limiter.shared {
+            if let Some(row) = self.row.take() {
+                let _ = shared.changes.send(Change::Release(row));
+            }
+            return;
+        }
         let mut all = self.limiter.lock();
         if let Some(w) = all.tenants.get_mut(&self.tenant) {
             w.concurrent = w.concurrent.saturating_sub(1);
@@ -294,8 +476,8 @@ mod tests {
     }
 
     fn admit(l: &Arc<Limiter>, tenant: &str, limits: &TenantLimits, tokens: u64) -> Result<Permit, ApiError> {
-        let mut p = l.admit(tenant, limits)?;
-        p.reserve(tokens)?;
+        let mut p = l.admit_at(tenant, limits, Instant::now())?;
+        p.reserve_at(tokens)?;
         Ok(p)
     }
 
@@ -406,14 +588,110 @@ mod tests {
         // fit its half is a client error, not a wait.
         let tpm = limits(None, Some(100), None);
         let mut a = l.admit_batch_at("k", &tpm, t0).unwrap();
-        a.reserve(50).unwrap();
+        a.reserve_at(50).unwrap();
         let mut b = l.admit_batch_at("k", &tpm, t0).unwrap();
-        assert!(matches!(b.reserve(1), Err(ApiError::RateLimited { .. })));
-        assert!(matches!(b.reserve(51), Err(ApiError::Invalid(_))));
+        assert!(matches!(b.reserve_at(1), Err(ApiError::RateLimited { .. })));
+        assert!(matches!(b.reserve_at(51), Err(ApiError::Invalid(_))));
         let mut i = l.admit_at("k", &tpm, t0).unwrap();
-        i.reserve(50).unwrap();
-        assert!(matches!(l.admit_at("k", &tpm, t0).unwrap().reserve(1), Err(ApiError::RateLimited { .. })));
+        i.reserve_at(50).unwrap();
+        assert!(matches!(l.admit_at("k", &tpm, t0).unwrap().reserve_at(1), Err(ApiError::RateLimited { .. })));
         a.settle(10);
-        b.reserve(40).unwrap();
+        b.reserve_at(40).unwrap();
+    }
+
+    /// Waits (up to five seconds) for `f` to admit: releases and settlements of the shared
+    /// limits are written behind the request.
+    async fn eventually<F, Fut>(mut f: F) -> Permit
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<Permit, ApiError>>,
+    {
+        for _ in 0..500 {
+            if let Ok(p) = f().await {
+                return p;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("never admitted");
+    }
+
+    #[actix_web::test]
+    async fn shared_limits_hold_across_replicas() {
+        let dir = tempfile::tempdir().unwrap();
+        let Some(url) = crate::store::test_urls(dir.path()).await.into_iter().find(|u| u.starts_with("postgres")) else {
+            eprintln!("shared limits need PostgreSQL: skipped");
+            return;
+        };
+        let store = Store::connect(&url).await.unwrap();
+        let a = Limiter::shared(store.clone(), "rep_a").await.unwrap();
+        let b = Limiter::shared(store.clone(), "rep_b").await.unwrap();
+        assert!(a.is_shared());
+
+        // A tenant without limits costs no row.
+        let none = limits(None, None, None);
+        let p = a.admit("free", &none).await.unwrap();
+        assert!(p.row.is_none());
+
+        // Requests per minute: six, alternating replicas, twelve asked at once from both.
+        let rpm = limits(Some(6), None, None);
+        let tries = (0..12).map(|i| {
+            let l = if i % 2 == 0 { a.clone() } else { b.clone() };
+            let rpm = rpm.clone();
+            async move { l.admit("t", &rpm).await }
+        });
+        let results = futures::future::join_all(tries).await;
+        assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 6);
+        match results.iter().find_map(|r| r.as_ref().err()) {
+            Some(ApiError::RateLimited { retry_after, .. }) => assert!((1..=60).contains(retry_after), "{retry_after}"),
+            other => panic!("{other:?}"),
+        }
+
+        // Concurrency: two slots in all; one released on A frees one for B.
+        let conc = limits(None, None, Some(2));
+        let p1 = a.admit("c", &conc).await.unwrap();
+        let _p2 = b.admit("c", &conc).await.unwrap();
+        assert!(matches!(a.admit("c", &conc).await, Err(ApiError::RateLimited { .. })));
+        assert!(matches!(b.admit("c", &conc).await, Err(ApiError::RateLimited { .. })));
+        drop(p1);
+        let _p3 = eventually(|| b.admit("c", &conc)).await;
+
+        // Tokens: a reservation on A counts on B; what was not used comes back.
+        let tpm = limits(None, Some(100), None);
+        let mut x = a.admit("k", &tpm).await.unwrap();
+        x.reserve(80).await.unwrap();
+        let mut y = b.admit("k", &tpm).await.unwrap();
+        assert!(matches!(y.reserve(30).await, Err(ApiError::RateLimited { .. })));
+        assert!(matches!(y.reserve(101).await, Err(ApiError::Invalid(_))));
+        x.settle(10);
+        let mut ok = false;
+        for _ in 0..500 {
+            if y.reserve(30).await.is_ok() {
+                ok = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(ok, "the settled tokens never came back");
+
+        // Batch work takes half of the concurrency across replicas.
+        let conc4 = limits(None, None, Some(4));
+        let _b1 = a.admit_batch("m", &conc4).await.unwrap();
+        let _b2 = b.admit_batch("m", &conc4).await.unwrap();
+        assert!(matches!(a.admit_batch("m", &conc4).await, Err(ApiError::RateLimited { .. })));
+        let _i1 = b.admit("m", &conc4).await.unwrap();
+
+        // A replica that dies holding slots: once it has not been seen for the timeout, its
+        // slots no longer count.
+        let conc1 = limits(None, None, Some(1));
+        store.limit_heartbeat("rep_dead").await.unwrap();
+        let mut tx = store.limit_tx("d").await.unwrap();
+        tx.admit("lim_dead", false, "rep_dead", None).await.unwrap();
+        tx.commit().await.unwrap();
+        assert!(matches!(a.admit("d", &conc1).await, Err(ApiError::RateLimited { .. })));
+        sqlx::query("UPDATE replicas SET seen_ms = 0 WHERE id = 'rep_dead'").execute(store.pool()).await.unwrap();
+        let _d = a.admit("d", &conc1).await.unwrap();
+        // ... and a replica that restarts under the same name lets its previous run's slots go.
+        let again = Limiter::shared(store.clone(), "rep_a").await.unwrap();
+        let _e = again.admit("d", &conc1).await.unwrap();
     }
 }

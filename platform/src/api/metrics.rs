@@ -60,6 +60,9 @@ struct Inner {
     limited: BTreeMap<String, u64>,
     /// Adapter label -> (requests waiting for their first token, requests generating).
     lora: BTreeMap<String, (usize, usize)>,
+    /// Adapter version key (its id) -> the name clients send, for the versions this server has
+    /// met (requests, loads), so resident ones can be listed by name.
+    adapter_names: BTreeMap<String, String>,
     ttft: Histogram,
     tpot: Histogram,
     e2e: Histogram,
@@ -80,6 +83,7 @@ impl Default for Metrics {
                 tokens: BTreeMap::new(),
                 limited: BTreeMap::new(),
                 lora: BTreeMap::new(),
+                adapter_names: BTreeMap::new(),
                 ttft: Histogram::new(&LATENCY_BUCKETS),
                 tpot: Histogram::new(&TOKEN_BUCKETS),
                 e2e: Histogram::new(&LATENCY_BUCKETS),
@@ -183,6 +187,19 @@ impl Metrics {
         }
     }
 
+    /// Adapter version `id` is called `name` by clients.
+    pub fn name_adapter(&self, id: &str, name: &str) {
+        let mut m = self.lock();
+        if m.adapter_names.get(id).is_none_or(|n| n != name) {
+            m.adapter_names.insert(id.to_string(), name.to_string());
+        }
+    }
+
+    /// Adapter version `id` was deleted.
+    pub fn forget_adapter(&self, id: &str) {
+        self.lock().adapter_names.remove(id);
+    }
+
     /// A request refused by one of `tenant`'s limits.
     pub fn limited(&self, tenant: &str) {
         *self.lock().limited.entry(tenant.to_string()).or_default() += 1;
@@ -209,8 +226,19 @@ impl Metrics {
         m.tpot.render(o, "loraplex_time_per_output_token_seconds", "Mean time between output tokens, per request.");
         m.e2e.render(o, "loraplex_e2e_request_latency_seconds", "From arrival to the last token.");
         m.queue.render(o, "loraplex_queue_time_seconds", "From arrival until the request first ran.");
-        let running_adapters: Vec<String> = m.lora.iter().filter(|(_, c)| c.1 > 0).map(|(k, _)| k.clone()).collect();
-        let waiting_adapters: Vec<String> = m.lora.iter().filter(|(_, c)| c.0 > 0).map(|(k, _)| k.clone()).collect();
+        // GIE's model-server protocol: `running_lora_adapters` are the adapters "currently loaded
+        // in GPU memory and ready to serve requests" (here: resident in a worker's pool, and
+        // those of requests generating), `waiting_lora_adapters` those of requests waiting to
+        // be served; both by the name clients send as `model` (a label `name@version` counts as
+        // its name), so that a gateway's LoRA affinity matches requests to them.
+        let name = |label: &str| label.rsplit_once('@').map_or(label, |(n, _)| n).to_string();
+        let mut running_adapters: std::collections::BTreeSet<String> = m.lora.iter().filter(|(_, c)| c.1 > 0).map(|(k, _)| name(k)).collect();
+        for w in s.workers {
+            running_adapters.extend(w.resident_adapters.iter().filter_map(|id| m.adapter_names.get(id).cloned()));
+        }
+        let running_adapters: Vec<String> = running_adapters.into_iter().collect();
+        let waiting_adapters: Vec<String> =
+            m.lora.iter().filter(|(_, c)| c.0 > 0).map(|(k, _)| name(k)).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
         drop(m);
 
         let sum = |f: &dyn Fn(&WorkerStats) -> u64| s.workers.iter().map(f).sum::<u64>();

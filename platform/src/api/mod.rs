@@ -6,12 +6,14 @@ mod admin;
 mod admission;
 pub mod batch;
 mod blocking;
+pub mod cluster;
 mod error;
 pub mod files;
 mod infer;
 mod limits;
 mod lorax;
 mod metrics;
+mod objects;
 mod openai;
 pub mod openapi;
 mod peer;
@@ -33,6 +35,7 @@ pub use blocking::BlockingPool;
 pub use error::ApiError;
 pub use limits::Limiter;
 pub use metrics::Metrics;
+pub use objects::{AdapterFiles, ObjectError};
 pub use peer::{on_connect, shed_refused_bodies};
 pub use serving::Serving;
 
@@ -116,6 +119,8 @@ pub struct AppState {
     pub limiter: Arc<Limiter>,
     pub metrics: Arc<Metrics>,
     pub blobs: Arc<Blobs>,
+    /// Where adapter files live (the data directory, or an object store every replica shares).
+    pub adapter_files: Arc<AdapterFiles>,
     pub jobs: Arc<Jobs>,
     pub settings: Arc<ApiSettings>,
     pub admission: Arc<Admission>,
@@ -164,6 +169,7 @@ impl AppState {
             limiter: Limiter::new(),
             metrics: Arc::new(Metrics::default()),
             blobs: Blobs::new(),
+            adapter_files: Arc::new(AdapterFiles::local(data_dir)),
             jobs: Arc::new(Jobs::default()),
             settings: Arc::new(settings),
             started_at: crate::store::now_ms(),
@@ -360,6 +366,16 @@ async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpRes
     if key.tenant_id.is_some() {
         return Err(ApiError::Forbidden(Scope::Metrics.as_str()));
     }
+    render_metrics(&state).await
+}
+
+/// The routes of `serve --metrics-port`: the metrics without a key, for scrapers inside the
+/// cluster (the port is not exposed beyond it), and liveness.
+pub fn metrics_routes(cfg: &mut web::ServiceConfig) {
+    cfg.route("/metrics", web::get().to(|state: web::Data<AppState>| async move { render_metrics(&state).await })).route("/health", web::get().to(health));
+}
+
+async fn render_metrics(state: &AppState) -> Result<HttpResponse, ApiError> {
     let workers = state.serving.stats().await;
     let body = state.metrics.render(&metrics::Snapshot { workers: &workers, max_lora: state.settings.max_running });
     Ok(HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(body))

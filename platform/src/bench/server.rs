@@ -21,7 +21,19 @@ pub struct Server {
 impl Server {
     /// Starts `exe serve --port 0 --data-dir DATA ARGS...` and waits for its address.
     pub fn start(exe: &Path, data: &Path, args: &[&str]) -> std::io::Result<Server> {
-        let child = Command::new(exe).args(["serve", "--port", "0", "--data-dir"]).arg(data).args(args).stdout(Stdio::piped()).stderr(Stdio::null()).spawn()?;
+        Self::start_with_env(exe, data, args, &[])
+    }
+
+    /// [`Server::start`] with these environment variables set for the server.
+    pub fn start_with_env(exe: &Path, data: &Path, args: &[&str], env: &[(&str, &str)]) -> std::io::Result<Server> {
+        let child = Command::new(exe)
+            .args(["serve", "--port", "0", "--data-dir"])
+            .arg(data)
+            .args(args)
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()?;
         // Owned by the guard at once, so the process is reaped on every path.
         let mut server = Server { child, addr: String::new(), admin: None, output: Arc::default() };
         let stdout = server.child.stdout.take().ok_or_else(|| std::io::Error::other("no stdout"))?;
@@ -41,6 +53,12 @@ impl Server {
         }
         let said = server.output.lock().unwrap_or_else(|e| e.into_inner()).join("\n");
         Err(std::io::Error::other(format!("the server exited before printing its address: {said}")))
+    }
+
+    /// The address of its keyless metrics port (`--metrics-port`), once it has printed it.
+    pub fn metrics_addr(&self) -> Option<String> {
+        let out = self.output.lock().unwrap_or_else(|e| e.into_inner());
+        out.iter().find_map(|l| l.strip_prefix("metrics (no key) on http://").and_then(|a| a.strip_suffix("/metrics")).map(str::to_string))
     }
 
     pub fn client(&self) -> Client {

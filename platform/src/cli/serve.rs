@@ -136,6 +136,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         grammar: crate::grammar::GrammarLimits::default(),
         batch: args.batch.settings(),
     };
+    // The adapter store's TLS (rustls) uses ring; a provider set earlier stays.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let adapter_files = api::AdapterFiles::open(args.cluster.adapter_store.as_deref(), &data_dir).context("opening the adapter store")?;
     actix_web::rt::System::new().block_on(async move {
         let store = Store::connect(&url).await.with_context(|| format!("opening the database {url}"))?;
         match &args.admin_key {
@@ -157,11 +160,25 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         if interrupted > 0 {
             println!("ledger: {interrupted} requests of the last run were interrupted (recorded without charge)");
         }
+        let live = store.live_adapter_blobs().await?.into_iter().collect();
+        match adapter_files.sweep(&live).await {
+            Ok(0) => {}
+            Ok(n) => println!("adapter store: removed the objects of {n} versions no record names"),
+            Err(e) => eprintln!("warning: cleaning the adapter store: {e}"),
+        }
+        println!("adapter files: {}", adapter_files.describe());
         let removed = api::batch::sweep(&data_dir, &store).await.context("cleaning the files directory")?;
         if removed > 0 {
             println!("files: removed {removed} that no record names");
         }
-        let state = AppState::new(store.clone(), serving, tokenizer, &model_name, &data_dir, settings);
+        let instance = settings.instance.clone();
+        let mut state = AppState::new(store.clone(), serving, tokenizer, &model_name, &data_dir, settings);
+        state.adapter_files = Arc::new(adapter_files);
+        if store.kind() == crate::store::DbKind::Postgres {
+            // Replicas may share this database: tenant limits hold across all of them.
+            state.limiter = api::Limiter::shared(store.clone(), &instance).await.context("starting the shared limits")?;
+            println!("tenant limits: shared by every replica of this database");
+        }
         let app_state = state.clone();
         let mut server =
             HttpServer::new(move || App::new().wrap(from_fn(api::shed_refused_bodies)).app_data(web::Data::new(app_state.clone())).configure(api::routes))
@@ -176,12 +193,35 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         if resumed > 0 {
             println!("batches: {resumed} of the last run go on");
         }
+        let metrics_server = match args.cluster.metrics_port {
+            Some(port) => {
+                let metrics_state = state.clone();
+                let server = HttpServer::new(move || App::new().app_data(web::Data::new(metrics_state.clone())).configure(api::metrics_routes))
+                    .workers(1)
+                    .disable_signals()
+                    .shutdown_timeout(1)
+                    .bind((args.host.as_str(), port))
+                    .with_context(|| format!("listening on {}:{port} for metrics", args.host))?;
+                for addr in server.addrs() {
+                    println!("metrics (no key) on http://{addr}/metrics");
+                }
+                let server = server.run();
+                let handle = server.handle();
+                actix_web::rt::spawn(server);
+                Some(handle)
+            }
+            None => None,
+        };
         for addr in server.addrs() {
             println!("listening on http://{addr}");
         }
+        api::cluster::watch(state.clone(), Duration::from_millis(args.cluster.cluster_sync_ms));
         use std::io::Write;
         std::io::stdout().flush()?;
         server.run().await?;
+        if let Some(handle) = metrics_server {
+            handle.stop(true).await;
+        }
         // No batch starts another line; the lines in flight are jobs, and finish below.
         state.batches.shutdown();
         // The server has stopped taking requests and its responses are done; jobs whose

@@ -157,6 +157,20 @@ impl Store {
         Ok(rows.into_iter().map(|(b,)| b).collect())
     }
 
+    /// The versions deleted at or after `since_ms` (Unix milliseconds), oldest first, with when:
+    /// what another replica deleted, for this one to drop its copies.
+    pub async fn adapters_deleted_since(&self, since_ms: i64) -> Result<Vec<(AdapterRecord, i64)>, StoreError> {
+        #[derive(sqlx::FromRow)]
+        struct Deleted {
+            #[sqlx(flatten)]
+            record: AdapterRecord,
+            deleted_at: i64,
+        }
+        let sql = concat!("SELECT ", adapter_columns!(), ", deleted_at FROM adapters WHERE deleted_at >= $1 ORDER BY deleted_at");
+        let rows: Vec<Deleted> = sqlx::query_as(sql).bind(since_ms).fetch_all(&self.pool).await?;
+        Ok(rows.into_iter().map(|d| (d.record, d.deleted_at)).collect())
+    }
+
     /// Makes every version of `owner`'s adapter visible to all tenants, or private again.
     pub async fn publish_adapter(&self, owner: &str, name: &str, public: bool) -> Result<bool, StoreError> {
         let n = sqlx::query("UPDATE adapters SET public = $1 WHERE owner = $2 AND name = $3 AND deleted_at IS NULL")

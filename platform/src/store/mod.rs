@@ -9,6 +9,7 @@ mod auth;
 mod batches;
 mod keys;
 mod ledger;
+pub mod limits;
 mod money;
 #[cfg(test)]
 mod tests;
