@@ -1,24 +1,30 @@
 -- Tenant limits that hold across replicas sharing one PostgreSQL database. A server on SQLite
--- keeps its windows in memory and never writes these tables.
+-- keeps its windows in memory and never writes these tables. On PostgreSQL they are made
+-- unlogged at start (their contents are worth a minute).
 
--- One row per admitted request (or batch line): it counts against the tenant's requests per
--- minute while `at_ms` is within the last minute, against its tokens per minute with `tokens`
--- (reserved, then what it used), and against its concurrency while `running` is 1 and its
--- replica is alive.
-CREATE TABLE limit_events (
-    id TEXT PRIMARY KEY,
+-- Per tenant, class (batch 0: every request; batch 1: batch work, counted in both) and second
+-- (Unix seconds): the requests admitted in it and the tokens they hold (reserved, then what
+-- they used). A minute's window is the sum of its last sixty seconds.
+CREATE TABLE limit_seconds (
     tenant_id TEXT NOT NULL,
     batch INTEGER NOT NULL,
-    at_ms BIGINT NOT NULL,
+    second BIGINT NOT NULL,
+    requests BIGINT NOT NULL,
     tokens BIGINT NOT NULL,
-    replica TEXT NOT NULL,
-    running INTEGER NOT NULL
+    PRIMARY KEY (tenant_id, batch, second)
 );
-CREATE INDEX limit_events_by_tenant ON limit_events (tenant_id, at_ms);
-CREATE INDEX limit_events_running ON limit_events (replica, running);
 
--- Each tenant's burst bucket (interactive: batch 0; batch work: batch 1), in thousandths of a
--- request, as of `at_ms`.
+-- Per tenant, class and replica: the requests holding a concurrency slot. A replica's count
+-- stops counting when the replica is no longer seen.
+CREATE TABLE limit_running (
+    tenant_id TEXT NOT NULL,
+    batch INTEGER NOT NULL,
+    replica TEXT NOT NULL,
+    running BIGINT NOT NULL,
+    PRIMARY KEY (tenant_id, batch, replica)
+);
+
+-- Each tenant's burst bucket per class, in thousandths of a request, as of `at_ms`.
 CREATE TABLE limit_buckets (
     tenant_id TEXT NOT NULL,
     batch INTEGER NOT NULL,
@@ -27,8 +33,7 @@ CREATE TABLE limit_buckets (
     PRIMARY KEY (tenant_id, batch)
 );
 
--- The replicas, each seen a few seconds ago at most while it runs: the concurrency slots of one
--- that stopped being seen no longer count.
+-- The replicas, each seen a few seconds ago at most while it runs.
 CREATE TABLE replicas (
     id TEXT PRIMARY KEY,
     seen_ms BIGINT NOT NULL

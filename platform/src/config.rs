@@ -545,6 +545,9 @@ pub enum BenchCommand {
     /// another sends each abusive pattern at its limits.
     #[command(name = "noisy-neighbor")]
     NoisyNeighbor(BenchNoisyArgs),
+    /// What sharing state costs: tiny requests against one server on SQLite, then against
+    /// replicas sharing one PostgreSQL database (their limits shared through it).
+    Cluster(BenchClusterArgs),
     /// Decode throughput with every row of the batch following a JSON schema, against the same
     /// batch unconstrained, and the grammar masks' time per step.
     Structured(BenchStructuredArgs),
@@ -671,6 +674,33 @@ pub struct BenchRuntimeArgs {
     pub out: PathBuf,
     #[arg(long, env = "LORAPLEX_THREADS")]
     pub threads: Option<usize>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchClusterArgs {
+    /// A PostgreSQL server to create the replicas' database on (postgres://user@host:port/db).
+    #[arg(long, env = "LORAPLEX_BENCH_POSTGRES")]
+    pub postgres: Option<String>,
+    /// Replicas sharing the PostgreSQL database (on 127.0.0.1, .2, ...).
+    #[arg(long, default_value_t = 3)]
+    pub replicas: usize,
+    /// Clients sending requests back to back.
+    #[arg(long, default_value_t = 200)]
+    pub clients: usize,
+    /// Tenants the clients are spread over.
+    #[arg(long, default_value_t = 20)]
+    pub tenants: usize,
+    /// Tokens each request generates.
+    #[arg(long, default_value_t = 1)]
+    pub max_tokens: u32,
+    /// Seconds each phase is measured (after a warm-up of a fifth of it).
+    #[arg(long, default_value_t = 20.0)]
+    pub seconds: f64,
+    /// The paced phases' offered loads, as fractions of the smaller capacity the run measures.
+    #[arg(long, value_delimiter = ',', default_value = "0.25,0.5")]
+    pub loads: Vec<f64>,
+    #[arg(long, default_value = "bench-cluster.json")]
+    pub out: PathBuf,
 }
 
 #[derive(Debug, Clone, Args)]

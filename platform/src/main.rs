@@ -18,6 +18,7 @@ fn main() -> ExitCode {
         Command::Bench { which: BenchCommand::Kernels(args) } => loraplex::bench::kernels::run(args),
         Command::Bench { which: BenchCommand::NoisyNeighbor(args) } => loraplex::bench::noisy::run(args),
         Command::Bench { which: BenchCommand::Structured(args) } => loraplex::bench::structured::run(args),
+        Command::Bench { which: BenchCommand::Cluster(args) } => loraplex::bench::cluster::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

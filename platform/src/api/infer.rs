@@ -56,13 +56,17 @@ pub async fn caller(req: &HttpRequest, state: &AppState, scope: Scope) -> Result
 pub struct Admitted {
     pub caller: Caller,
     pub permit: Permit,
+    /// Time spent so far on database-backed state (the key, the admission).
+    pub state_time: super::StateTime,
 }
 
 /// [`caller`] with the inference scope, then admission against the tenant's limits.
 pub async fn admitted(req: &HttpRequest, state: &AppState) -> Result<Admitted, ApiError> {
+    let began = Instant::now();
     let caller = caller(req, state, Scope::Inference).await?;
+    let key = began.elapsed();
     let permit = state.limiter.admit(&caller.tenant.id, &caller.tenant.limits()).await.inspect_err(|_| state.metrics.limited(&caller.tenant.name))?;
-    Ok(Admitted { caller, permit })
+    Ok(Admitted { caller, permit, state_time: super::StateTime { key, limits: began.elapsed() - key, ledger: Duration::ZERO } })
 }
 
 /// What a request's `model` (or LoRAX `adapter_id`) names.
@@ -146,7 +150,7 @@ pub struct Job {
 /// Checks, admits and queues a job, and starts the task that drives it. Errors here are the
 /// response's status.
 pub async fn start(state: &AppState, admitted: Admitted, spec: JobSpec) -> Result<Job, ApiError> {
-    let Admitted { caller, mut permit } = admitted;
+    let Admitted { caller, mut permit, mut state_time } = admitted;
     let started = Instant::now();
     let started_at = now_ms();
     // What was sent, cheaply.
@@ -186,7 +190,9 @@ pub async fn start(state: &AppState, admitted: Admitted, spec: JobSpec) -> Resul
         valid.push(state.serving.validate(request)?);
     }
     let prompt_tokens: usize = valid.iter().map(|r| r.get().prompt.len()).sum();
+    let reserving = Instant::now();
     permit.reserve(budget).await.inspect_err(|_| state.metrics.limited(&caller.tenant.name))?;
+    state_time.limits += reserving.elapsed();
 
     // The ledger row, durable before anything is generated.
     let label = spec.target.label();
@@ -216,7 +222,9 @@ pub async fn start(state: &AppState, admitted: Admitted, spec: JobSpec) -> Resul
         instance: state.settings.instance.clone(),
         batch_id: spec.batch.as_ref().map_or_else(String::new, |b| b.batch_id.to_string()),
     };
+    let opening = Instant::now();
     state.ledger.open(record.clone()).await?;
+    state_time.ledger += opening.elapsed();
     let mut placement = Placement::tenant(TenantId::new(&caller.tenant.id), caller.tenant.weight);
     if spec.batch.is_some() {
         placement.priority = Priority::Batch;
@@ -237,7 +245,8 @@ pub async fn start(state: &AppState, admitted: Admitted, spec: JobSpec) -> Resul
     }
     let (tx, rx) = mpsc::unbounded_channel();
     state.metrics.job_queued(&label);
-    let run = Run { state: state.clone(), endpoint: spec.endpoint, caller, record, label, prompt_tokens, started, permit, _slot: slot, _guard: guard };
+    let run =
+        Run { state: state.clone(), endpoint: spec.endpoint, caller, record, label, prompt_tokens, started, permit, state_time, _slot: slot, _guard: guard };
     state.jobs.spawn(run.drive(handles, tx));
     Ok(Job { events: rx, prompt_tokens })
 }
@@ -253,6 +262,8 @@ struct Run {
     prompt_tokens: usize,
     started: Instant,
     permit: Permit,
+    /// Time spent on database-backed state before it ran.
+    state_time: super::StateTime,
     /// Its place in the admission bounds.
     _slot: Slot,
     /// Keeps the adapter's files while the job runs, even if the adapter is deleted.
@@ -332,7 +343,11 @@ impl Run {
             finished_at: now_ms(),
             ..self.record.clone()
         };
+        let committing = Instant::now();
         let committed = self.state.ledger.commit(record).await;
+        let mut state_time = self.state_time;
+        state_time.ledger += committing.elapsed();
+        self.state.metrics.state_time(&state_time);
         self.permit.settle((usage.prompt_tokens + usage.completion_tokens) as u64);
         self.state.metrics.job_ended(&self.label, first_token.is_some());
         self.state.metrics.observe(&Observation {

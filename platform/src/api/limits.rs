@@ -23,6 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::ApiError;
+use crate::store::limits::{AdmitAsk, AdmitVerdict};
 use crate::store::{Store, StoreError, TenantLimits};
 
 const WINDOW: Duration = Duration::from_secs(60);
@@ -126,6 +127,28 @@ fn check_tokens<I: IntoIterator<Item = (u64, u64)>>(max: i64, tokens: u64, sum: 
     Err(ApiError::RateLimited { message: format!("too many tokens{what}: the limit is {max} per minute and this request may use {tokens}"), retry_after })
 }
 
+/// The error of a shared admission's refusal: what the in-memory limiter says for the same
+/// counts.
+fn refusal(v: &AdmitVerdict, limits: &TenantLimits, share: Option<&TenantLimits>) -> ApiError {
+    let retry = || v.oldest_ms.map_or(1, |t| ((t + WINDOW.as_millis() as i64 - v.now_ms).max(0) as u64).div_ceil(1000));
+    let only = |l: &TenantLimits, concurrent: bool| TenantLimits {
+        max_concurrent: if concurrent { l.max_concurrent } else { None },
+        requests_per_min: if concurrent { None } else { l.requests_per_min },
+        ..l.clone()
+    };
+    let share = share.cloned().unwrap_or_default();
+    const SHARE: &str = "batch requests (half the limit)";
+    let refused = match v.verdict.as_str() {
+        "concurrent" => check_counts(&only(limits, true), i64::MAX, 0, retry, "requests"),
+        "rpm" => check_counts(&only(limits, false), 0, i64::MAX, retry, "requests"),
+        "share_concurrent" => check_counts(&only(&share, true), i64::MAX, 0, retry, SHARE),
+        "share_rpm" => check_counts(&only(&share, false), 0, i64::MAX, retry, SHARE),
+        "bucket" => take_bucket(if share.requests_per_min.is_some() { &share } else { limits }, Some((v.held.unwrap_or(0.0), 0.0))).map(|_| ()),
+        _ => Ok(()),
+    };
+    refused.err().unwrap_or_else(|| ApiError::Internal(format!("shared limits: the verdict {:?} names no refusal", v.verdict)))
+}
+
 impl Window {
     /// Refuses a request over `limits`' concurrency or requests per minute.
     fn check(&self, limits: &TenantLimits, now: Instant, what: &str) -> Result<(), ApiError> {
@@ -200,8 +223,11 @@ struct Shared {
 
 #[derive(Debug)]
 enum Change {
-    Release(String),
-    Settle(String, u64),
+    /// A request of (tenant, batch work) let its concurrency slot go.
+    Release(String, bool),
+    /// A request of (tenant, batch work) admitted in a second used this many tokens more (or
+    /// fewer) than it reserved.
+    Settle { tenant: String, batch: bool, second: i64, delta: i64 },
 }
 
 /// How often a replica marks itself alive (well within the timeout after which its slots stop
@@ -209,11 +235,12 @@ enum Change {
 const HEARTBEAT: Duration = Duration::from_secs(3);
 
 /// The shared limiter's writer: marks the replica alive every [`HEARTBEAT`] (and deletes rows
-/// nothing counts any more), and writes releases and settlements in batches, keeping those
-/// that failed (the database away) for the next try.
+/// nothing counts any more), and writes releases (summed per tenant) and settlements, keeping
+/// those that failed (the database away) for the next try.
 async fn maintain(store: Store, replica: String, mut changes: tokio::sync::mpsc::UnboundedReceiver<Change>) {
     let mut beat = tokio::time::interval(HEARTBEAT);
-    let (mut releases, mut settles): (Vec<String>, Vec<(String, u64)>) = (Vec::new(), Vec::new());
+    let mut releases: HashMap<(String, bool), i64> = HashMap::new();
+    let mut settles: HashMap<(String, bool, i64), i64> = HashMap::new();
     let mut warned = false;
     loop {
         tokio::select! {
@@ -229,8 +256,8 @@ async fn maintain(store: Store, replica: String, mut changes: tokio::sync::mpsc:
                 let mut next = Some(first);
                 while let Some(change) = next.take() {
                     match change {
-                        Change::Release(id) => releases.push(id),
-                        Change::Settle(id, tokens) => settles.push((id, tokens)),
+                        Change::Release(tenant, batch) => *releases.entry((tenant, batch)).or_default() += 1,
+                        Change::Settle { tenant, batch, second, delta } => *settles.entry((tenant, batch, second)).or_default() += delta,
                     }
                     if releases.len() + settles.len() < 1024 {
                         next = changes.try_recv().ok();
@@ -239,14 +266,18 @@ async fn maintain(store: Store, replica: String, mut changes: tokio::sync::mpsc:
             }
         }
         // Settlements first: a released request's tokens are final.
-        while let Some((id, tokens)) = settles.first() {
-            if store.limit_settle(id, i64::try_from(*tokens).unwrap_or(i64::MAX)).await.is_err() {
-                break;
+        let pending: Vec<_> = settles.keys().cloned().collect();
+        for key in pending {
+            let delta = settles[&key];
+            if delta == 0 || store.limit_settle(&key.0, key.1, key.2, delta).await.is_ok() {
+                settles.remove(&key);
             }
-            settles.remove(0);
         }
-        if !releases.is_empty() && store.limit_release(&releases).await.is_ok() {
-            releases.clear();
+        let pending: Vec<_> = releases.keys().cloned().collect();
+        for key in pending {
+            if store.limit_release(&key.0, key.1, &replica, releases[&key]).await.is_ok() {
+                releases.remove(&key);
+            }
         }
     }
 }
@@ -262,8 +293,9 @@ pub struct Permit {
     id: u64,
     /// For batch work: the share of the limits it runs under ([`batch_share`]).
     share: Option<TenantLimits>,
-    /// Shared limits: the request's row (`None` for a tenant without limits).
-    row: Option<String>,
+    /// Shared limits: the second it was admitted in and the tokens it reserved (`None` for a
+    /// tenant without limits).
+    slot: Option<(i64, u64)>,
 }
 
 fn seconds_until(t: Instant, now: Instant) -> u64 {
@@ -315,24 +347,26 @@ impl Limiter {
 
     async fn admit_shared(self: &Arc<Self>, shared: &Shared, tenant: &str, limits: &TenantLimits, share: Option<TenantLimits>) -> Result<Permit, ApiError> {
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut permit = Permit { limiter: self.clone(), tenant: tenant.to_string(), limits: limits.clone(), id, share, row: None };
+        let mut permit = Permit { limiter: self.clone(), tenant: tenant.to_string(), limits: limits.clone(), id, share, slot: None };
         if limits.requests_per_min.is_none() && limits.tokens_per_min.is_none() && limits.max_concurrent.is_none() {
             return Ok(permit);
         }
-        let batch = permit.share.is_some();
-        let row = crate::store::random_id("lim");
-        let mut tx = shared.store.limit_tx(tenant).await?;
-        let v = tx.view(batch).await?;
-        let retry = |oldest: Option<i64>| move || oldest.map_or(1, |t| ((t + WINDOW.as_millis() as i64 - v.now_ms).max(0) as u64).div_ceil(1000));
-        check_counts(limits, v.running, v.requests, retry(v.oldest_ms), "requests")?;
-        if let Some(share) = &permit.share {
-            check_counts(share, v.batch_running, v.batch_requests, retry(v.batch_oldest_ms), "batch requests (half the limit)")?;
+        let bucket_limits = permit.share.as_ref().unwrap_or(limits);
+        let ask = AdmitAsk {
+            tenant,
+            batch: permit.share.is_some(),
+            replica: &shared.replica,
+            max_concurrent: limits.max_concurrent,
+            requests_per_min: limits.requests_per_min,
+            share_concurrent: permit.share.as_ref().and_then(|s| s.max_concurrent),
+            share_requests_per_min: permit.share.as_ref().and_then(|s| s.requests_per_min),
+            bucket: bucket_limits.requests_per_min.map(|max| (burst(max), max.max(0) as f64 / 60.0)),
+        };
+        let v = shared.store.limit_admit(&ask).await?;
+        if v.verdict != "ok" {
+            return Err(refusal(&v, limits, permit.share.as_ref()));
         }
-        let held = v.bucket.map(|(held, at)| (held, (v.now_ms - at).max(0) as f64 / 1000.0));
-        let bucket = take_bucket(permit.share.as_ref().unwrap_or(limits), held)?;
-        tx.admit(&row, batch, &shared.replica, bucket).await?;
-        tx.commit().await?;
-        permit.row = Some(row);
+        permit.slot = Some((v.now_ms.div_euclid(1000), 0));
         Ok(permit)
     }
 
@@ -348,7 +382,7 @@ impl Limiter {
         w.bucket = w.take(limits, now)?;
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         w.enter(now, id);
-        Ok(Permit { limiter: self.clone(), tenant: tenant.to_string(), limits: limits.clone(), id, share: None, row: None })
+        Ok(Permit { limiter: self.clone(), tenant: tenant.to_string(), limits: limits.clone(), id, share: None, slot: None })
     }
 
     fn admit_batch_at(self: &Arc<Self>, tenant: &str, limits: &TenantLimits, now: Instant) -> Result<Permit, ApiError> {
@@ -365,7 +399,7 @@ impl Limiter {
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         w.enter(now, id);
         b.enter(now, id);
-        Ok(Permit { limiter: self.clone(), tenant: tenant.to_string(), limits: limits.clone(), id, share: Some(share), row: None })
+        Ok(Permit { limiter: self.clone(), tenant: tenant.to_string(), limits: limits.clone(), id, share: Some(share), slot: None })
     }
 }
 
@@ -382,27 +416,31 @@ impl Permit {
 
     async fn reserve_shared(&mut self, shared: &Shared, tokens: u64) -> Result<(), ApiError> {
         let share_max = self.share.as_ref().and_then(|s| s.tokens_per_min);
-        let (Some(row), true) = (&self.row, self.limits.tokens_per_min.is_some() || share_max.is_some()) else { return Ok(()) };
-        let mut tx = shared.store.limit_tx(&self.tenant).await?;
-        let (all, batch) = tx.token_sums().await?;
-        let now = tx.now_ms;
-        let left = |at: i64| ((at + WINDOW.as_millis() as i64 - now).max(0) as u64).div_ceil(1000);
-        // The share first: a line that could never fit it is told so, not to wait.
-        if let Some(max) = share_max
-            && batch.saturating_add(tokens) > max.max(0) as u64
-        {
-            let rows = tx.token_rows(true).await?;
-            check_tokens(max, tokens, batch, || rows.iter().map(|&(at, n)| (left(at), n)), " for batch work (half the limit)")?;
+        let (Some((second, _)), true) = (self.slot, self.limits.tokens_per_min.is_some() || share_max.is_some()) else { return Ok(()) };
+        const SHARE: &str = " for batch work (half the limit)";
+        // A request that could never fit is told so first, not to wait.
+        if let Some(max) = share_max {
+            check_tokens(max, tokens, 0, Vec::new, SHARE)?;
         }
-        if let Some(max) = self.limits.tokens_per_min
-            && all.saturating_add(tokens) > max.max(0) as u64
-        {
-            let rows = tx.token_rows(false).await?;
-            check_tokens(max, tokens, all, || rows.iter().map(|&(at, n)| (left(at), n)), "")?;
+        if let Some(max) = self.limits.tokens_per_min {
+            check_tokens(max, tokens, 0, Vec::new, "")?;
         }
-        tx.reserve(row, tokens).await?;
-        tx.commit().await?;
-        Ok(())
+        let wanted = i64::try_from(tokens).unwrap_or(i64::MAX);
+        let batch = self.share.is_some();
+        let v = shared.store.limit_reserve(&self.tenant, batch, second, wanted, self.limits.tokens_per_min, share_max).await?;
+        let (max, what, batch) = match v.verdict.as_str() {
+            "ok" => {
+                self.slot = Some((second, tokens));
+                return Ok(());
+            }
+            "share" => (share_max, SHARE, true),
+            "all" => (self.limits.tokens_per_min, "", false),
+            other => return Err(ApiError::Internal(format!("shared limits: unknown verdict {other:?}"))),
+        };
+        let rows = shared.store.limit_token_rows(&self.tenant, batch, v.now_ms - WINDOW.as_millis() as i64).await?;
+        let left = |at: i64| ((at + WINDOW.as_millis() as i64 - v.now_ms).max(0) as u64).div_ceil(1000);
+        let refused = check_tokens(max.unwrap_or(0), tokens, v.held.max(0) as u64, || rows.iter().map(|&(at, n)| (left(at), n)), what);
+        Err(refused.err().unwrap_or_else(|| ApiError::Internal(format!("shared limits: the verdict {:?} refused nothing", v.verdict))))
     }
 
     fn reserve_at(&mut self, tokens: u64) -> Result<(), ApiError> {
@@ -430,8 +468,13 @@ impl Permit {
     /// Replaces the reservation with the tokens the request really used.
     pub fn settle(&self, tokens: u64) {
         if let Some(shared) = &self.limiter.shared {
-            if let Some(row) = &self.row {
-                let _ = shared.changes.send(Change::Settle(row.clone(), tokens));
+            let counted = self.limits.tokens_per_min.is_some() || self.share.as_ref().is_some_and(|s| s.tokens_per_min.is_some());
+            if let Some((second, reserved)) = self.slot
+                && counted
+                && tokens != reserved
+            {
+                let delta = i64::try_from(tokens).unwrap_or(i64::MAX).saturating_sub(i64::try_from(reserved).unwrap_or(i64::MAX));
+                let _ = shared.changes.send(Change::Settle { tenant: self.tenant.clone(), batch: self.share.is_some(), second, delta });
             }
             return;
         }
@@ -450,8 +493,8 @@ impl Permit {
 impl Drop for Permit {
     fn drop(&mut self) {
         if let Some(shared) = &self.limiter.shared {
-            if let Some(row) = self.row.take() {
-                let _ = shared.changes.send(Change::Release(row));
+            if self.slot.take().is_some() {
+                let _ = shared.changes.send(Change::Release(self.tenant.clone(), self.share.is_some()));
             }
             return;
         }
@@ -630,7 +673,7 @@ mod tests {
         // A tenant without limits costs no row.
         let none = limits(None, None, None);
         let p = a.admit("free", &none).await.unwrap();
-        assert!(p.row.is_none());
+        assert!(p.slot.is_none());
 
         // Requests per minute: six, alternating replicas, twelve asked at once from both.
         let rpm = limits(Some(6), None, None);
@@ -684,9 +727,7 @@ mod tests {
         // slots no longer count.
         let conc1 = limits(None, None, Some(1));
         store.limit_heartbeat("rep_dead").await.unwrap();
-        let mut tx = store.limit_tx("d").await.unwrap();
-        tx.admit("lim_dead", false, "rep_dead", None).await.unwrap();
-        tx.commit().await.unwrap();
+        sqlx::query("INSERT INTO limit_running (tenant_id, batch, replica, running) VALUES ('d', 0, 'rep_dead', 1)").execute(store.pool()).await.unwrap();
         assert!(matches!(a.admit("d", &conc1).await, Err(ApiError::RateLimited { .. })));
         sqlx::query("UPDATE replicas SET seen_ms = 0 WHERE id = 'rep_dead'").execute(store.pool()).await.unwrap();
         let _d = a.admit("d", &conc1).await.unwrap();

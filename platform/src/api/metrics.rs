@@ -11,6 +11,8 @@ use crate::runtime::{Usage, WorkerStats};
 
 /// Bucket bounds, in seconds.
 const LATENCY_BUCKETS: [f64; 14] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+/// Time on database-backed state per request: fine below 10 ms, where the cluster's target is.
+const STATE_BUCKETS: [f64; 18] = [0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0];
 const TOKEN_BUCKETS: [f64; 10] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0];
 
 #[derive(Debug, Clone)]
@@ -48,6 +50,15 @@ impl Histogram {
         }
         let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}", self.count, self.sum, self.count);
     }
+
+    /// One labelled series of a histogram whose HELP and TYPE lines are written already.
+    fn render_series(&self, out: &mut String, name: &str, labels: &str) {
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{b}\"}} {c}");
+        }
+        let _ =
+            writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}\n{name}_sum{{{labels}}} {}\n{name}_count{{{labels}}} {}", self.count, self.sum, self.count);
+    }
 }
 
 #[derive(Debug)]
@@ -67,6 +78,8 @@ struct Inner {
     tpot: Histogram,
     e2e: Histogram,
     queue: Histogram,
+    /// By part: the key, the tenant's limits, the ledger row, and all three.
+    state: [Histogram; 4],
 }
 
 /// The HTTP layer's metrics. One per server.
@@ -88,9 +101,21 @@ impl Default for Metrics {
                 tpot: Histogram::new(&TOKEN_BUCKETS),
                 e2e: Histogram::new(&LATENCY_BUCKETS),
                 queue: Histogram::new(&LATENCY_BUCKETS),
+                state: [(); 4].map(|()| Histogram::new(&STATE_BUCKETS)),
             }),
         }
     }
+}
+
+/// Where an inference request's time on database-backed state went.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StateTime {
+    /// Finding its key (and tenant).
+    pub key: Duration,
+    /// Its tenant's limits: admission and the token reservation.
+    pub limits: Duration,
+    /// Its ledger row: opened before it runs, committed when it ends.
+    pub ledger: Duration,
 }
 
 /// What one finished inference request contributes.
@@ -187,6 +212,15 @@ impl Metrics {
         }
     }
 
+    /// An inference request spent `took` on database-backed state: its key, its tenant's limits
+    /// (admission, the token reservation) and its ledger row (opened, committed).
+    pub fn state_time(&self, took: &StateTime) {
+        let mut m = self.lock();
+        for (h, t) in m.state.iter_mut().zip([took.key, took.limits, took.ledger, took.key + took.limits + took.ledger]) {
+            h.observe(t.as_secs_f64());
+        }
+    }
+
     /// Adapter version `id` is called `name` by clients.
     pub fn name_adapter(&self, id: &str, name: &str) {
         let mut m = self.lock();
@@ -226,6 +260,13 @@ impl Metrics {
         m.tpot.render(o, "loraplex_time_per_output_token_seconds", "Mean time between output tokens, per request.");
         m.e2e.render(o, "loraplex_e2e_request_latency_seconds", "From arrival to the last token.");
         m.queue.render(o, "loraplex_queue_time_seconds", "From arrival until the request first ran.");
+        let _ = writeln!(
+            o,
+            "# HELP loraplex_state_seconds Time an inference request spent on database-backed state, by part: its key, its tenant's limits (shared by replicas on PostgreSQL), its ledger row, and all.\n# TYPE loraplex_state_seconds histogram"
+        );
+        for (h, part) in m.state.iter().zip(["key", "limits", "ledger", "all"]) {
+            h.render_series(o, "loraplex_state_seconds", &format!("part=\"{part}\""));
+        }
         // GIE's model-server protocol: `running_lora_adapters` are the adapters "currently loaded
         // in GPU memory and ready to serve requests" (here: resident in a worker's pool, and
         // those of requests generating), `waiting_lora_adapters` those of requests waiting to

@@ -34,7 +34,7 @@ pub use admission::{Admission, AdmissionConfig};
 pub use blocking::BlockingPool;
 pub use error::ApiError;
 pub use limits::Limiter;
-pub use metrics::Metrics;
+pub use metrics::{Metrics, StateTime};
 pub use objects::{AdapterFiles, ObjectError};
 pub use peer::{on_connect, shed_refused_bodies};
 pub use serving::Serving;

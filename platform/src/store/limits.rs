@@ -1,9 +1,10 @@
 //! Tenant limits shared by the replicas of one PostgreSQL database: the rows behind
 //! `api::limits` when it runs in its shared mode.
 //!
-//! Every decision is one transaction holding the tenant's advisory lock, so two replicas never
-//! both take the last slot; time is the database's clock, so replicas whose clocks differ still
-//! agree on what the last minute is.
+//! Every decision is one call of a function (`limits.sql`) that takes the tenant's advisory lock
+//! before it reads, so two replicas never both take the last slot, and costs one round trip;
+//! time is the database's clock, so replicas whose clocks differ still agree on what the last
+//! minute is.
 
 use super::{DbKind, Store, StoreError};
 
@@ -13,49 +14,127 @@ pub const REPLICA_TIMEOUT_MS: i64 = 15_000;
 /// The requests-per-minute window.
 pub const WINDOW_MS: i64 = 60_000;
 
-/// What a tenant's rows say, as of `now_ms`, for one admission.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct LimitView {
-    pub now_ms: i64,
-    /// Requests of the last minute, and the oldest one's time.
-    pub requests: i64,
-    pub oldest_ms: Option<i64>,
-    /// Requests holding a concurrency slot on a live replica.
-    pub running: i64,
-    /// The same for batch work alone.
-    pub batch_requests: i64,
-    pub batch_oldest_ms: Option<i64>,
-    pub batch_running: i64,
-    /// The burst bucket of the class asked for: (requests held, as of when).
-    pub bucket: Option<(f64, i64)>,
+/// What [`Store::limit_admit`] is asked: one request of a tenant, with the limits it runs under.
+#[derive(Debug, Clone)]
+pub struct AdmitAsk<'a> {
+    pub tenant: &'a str,
+    /// Batch work (counted apart as well, against `share_*`).
+    pub batch: bool,
+    pub replica: &'a str,
+    pub max_concurrent: Option<i64>,
+    pub requests_per_min: Option<i64>,
+    pub share_concurrent: Option<i64>,
+    pub share_requests_per_min: Option<i64>,
+    /// The class's burst bucket: (capacity, requests per second); `None` without one.
+    pub bucket: Option<(f64, f64)>,
 }
 
-/// A transaction on one tenant's limit rows; dropped without [`LimitTx::commit`], it changes
-/// nothing.
-pub struct LimitTx {
-    tx: sqlx::Transaction<'static, sqlx::Any>,
-    tenant: String,
+/// What [`Store::limit_admit`] decided: `ok` (the request is counted), or which limit
+/// refused it: `concurrent`, `rpm`, `share_concurrent`, `share_rpm`, `bucket`.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct AdmitVerdict {
+    pub verdict: String,
     pub now_ms: i64,
+    /// For `rpm` and `share_rpm`: the oldest request of the minute counted.
+    pub oldest_ms: Option<i64>,
+    /// The bucket's requests, after this one (`ok`) or as found (`bucket`).
+    pub held: Option<f64>,
+}
+
+/// What [`Store::limit_reserve`] decided: `ok` (reserved), `share` (batch work's half would be
+/// exceeded) or `all`; with the database's time and the tokens held before.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct ReserveVerdict {
+    pub verdict: String,
+    pub now_ms: i64,
+    pub held: i64,
 }
 
 impl Store {
-    /// Opens a transaction on `tenant`'s limit rows, holding its lock until the end.
-    pub async fn limit_tx(&self, tenant: &str) -> Result<LimitTx, StoreError> {
+    /// On PostgreSQL: the limit tables made unlogged, and the decision functions
+    /// (`limits.sql`) created, under a lock so replicas starting together do not collide.
+    ///
+    /// Unlogged tables' writes skip the write-ahead log, so a decision waits for no disk flush.
+    /// What they hold is worth a minute at most, and a crash of the database server empties them
+    /// (every tenant's window starts afresh), which is the trade.
+    pub(super) async fn prepare_shared_limits(&self) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('loraplex:limits-schema'))").execute(&mut *tx).await?;
+        for table in ["limit_seconds", "limit_running", "limit_buckets", "replicas"] {
+            let (persistence,): (String,) = sqlx::query_as("SELECT CAST(relpersistence AS TEXT) FROM pg_class WHERE relname = $1 AND relkind = 'r'")
+                .bind(table)
+                .fetch_one(&mut *tx)
+                .await?;
+            if persistence != "u" {
+                sqlx::query(sqlx::AssertSqlSafe(format!("ALTER TABLE {table} SET UNLOGGED"))).execute(&mut *tx).await?;
+            }
+        }
+        sqlx::raw_sql(include_str!("limits.sql")).execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Decides one admission under the tenant's lock, in one call; see [`AdmitVerdict`].
+    pub async fn limit_admit(&self, ask: &AdmitAsk<'_>) -> Result<AdmitVerdict, StoreError> {
         if self.kind != DbKind::Postgres {
             return Err(StoreError::Unavailable("shared limits need PostgreSQL".into()));
         }
-        let mut tx = self.pool.begin().await?;
-        let (now_ms,): (i64,) = sqlx::query_as(
-            "SELECT CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS BIGINT) FROM (SELECT pg_advisory_xact_lock(hashtext($1))) AS locked",
-        )
-        .bind(format!("limits:{tenant}"))
-        .fetch_one(&mut *tx)
-        .await?;
-        Ok(LimitTx { tx, tenant: tenant.to_string(), now_ms })
+        let (cap, rate) = ask.bucket.unzip();
+        Ok(sqlx::query_as("SELECT verdict, now_ms, oldest_ms, held FROM loraplex_limit_admit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)")
+            .bind(ask.tenant)
+            .bind(ask.batch as i32)
+            .bind(ask.replica)
+            .bind(ask.max_concurrent)
+            .bind(ask.requests_per_min)
+            .bind(ask.share_concurrent)
+            .bind(ask.share_requests_per_min)
+            .bind(cap)
+            .bind(rate)
+            .bind(WINDOW_MS)
+            .bind(REPLICA_TIMEOUT_MS)
+            .fetch_one(&self.pool)
+            .await?)
     }
 
-    /// Marks this replica alive, and deletes rows nothing counts any more: requests older than
-    /// the window that hold no slot (or whose replica is gone), and replicas gone for an hour.
+    /// Reserves `tokens` for a request admitted in `second` (its class `batch`), under the
+    /// tenant's lock, if they fit `max` (all its requests of the minute) and `share_max` (its batch
+    /// work's); see [`ReserveVerdict`].
+    pub async fn limit_reserve(
+        &self,
+        tenant: &str,
+        batch: bool,
+        second: i64,
+        tokens: i64,
+        max: Option<i64>,
+        share_max: Option<i64>,
+    ) -> Result<ReserveVerdict, StoreError> {
+        Ok(sqlx::query_as("SELECT verdict, now_ms, held FROM loraplex_limit_reserve($1, $2, $3, $4, $5, $6, $7)")
+            .bind(tenant)
+            .bind(batch as i32)
+            .bind(second)
+            .bind(tokens)
+            .bind(max)
+            .bind(share_max)
+            .bind(WINDOW_MS)
+            .fetch_one(&self.pool)
+            .await?)
+    }
+
+    /// The (start in ms, tokens) of each second since `since_ms` in which `tenant` holds tokens
+    /// (its batch work's alone with `batch`), oldest first: when a refused reservation would fit.
+    pub async fn limit_token_rows(&self, tenant: &str, batch: bool, since_ms: i64) -> Result<Vec<(i64, u64)>, StoreError> {
+        let rows: Vec<(i64, i64)> =
+            sqlx::query_as("SELECT second, tokens FROM limit_seconds WHERE tenant_id = $1 AND batch = $2 AND second > $3 AND tokens > 0 ORDER BY second")
+                .bind(tenant)
+                .bind(batch as i32)
+                .bind(since_ms / 1000)
+                .fetch_all(&self.pool)
+                .await?;
+        Ok(rows.into_iter().map(|(second, n)| (second * 1000, n.max(0) as u64)).collect())
+    }
+
+    /// Marks this replica alive, and deletes rows nothing counts any more: seconds past the
+    /// window, and replicas gone for an hour with their counts.
     pub async fn limit_heartbeat(&self, replica: &str) -> Result<(), StoreError> {
         let (now,): (i64,) = sqlx::query_as("SELECT CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS BIGINT)").fetch_one(&self.pool).await?;
         sqlx::query("INSERT INTO replicas (id, seen_ms) VALUES ($1, $2) ON CONFLICT (id) DO UPDATE SET seen_ms = excluded.seen_ms")
@@ -63,9 +142,9 @@ impl Store {
             .bind(now)
             .execute(&self.pool)
             .await?;
-        sqlx::query("DELETE FROM limit_events WHERE at_ms < $1 AND (running = 0 OR replica NOT IN (SELECT id FROM replicas WHERE seen_ms > $2))")
-            .bind(now - 2 * WINDOW_MS)
-            .bind(now - REPLICA_TIMEOUT_MS)
+        sqlx::query("DELETE FROM limit_seconds WHERE second < $1").bind((now - 2 * WINDOW_MS) / 1000).execute(&self.pool).await?;
+        sqlx::query("DELETE FROM limit_running WHERE replica IN (SELECT id FROM replicas WHERE seen_ms < $1)")
+            .bind(now - 3_600_000)
             .execute(&self.pool)
             .await?;
         sqlx::query("DELETE FROM replicas WHERE seen_ms < $1").bind(now - 3_600_000).execute(&self.pool).await?;
@@ -74,131 +153,33 @@ impl Store {
 
     /// Lets go every slot `replica` holds: its previous run ended without releasing them.
     pub async fn limit_restart(&self, replica: &str) -> Result<(), StoreError> {
-        sqlx::query("UPDATE limit_events SET running = 0 WHERE replica = $1 AND running = 1").bind(replica).execute(&self.pool).await?;
+        sqlx::query("DELETE FROM limit_running WHERE replica = $1").bind(replica).execute(&self.pool).await?;
         Ok(())
     }
 
-    /// Lets the concurrency slots of these requests go.
-    pub async fn limit_release(&self, ids: &[String]) -> Result<(), StoreError> {
-        for chunk in ids.chunks(256) {
-            let marks: Vec<String> = (1..=chunk.len()).map(|i| format!("${i}")).collect();
-            // Only numbered placeholders are formatted in; the ids are bound.
-            let sql = sqlx::AssertSqlSafe(format!("UPDATE limit_events SET running = 0 WHERE id IN ({})", marks.join(", ")));
-            let mut q = sqlx::query(sql);
-            for id in chunk {
-                q = q.bind(id);
-            }
-            q.execute(&self.pool).await?;
-        }
-        Ok(())
-    }
-
-    /// Replaces a request's reserved tokens with what it used.
-    pub async fn limit_settle(&self, id: &str, tokens: i64) -> Result<(), StoreError> {
-        sqlx::query("UPDATE limit_events SET tokens = $1 WHERE id = $2").bind(tokens).bind(id).execute(&self.pool).await?;
-        Ok(())
-    }
-}
-
-impl LimitTx {
-    /// The tenant's counts, and the bucket of the batch class or not.
-    pub async fn view(&mut self, batch: bool) -> Result<LimitView, StoreError> {
-        let since = self.now_ms - WINDOW_MS;
-        let alive = self.now_ms - REPLICA_TIMEOUT_MS;
-        let (requests, oldest_ms, running, batch_requests, batch_oldest_ms, batch_running): (i64, Option<i64>, i64, i64, Option<i64>, i64) = sqlx::query_as(
-            "SELECT COUNT(*) FILTER (WHERE e.at_ms > $2), MIN(e.at_ms) FILTER (WHERE e.at_ms > $2), \
-                    COUNT(*) FILTER (WHERE e.running = 1 AND r.seen_ms > $3), \
-                    COUNT(*) FILTER (WHERE e.batch = 1 AND e.at_ms > $2), MIN(e.at_ms) FILTER (WHERE e.batch = 1 AND e.at_ms > $2), \
-                    COUNT(*) FILTER (WHERE e.batch = 1 AND e.running = 1 AND r.seen_ms > $3) \
-             FROM limit_events e LEFT JOIN replicas r ON r.id = e.replica \
-             WHERE e.tenant_id = $1 AND (e.at_ms > $2 OR e.running = 1)",
-        )
-        .bind(&self.tenant)
-        .bind(since)
-        .bind(alive)
-        .fetch_one(&mut *self.tx)
-        .await?;
-        let bucket: Option<(i64, i64)> = sqlx::query_as("SELECT held_milli, at_ms FROM limit_buckets WHERE tenant_id = $1 AND batch = $2")
-            .bind(&self.tenant)
-            .bind(batch as i64)
-            .fetch_optional(&mut *self.tx)
-            .await?;
-        Ok(LimitView {
-            now_ms: self.now_ms,
-            requests,
-            oldest_ms,
-            running,
-            batch_requests,
-            batch_oldest_ms,
-            batch_running,
-            bucket: bucket.map(|(milli, at)| (milli as f64 / 1000.0, at)),
-        })
-    }
-
-    /// Records an admitted request (holding a concurrency slot) and the bucket after it.
-    pub async fn admit(&mut self, id: &str, batch: bool, replica: &str, bucket: Option<f64>) -> Result<(), StoreError> {
-        sqlx::query("INSERT INTO limit_events (id, tenant_id, batch, at_ms, tokens, replica, running) VALUES ($1, $2, $3, $4, 0, $5, 1)")
-            .bind(id)
-            .bind(&self.tenant)
-            .bind(batch as i64)
-            .bind(self.now_ms)
+    /// Lets `n` concurrency slots of `tenant`'s class `batch` go on `replica` (batch work's in
+    /// the tenant's total too).
+    pub async fn limit_release(&self, tenant: &str, batch: bool, replica: &str, n: i64) -> Result<(), StoreError> {
+        sqlx::query("UPDATE limit_running SET running = GREATEST(running - $1, 0) WHERE tenant_id = $2 AND replica = $3 AND (batch = 0 OR batch = $4)")
+            .bind(n)
+            .bind(tenant)
             .bind(replica)
-            .execute(&mut *self.tx)
-            .await?;
-        if let Some(held) = bucket {
-            sqlx::query(
-                "INSERT INTO limit_buckets (tenant_id, batch, held_milli, at_ms) VALUES ($1, $2, $3, $4) \
-                 ON CONFLICT (tenant_id, batch) DO UPDATE SET held_milli = excluded.held_milli, at_ms = excluded.at_ms",
-            )
-            .bind(&self.tenant)
-            .bind(batch as i64)
-            .bind((held * 1000.0).floor() as i64)
-            .bind(self.now_ms)
-            .execute(&mut *self.tx)
-            .await?;
-        }
-        Ok(())
-    }
-
-    /// Tokens the tenant's requests of the last minute hold: all of them, and batch work's.
-    pub async fn token_sums(&mut self) -> Result<(u64, u64), StoreError> {
-        let (all, batch): (Option<i64>, Option<i64>) = sqlx::query_as(
-            "SELECT CAST(SUM(tokens) AS BIGINT), CAST(SUM(CASE WHEN batch = 1 THEN tokens ELSE 0 END) AS BIGINT) \
-             FROM limit_events WHERE tenant_id = $1 AND at_ms > $2",
-        )
-        .bind(&self.tenant)
-        .bind(self.now_ms - WINDOW_MS)
-        .fetch_one(&mut *self.tx)
-        .await?;
-        Ok((all.unwrap_or(0).max(0) as u64, batch.unwrap_or(0).max(0) as u64))
-    }
-
-    /// The (time, tokens) of the last minute's requests (batch work's alone with `batch`),
-    /// oldest first: when a refused reservation would fit.
-    pub async fn token_rows(&mut self, batch: bool) -> Result<Vec<(i64, u64)>, StoreError> {
-        let rows: Vec<(i64, i64)> = sqlx::query_as(
-            "SELECT at_ms, tokens FROM limit_events WHERE tenant_id = $1 AND at_ms > $2 AND tokens > 0 AND (batch = 1 OR $3 = 0) ORDER BY at_ms",
-        )
-        .bind(&self.tenant)
-        .bind(self.now_ms - WINDOW_MS)
-        .bind(batch as i64)
-        .fetch_all(&mut *self.tx)
-        .await?;
-        Ok(rows.into_iter().map(|(at, n)| (at, n.max(0) as u64)).collect())
-    }
-
-    /// Sets a request's reserved tokens.
-    pub async fn reserve(&mut self, id: &str, tokens: u64) -> Result<(), StoreError> {
-        sqlx::query("UPDATE limit_events SET tokens = $1 WHERE id = $2")
-            .bind(i64::try_from(tokens).unwrap_or(i64::MAX))
-            .bind(id)
-            .execute(&mut *self.tx)
+            .bind(batch as i32)
+            .execute(&self.pool)
             .await?;
         Ok(())
     }
 
-    pub async fn commit(self) -> Result<(), StoreError> {
-        self.tx.commit().await?;
+    /// Corrects the tokens a request admitted in `second` holds by `delta` (what it used less what
+    /// it reserved).
+    pub async fn limit_settle(&self, tenant: &str, batch: bool, second: i64, delta: i64) -> Result<(), StoreError> {
+        sqlx::query("UPDATE limit_seconds SET tokens = GREATEST(tokens + $1, 0) WHERE tenant_id = $2 AND second = $3 AND (batch = 0 OR batch = $4)")
+            .bind(delta)
+            .bind(tenant)
+            .bind(second)
+            .bind(batch as i32)
+            .execute(&self.pool)
+            .await?;
         Ok(())
     }
 }

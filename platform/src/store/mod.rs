@@ -183,7 +183,11 @@ impl Store {
             sqlx::query("PRAGMA journal_mode = WAL").execute(&pool).await?;
         }
         sqlx::migrate!("../migrations").run(&pool).await?;
-        Ok(Self { pool, kind, auth: std::sync::Arc::new(auth::AuthCache::new()) })
+        let store = Self { pool, kind, auth: std::sync::Arc::new(auth::AuthCache::new()) };
+        if kind == DbKind::Postgres {
+            store.prepare_shared_limits().await?;
+        }
+        Ok(store)
     }
 
     pub fn kind(&self) -> DbKind {

@@ -438,10 +438,12 @@ async fn run_line(state: &AppState, context: &Context, number: u64, line: Line, 
             let parsed = endpoint.parse(&line.body).map_err(|e| (e, String::new()))?;
             let caller = context.caller();
             let target = context.target(state, &caller.tenant.id, &parsed.model).await.map_err(|e| (e, String::new()))?;
+            let admitting = std::time::Instant::now();
             let permit = state.limiter.admit_batch(&caller.tenant.id, &caller.tenant.limits()).await.map_err(|e| (e, String::new()))?;
+            let state_time = crate::api::StateTime { limits: admitting.elapsed(), ..Default::default() };
             let usage_id = random_id("use");
             let tag = BatchLine { batch_id: context.batch_id.clone(), usage_id: usage_id.clone() };
-            let admitted = Admitted { caller, permit };
+            let admitted = Admitted { caller, permit, state_time };
             openai::answer(state, admitted, parsed, target, endpoint.batch_name(), Some(tag), &Peer::default())
                 .await
                 .map(|body| (body, usage_id.clone()))

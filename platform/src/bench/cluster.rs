@@ -1,0 +1,314 @@
+//! `loraplex bench cluster`: what sharing state between replicas costs. The same load of tiny
+//! requests (a completion of `--max-tokens` tokens from the tiny model, so that the engine costs
+//! next to nothing) runs against one server on SQLite, then against `--replicas` servers sharing
+//! one PostgreSQL database, each with its tenant limits shared through it. `--clients` clients
+//! send requests back to back, spread over `--tenants` tenants (each with limits high enough never
+//! to refuse, so that every request goes through the limits' rows) and over the replicas.
+//!
+//! Reported for each: requests per second, the clients' latency, and the time each request spent
+//! on database-backed state (its key, its tenant's limits, its ledger row), from the servers'
+//! `loraplex_state_seconds` histograms over the timed window (quantiles are bucket upper bounds).
+//! Target: the state path's p99 on PostgreSQL at most 5 ms more than on SQLite.
+//! On one machine the replicas share its cores, so aggregate throughput says little; the state
+//! path's time is the figure.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde::Serialize;
+use serde_json::json;
+
+use super::Machine;
+use super::http::Client;
+use super::server::Server;
+use crate::config::BenchClusterArgs;
+
+/// The largest extra p99 time on shared state, PostgreSQL against SQLite.
+pub const TARGET_MS: f64 = 5.0;
+
+const ADMIN: &str = "bench-operator-key-0123456789";
+
+#[derive(Debug, Serialize)]
+struct Phase {
+    name: String,
+    replicas: usize,
+    /// Requests per second offered (paced clients), or `None`: as fast as answered.
+    offered_per_s: Option<f64>,
+    requests: usize,
+    refused: usize,
+    seconds: f64,
+    requests_per_s: f64,
+    client_p50_ms: f64,
+    client_p99_ms: f64,
+    /// The state path, from the servers' histograms (bucket upper bounds): all of it, then
+    /// each part.
+    state: Vec<PartTime>,
+}
+
+/// The parts of `loraplex_state_seconds`, as the servers label them.
+const PARTS: [&str; 4] = ["all", "key", "limits", "ledger"];
+
+/// One part's `loraplex_state_seconds` histogram summed over `servers`: (upper bound,
+/// cumulative), sum, count.
+type Summed = (Vec<(f64, u64)>, f64, u64);
+
+/// Every part's histogram, summed over `servers`, in the order of [`PARTS`].
+fn state_histograms(servers: &[Server]) -> anyhow::Result<Vec<Summed>> {
+    let mut out: Vec<Summed> = PARTS.iter().map(|_| (Vec::new(), 0.0, 0)).collect();
+    for s in servers {
+        let page = s.client().json("GET", "/metrics", Some(ADMIN), None)?.text();
+        let mut at = vec![0usize; PARTS.len()];
+        for line in page.lines() {
+            let Some(rest) = line.strip_prefix("loraplex_state_seconds") else { continue };
+            let Some(p) = PARTS.iter().position(|p| rest.contains(&format!("part=\"{p}\""))) else { continue };
+            let value = rest.rsplit_once(' ').context("a metric line")?.1;
+            let h = &mut out[p];
+            if rest.starts_with("_bucket") {
+                let le = rest.split("le=\"").nth(1).and_then(|r| r.split('"').next()).context("a bucket bound")?;
+                if le == "+Inf" {
+                    continue;
+                }
+                let (le, n): (f64, u64) = (le.parse()?, value.parse()?);
+                if h.0.len() <= at[p] {
+                    h.0.push((le, 0));
+                }
+                h.0[at[p]].1 += n;
+                at[p] += 1;
+            } else if rest.starts_with("_sum") {
+                h.1 += value.parse::<f64>()?;
+            } else if rest.starts_with("_count") {
+                h.2 += value.parse::<u64>()?;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A part's time over a window: p50 and p99 (bucket upper bounds) and mean, in ms.
+#[derive(Debug, Serialize)]
+struct PartTime {
+    part: &'static str,
+    p50_ms: f64,
+    p99_ms: f64,
+    mean_ms: f64,
+}
+
+fn part_times(before: &[Summed], after: &[Summed]) -> Vec<PartTime> {
+    PARTS
+        .iter()
+        .zip(before.iter().zip(after))
+        .map(|(part, (b, a))| {
+            let n = a.2 - b.2;
+            PartTime {
+                part,
+                p50_ms: bucket_quantile(&b.0, &a.0, n, 0.5),
+                p99_ms: bucket_quantile(&b.0, &a.0, n, 0.99),
+                mean_ms: if n == 0 { f64::NAN } else { (a.1 - b.1) / n as f64 * 1e3 },
+            }
+        })
+        .collect()
+}
+
+/// The `q`-quantile's bucket upper bound, in ms, of the difference of two histograms.
+fn bucket_quantile(before: &[(f64, u64)], after: &[(f64, u64)], total: u64, q: f64) -> f64 {
+    let want = (q * total as f64).ceil() as u64;
+    for (i, (le, n)) in after.iter().enumerate() {
+        let was = before.get(i).map_or(0, |b| b.1);
+        if n - was >= want {
+            return le * 1e3;
+        }
+    }
+    f64::INFINITY
+}
+
+/// `n` tenants, each with limits high enough never to refuse (so every request goes through the
+/// limits' rows), and a key for each.
+fn tenants(client: &Client, n: usize) -> anyhow::Result<Vec<String>> {
+    let mut keys = Vec::new();
+    for i in 0..n {
+        let body = json!({"name": format!("bench-{i}"), "limits": {"requests_per_min": 1_000_000_000i64, "tokens_per_min": 1_000_000_000_000i64, "max_concurrent": 1_000_000}});
+        let t = client.json("POST", "/admin/tenants", Some(ADMIN), Some(&body))?;
+        if t.status != 201 {
+            bail!("creating a tenant: {} {}", t.status, t.text());
+        }
+        let id = t.json()["id"].as_str().context("tenant id")?.to_string();
+        let k = client.json("POST", &format!("/admin/tenants/{id}/keys"), Some(ADMIN), None)?;
+        keys.push(k.json()["key"].as_str().context("key")?.to_string());
+    }
+    Ok(keys)
+}
+
+/// The load on `servers` for `seconds`, after a warm-up of a fifth of it: every client sends
+/// back to back (`rate` None: the capacity), or paced so that all together offer `rate` requests
+/// per second (a client late for its next send sends at once).
+fn drive(name: &str, servers: &[Server], keys: &Arc<Vec<String>>, args: &BenchClusterArgs, rate: Option<f64>) -> anyhow::Result<Phase> {
+    let clients: Vec<Client> = servers.iter().map(|s| s.client()).collect();
+    let body = Arc::new(json!({"model": "tiny", "prompt": "x", "max_tokens": args.max_tokens, "ignore_eos": true}));
+    let n = args.clients.max(1);
+    let run = |seconds: f64| -> anyhow::Result<(Vec<f64>, usize, f64)> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let began = Instant::now();
+        let threads: Vec<_> = (0..n)
+            .map(|i| {
+                let (client, keys, body, stop) = (clients[i % clients.len()].clone(), keys.clone(), body.clone(), stop.clone());
+                // Each client's share of the rate, its first send spread over one interval.
+                let interval = rate.map(|r| Duration::from_secs_f64(n as f64 / r.max(1e-3)));
+                std::thread::spawn(move || {
+                    let key = &keys[i % keys.len()];
+                    let (mut lat, mut refused) = (Vec::new(), 0usize);
+                    let mut next = interval.map(|iv| began + iv.mul_f64(i as f64 / n as f64));
+                    while !stop.load(Ordering::Relaxed) {
+                        if let (Some(at), Some(iv)) = (next.as_mut(), interval) {
+                            let now = Instant::now();
+                            if *at > now {
+                                std::thread::sleep(*at - now);
+                            }
+                            *at += iv;
+                        }
+                        let t = Instant::now();
+                        match client.json("POST", "/v1/completions", Some(key), Some(&body)) {
+                            Ok(r) if r.status == 200 => lat.push(t.elapsed().as_secs_f64() * 1e3),
+                            _ => refused += 1,
+                        }
+                    }
+                    (lat, refused)
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_secs_f64(seconds));
+        stop.store(true, Ordering::Relaxed);
+        let (mut lat, mut refused) = (Vec::new(), 0);
+        for t in threads {
+            let (l, r) = t.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))?;
+            lat.extend(l);
+            refused += r;
+        }
+        Ok((lat, refused, began.elapsed().as_secs_f64()))
+    };
+    run(args.seconds / 5.0)?;
+    let before = state_histograms(servers)?;
+    eprintln!("{name}: {n} clients for {} s ...", args.seconds);
+    let (lat, refused, seconds) = run(args.seconds)?;
+    let after = state_histograms(servers)?;
+    Ok(Phase {
+        name: name.to_string(),
+        replicas: servers.len(),
+        offered_per_s: rate,
+        requests: lat.len(),
+        refused,
+        seconds,
+        requests_per_s: lat.len() as f64 / seconds,
+        client_p50_ms: super::quantile(&lat, 0.5),
+        client_p99_ms: super::quantile(&lat, 0.99),
+        state: part_times(&before, &after),
+    })
+}
+
+fn start(exe: &Path, data: &Path, model: &Path, extra: &[&str]) -> anyhow::Result<Server> {
+    let mut args = vec!["--admin-key", ADMIN, "--served-model-name", "tiny", "--model"];
+    let model = model.to_str().context("a UTF-8 path")?;
+    args.push(model);
+    args.extend_from_slice(extra);
+    Ok(Server::start(exe, data, &args)?)
+}
+
+/// A new database on the PostgreSQL server `url` names.
+fn fresh_database(url: &str) -> anyhow::Result<String> {
+    let name = format!("bench_cluster_{}", std::process::id());
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        sqlx::any::install_default_drivers();
+        let admin = sqlx::AnyPool::connect(url).await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name}"))).execute(&admin).await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(&admin).await?;
+        admin.close().await;
+        anyhow::Ok(())
+    })?;
+    Ok(format!("{}/{name}", url.rsplit_once('/').map_or(url, |(b, _)| b)))
+}
+
+pub fn run(args: &BenchClusterArgs) -> anyhow::Result<()> {
+    let Some(pg) = args.postgres.clone() else {
+        bail!("bench cluster needs a PostgreSQL server: --postgres postgres://user@host:port/db (a database is created on it)")
+    };
+    let machine = Machine::here();
+    let exe = std::env::current_exe()?;
+    let scratch = tempfile::tempdir()?;
+    let model = scratch.path().join("model");
+    crate::synth::synthesize_model(&crate::synth::SynthOptions {
+        out: model.clone(),
+        preset: crate::synth::Preset::Tiny,
+        seed: 0,
+        dtype: crate::synth::FileDType::F32,
+        kv_heads: None,
+    })?;
+
+    // Both configurations run side by side: first each one's capacity (clients back to back),
+    // then each at the same offered load, a fraction of the smaller capacity, where the time on
+    // shared state is compared.
+    let one = vec![start(&exe, &scratch.path().join("sqlite"), &model, &[])?];
+    let db = fresh_database(&pg)?;
+    let mut replicas = Vec::new();
+    for i in 0..args.replicas.max(1) {
+        let host = format!("127.0.0.{}", i + 1);
+        replicas.push(start(&exe, &scratch.path().join(format!("pg{i}")), &model, &["--database-url", &db, "--host", &host])?);
+    }
+    let (sqlite_name, pg_name) = ("SQLite, 1 server".to_string(), format!("PostgreSQL, {} replicas", replicas.len()));
+    let sqlite_keys = Arc::new(tenants(&one[0].client(), args.tenants.max(1))?);
+    let pg_keys = Arc::new(tenants(&replicas[0].client(), args.tenants.max(1))?);
+    let mut phases = vec![drive(&sqlite_name, &one, &sqlite_keys, args, None)?, drive(&pg_name, &replicas, &pg_keys, args, None)?];
+    let capacity = phases[0].requests_per_s.min(phases[1].requests_per_s);
+    let mut overheads = Vec::new();
+    for &load in &args.loads {
+        let rate = load * capacity;
+        phases.push(drive(&sqlite_name, &one, &sqlite_keys, args, Some(rate))?);
+        phases.push(drive(&pg_name, &replicas, &pg_keys, args, Some(rate))?);
+        let (a, b) = (&phases[phases.len() - 2], &phases[phases.len() - 1]);
+        overheads.push(json!({"load": load, "offered_per_s": rate, "overhead_p99_ms": b.state[0].p99_ms - a.state[0].p99_ms, "met": b.state[0].p99_ms - a.state[0].p99_ms <= TARGET_MS}));
+    }
+    drop((one, replicas));
+
+    println!("machine: {machine}");
+    println!(
+        "{} clients over {} tenants, {} new tokens each request; paced phases offer a fraction of the smaller capacity ({capacity:.0}/s)",
+        args.clients, args.tenants, args.max_tokens
+    );
+    println!("state time p50 / p99 / mean in ms (p50, p99: bucket upper bounds)");
+    println!(
+        "{:<24} {:>9} {:>8} {:>8} {:>8} {:>8} {:>18} {:>18} {:>18} {:>18}",
+        "", "offered/s", "req/s", "p50 ms", "p99 ms", "refused", "state", "key", "limits", "ledger"
+    );
+    for p in &phases {
+        let offered = p.offered_per_s.map_or_else(|| "capacity".to_string(), |r| format!("{r:.0}"));
+        let parts: Vec<String> = p.state.iter().map(|t| format!("{:.1}/{:.1}/{:.2}", t.p50_ms, t.p99_ms, t.mean_ms)).collect();
+        println!(
+            "{:<24} {:>9} {:>8.1} {:>8.1} {:>8.1} {:>8} {:>18} {:>18} {:>18} {:>18}",
+            p.name, offered, p.requests_per_s, p.client_p50_ms, p.client_p99_ms, p.refused, parts[0], parts[1], parts[2], parts[3]
+        );
+    }
+    for o in &overheads {
+        println!(
+            "shared-state overhead at p99, {:.0}% load ({:.0}/s): {:.2} ms (target <= {TARGET_MS} ms): {}",
+            o["load"].as_f64().unwrap_or(0.0) * 1e2,
+            o["offered_per_s"].as_f64().unwrap_or(0.0),
+            o["overhead_p99_ms"].as_f64().unwrap_or(f64::NAN),
+            if o["met"] == true { "met" } else { "NOT met" }
+        );
+    }
+    let report = json!({
+        "machine": machine,
+        "clients": args.clients,
+        "tenants": args.tenants,
+        "max_tokens": args.max_tokens,
+        "capacity_per_s": capacity,
+        "phases": phases,
+        "overheads": overheads,
+        "target_ms": TARGET_MS,
+    });
+    std::fs::write(&args.out, serde_json::to_string_pretty(&report)?)?;
+    println!("wrote {}", args.out.display());
+    Ok(())
+}

@@ -1,0 +1,91 @@
+-- The shared limits' decisions, one call each (PostgreSQL only; created at connect). Each takes
+-- the tenant's lock first, so the statements after it read what every earlier decision
+-- committed. A window is the last sixty seconds of `limit_seconds`: reading it costs the same
+-- whatever the tenant's rate.
+
+CREATE OR REPLACE FUNCTION loraplex_limit_admit(
+    p_tenant TEXT, p_batch INTEGER, p_replica TEXT,
+    p_conc BIGINT, p_rpm BIGINT, p_share_conc BIGINT, p_share_rpm BIGINT,
+    p_cap DOUBLE PRECISION, p_rate DOUBLE PRECISION, p_window BIGINT, p_timeout BIGINT)
+RETURNS TABLE (verdict TEXT, now_ms BIGINT, oldest_ms BIGINT, held DOUBLE PRECISION)
+LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    v_now BIGINT; v_sec BIGINT;
+    v_req BIGINT; v_old BIGINT; v_breq BIGINT; v_bold BIGINT;
+    v_run BIGINT; v_brun BIGINT;
+    v_held DOUBLE PRECISION; v_at BIGINT;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('limits:' || p_tenant));
+    v_now := CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS BIGINT);
+    v_sec := v_now / 1000;
+    SELECT COALESCE(SUM(s.requests) FILTER (WHERE s.batch = 0), 0), MIN(s.second) FILTER (WHERE s.batch = 0 AND s.requests > 0),
+           COALESCE(SUM(s.requests) FILTER (WHERE s.batch = 1), 0), MIN(s.second) FILTER (WHERE s.batch = 1 AND s.requests > 0)
+      INTO v_req, v_old, v_breq, v_bold
+      FROM limit_seconds s WHERE s.tenant_id = p_tenant AND s.second > v_sec - p_window / 1000;
+    SELECT COALESCE(SUM(n.running) FILTER (WHERE n.batch = 0), 0), COALESCE(SUM(n.running) FILTER (WHERE n.batch = 1), 0)
+      INTO v_run, v_brun
+      FROM limit_running n JOIN replicas r ON r.id = n.replica
+     WHERE n.tenant_id = p_tenant AND r.seen_ms > v_now - p_timeout;
+    IF p_conc IS NOT NULL AND v_run >= p_conc THEN
+        RETURN QUERY SELECT 'concurrent', v_now, CAST(NULL AS BIGINT), CAST(NULL AS DOUBLE PRECISION); RETURN;
+    END IF;
+    IF p_rpm IS NOT NULL AND v_req >= p_rpm THEN
+        RETURN QUERY SELECT 'rpm', v_now, v_old * 1000, CAST(NULL AS DOUBLE PRECISION); RETURN;
+    END IF;
+    IF p_batch = 1 AND p_share_conc IS NOT NULL AND v_brun >= p_share_conc THEN
+        RETURN QUERY SELECT 'share_concurrent', v_now, CAST(NULL AS BIGINT), CAST(NULL AS DOUBLE PRECISION); RETURN;
+    END IF;
+    IF p_batch = 1 AND p_share_rpm IS NOT NULL AND v_breq >= p_share_rpm THEN
+        RETURN QUERY SELECT 'share_rpm', v_now, v_bold * 1000, CAST(NULL AS DOUBLE PRECISION); RETURN;
+    END IF;
+    IF p_cap IS NOT NULL THEN
+        SELECT b.held_milli / 1000.0, b.at_ms INTO v_held, v_at FROM limit_buckets b WHERE b.tenant_id = p_tenant AND b.batch = p_batch;
+        IF NOT FOUND THEN
+            v_held := p_cap;
+            v_at := v_now;
+        END IF;
+        v_held := LEAST(p_cap, v_held + GREATEST(v_now - v_at, 0) / 1000.0 * p_rate);
+        IF v_held < 1 THEN
+            RETURN QUERY SELECT 'bucket', v_now, CAST(NULL AS BIGINT), v_held; RETURN;
+        END IF;
+        v_held := v_held - 1;
+        INSERT INTO limit_buckets (tenant_id, batch, held_milli, at_ms) VALUES (p_tenant, p_batch, CAST(FLOOR(v_held * 1000) AS BIGINT), v_now)
+            ON CONFLICT (tenant_id, batch) DO UPDATE SET held_milli = excluded.held_milli, at_ms = excluded.at_ms;
+    END IF;
+    -- Counted in its class, and batch work in the tenant's total too.
+    INSERT INTO limit_seconds (tenant_id, batch, second, requests, tokens) VALUES (p_tenant, 0, v_sec, 1, 0)
+        ON CONFLICT (tenant_id, batch, second) DO UPDATE SET requests = limit_seconds.requests + 1;
+    INSERT INTO limit_running (tenant_id, batch, replica, running) VALUES (p_tenant, 0, p_replica, 1)
+        ON CONFLICT (tenant_id, batch, replica) DO UPDATE SET running = limit_running.running + 1;
+    IF p_batch = 1 THEN
+        INSERT INTO limit_seconds (tenant_id, batch, second, requests, tokens) VALUES (p_tenant, 1, v_sec, 1, 0)
+            ON CONFLICT (tenant_id, batch, second) DO UPDATE SET requests = limit_seconds.requests + 1;
+        INSERT INTO limit_running (tenant_id, batch, replica, running) VALUES (p_tenant, 1, p_replica, 1)
+            ON CONFLICT (tenant_id, batch, replica) DO UPDATE SET running = limit_running.running + 1;
+    END IF;
+    RETURN QUERY SELECT 'ok', v_now, CAST(NULL AS BIGINT), v_held;
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION loraplex_limit_reserve(
+    p_tenant TEXT, p_batch INTEGER, p_second BIGINT, p_tokens BIGINT, p_max BIGINT, p_share_max BIGINT, p_window BIGINT)
+RETURNS TABLE (verdict TEXT, now_ms BIGINT, held BIGINT)
+LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    v_now BIGINT;
+    v_all BIGINT; v_batch BIGINT;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('limits:' || p_tenant));
+    v_now := CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS BIGINT);
+    SELECT COALESCE(SUM(s.tokens) FILTER (WHERE s.batch = 0), 0), COALESCE(SUM(s.tokens) FILTER (WHERE s.batch = 1), 0) INTO v_all, v_batch
+      FROM limit_seconds s WHERE s.tenant_id = p_tenant AND s.second > v_now / 1000 - p_window / 1000;
+    IF p_batch = 1 AND p_share_max IS NOT NULL AND v_batch + p_tokens > p_share_max THEN
+        RETURN QUERY SELECT 'share', v_now, v_batch; RETURN;
+    END IF;
+    IF p_max IS NOT NULL AND v_all + p_tokens > p_max THEN
+        RETURN QUERY SELECT 'all', v_now, v_all; RETURN;
+    END IF;
+    UPDATE limit_seconds SET tokens = tokens + p_tokens WHERE tenant_id = p_tenant AND second = p_second AND (batch = 0 OR batch = p_batch);
+    RETURN QUERY SELECT 'ok', v_now, v_all;
+END
+$fn$;
