@@ -256,6 +256,52 @@ fn three_replicas_share_adapters_limits_and_the_ledger() {
     assert!((10..=12).contains(&ok), "{ok} admitted of 30: {statuses:?}");
     assert!(statuses.iter().all(|&s| s == 200 || s == 429), "{statuses:?}");
 
+    // The Batch API across replicas: a file uploaded through replica 1 feeds a batch created
+    // through replica 3 (which runs it); replica 2 reads its output. A batch run by replica 3
+    // and cancelled through replica 1 stops.
+    let batch_file = |n: usize, tokens: u32| {
+        let lines: String = (0..n)
+            .map(|i| json!({"custom_id": format!("line-{i}"), "method": "POST", "url": "/v1/completions", "body": {"model": "tiny", "prompt": "x", "max_tokens": tokens, "ignore_eos": true}}).to_string() + "\n")
+            .collect();
+        let (ctype, form) = multipart(&[("purpose", b"batch"), ("file", lines.as_bytes())]);
+        let r = clients[0].send(&Request::new("POST", "/v1/files").key(&key).body(&ctype, &form)).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["id"].as_str().unwrap().to_string()
+    };
+    let create = |c: &Client, file: &str| {
+        let (status, b) = json(c, "POST", "/v1/batches", &key, Some(json!({"input_file_id": file, "endpoint": "/v1/completions", "completion_window": "24h"})));
+        assert_eq!(status, 200, "{b}");
+        b["id"].as_str().unwrap().to_string()
+    };
+    let wait_for = |c: &Client, id: &str, status: &str, secs: u64| {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            let (_, b) = json(c, "GET", &format!("/v1/batches/{id}"), &key, None);
+            if b["status"] == status {
+                return b;
+            }
+            assert!(Instant::now() < deadline, "batch {id} is not {status}: {b}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let small = batch_file(20, 4);
+    let id = create(&clients[2], &small);
+    let done = wait_for(&clients[0], &id, "completed", 60);
+    let out = clients[1].send(&Request::new("GET", &format!("/v1/files/{}/content", done["output_file_id"].as_str().unwrap())).key(&key)).unwrap();
+    assert_eq!(out.status, 200);
+    assert_eq!(out.text().lines().count(), 20, "{}", out.text());
+    let large = batch_file(2000, 64);
+    let id = create(&clients[2], &large);
+    wait_for(&clients[2], &id, "in_progress", 30);
+    let (status, b) = json(&clients[0], "POST", &format!("/v1/batches/{id}/cancel"), &key, None);
+    assert_eq!(status, 200, "{b}");
+    let cancelled = wait_for(&clients[1], &id, "cancelled", 30);
+    assert!(cancelled["request_counts"]["completed"].as_i64().unwrap() < 2000, "{cancelled}");
+    // A batch whose replica dies is taken over by another once that one has not been seen for
+    // half a minute (below), and completes.
+    let orphan = create(&clients[1], &batch_file(600, 32));
+    wait_for(&clients[1], &orphan, "in_progress", 30);
+
     // Killing replica 2 while it streams loses no ledger row of a request it completed.
     let (status, _, usage) = greedy(&clients[1], &key, "support");
     assert_eq!(status, 200);
@@ -280,6 +326,10 @@ fn three_replicas_share_adapters_limits_and_the_ledger() {
     first_rx.recv_timeout(Duration::from_secs(30)).expect("the stream started");
     replicas[1].kill();
     assert!(!streaming.join().unwrap(), "the stream was cut before its end");
+    let (_, left) = json(&clients[0], "GET", &format!("/v1/batches/{orphan}"), &key, None);
+    assert_eq!(left["status"], "in_progress", "the batch was still running when its replica died: {left}");
+    let adopted = wait_for(&clients[0], &orphan, "completed", 150);
+    assert_eq!(adopted["request_counts"]["completed"], 600, "{adopted}");
     let (_, after) = json(&clients[0], "GET", "/admin/billing/report", ADMIN, None);
     let acme = after["tenants"].as_array().unwrap().iter().find(|t| t["tenant"] == "acme").cloned().unwrap();
     assert!(acme["requests"].as_i64().unwrap() > requests, "{acme}");

@@ -5,7 +5,10 @@
 //! holds on its own is the rest: an adapter version resident in its pool or host memory, and its
 //! copy of the files. [`watch`] polls the database for versions deleted elsewhere and lets them go
 //! here as the deleting replica does: unloaded (pins released), new requests refused, files
-//! removed once the requests running on them have finished.
+//! removed once the requests running on them have finished. It also stops the batches this
+//! replica runs that a tenant cancelled through another replica, and, where replicas mark
+//! themselves alive (the shared limits, on PostgreSQL), takes over the batches of a replica that
+//! has not been seen for [`ADOPT_AFTER_MS`].
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -16,14 +19,50 @@ use super::AppState;
 /// replica whose clock runs behind, is still seen.
 const SLACK_MS: i64 = 120_000;
 
-/// Polls for adapter versions deleted through other replicas every `every`, for as long as the
-/// server runs. Runs on the main thread (it talks to the runtime).
+/// A replica not seen for this long (it marks itself alive every few seconds) has its batches
+/// taken over.
+pub const ADOPT_AFTER_MS: i64 = 30_000;
+
+/// How often batches to take over are looked for.
+const ADOPT_EVERY: Duration = Duration::from_secs(5);
+
+/// Cancellations from other replicas, and batches to take over.
+async fn batches(state: &AppState, adopt: bool) -> Result<(), crate::store::StoreError> {
+    let me = &state.settings.instance;
+    for id in state.store.batches_cancelling(me).await? {
+        if !state.batches.signal(&id, super::batch::Stop::Cancel) {
+            // No task here (it ended, or never ran here): one writes what finished.
+            super::batch::Batches::start(state, &id);
+        }
+    }
+    if adopt {
+        for id in state.store.adopt_batches(me, crate::store::now_ms() - ADOPT_AFTER_MS).await? {
+            println!("batches: took over {id} from a replica no longer seen");
+            super::batch::Batches::start(state, &id);
+        }
+    }
+    Ok(())
+}
+
+/// Polls for adapter versions deleted through other replicas (and for batches, see the module
+/// docs) every `every`, for as long as the server runs. Runs on the main thread (it talks to the
+/// runtime).
 pub fn watch(state: AppState, every: Duration) {
     super::on_main_thread(move || async move {
         let mut seen: HashMap<String, i64> = HashMap::new();
         let mut failing = false;
+        let mut adopted_at = std::time::Instant::now();
         loop {
             actix_web::rt::time::sleep(every).await;
+            let adopt = state.limiter.is_shared() && adopted_at.elapsed() >= ADOPT_EVERY;
+            if adopt {
+                adopted_at = std::time::Instant::now();
+            }
+            if let Err(e) = batches(&state, adopt).await
+                && !failing
+            {
+                eprintln!("warning: looking for batches cancelled or left by other replicas: {e} (retrying)");
+            }
             let since = crate::store::now_ms().saturating_sub(SLACK_MS);
             match state.store.adapters_deleted_since(since).await {
                 Ok(rows) => {

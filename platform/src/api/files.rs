@@ -136,6 +136,8 @@ async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
         .await?
         .map_err(io_error("moving the upload into place"))?;
     scratch.0 = Some(state.data_dir.join(&relative));
+    // Into the shared store (in a cluster), before the row names it.
+    state.adapter_files.put_file(&relative).await?;
     let record = FileRecord {
         id,
         tenant_id: caller.tenant.id.clone(),
@@ -146,7 +148,10 @@ async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
         path: relative,
         created_at: now_ms(),
     };
-    state.store.insert_file(&record, Some(i64::try_from(limits.max_tenant_file_bytes).unwrap_or(i64::MAX))).await?;
+    if let Err(e) = state.store.insert_file(&record, Some(i64::try_from(limits.max_tenant_file_bytes).unwrap_or(i64::MAX))).await {
+        state.adapter_files.remove_file(&record.path).await;
+        return Err(e.into());
+    }
     scratch.0 = None;
     Ok(HttpResponse::Ok().json(file_json(&record)))
 }
@@ -217,7 +222,7 @@ const READ_CHUNK: usize = 256 << 10;
 async fn content(req: HttpRequest, state: web::Data<AppState>, id: web::Path<String>) -> Result<HttpResponse, ApiError> {
     let caller = infer::caller(&req, &state, Scope::Inference).await?;
     let record = owned(&state, &caller, &id).await?;
-    let path = state.data_dir.join(&record.path);
+    let path = state.adapter_files.local_file(&state.background, &record.path, u64::try_from(record.bytes).unwrap_or(0)).await?;
     let file = state.background.run(move || std::fs::File::open(path)).await?.map_err(io_error("opening the file"))?;
     let pool = state.background.clone();
     let body = futures::stream::unfold(Some(file), move |file| {
@@ -260,5 +265,6 @@ async fn delete(req: HttpRequest, state: web::Data<AppState>, id: web::Path<Stri
         .await?
         .or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) })
         .map_err(io_error("removing the file"))?;
+    state.adapter_files.remove_file(&record.path).await;
     Ok(HttpResponse::Ok().json(json!({"id": record.id, "object": "file", "deleted": true})))
 }

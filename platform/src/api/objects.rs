@@ -114,6 +114,14 @@ fn store_error(url: &str, e: object_store::Error) -> ObjectError {
     }
 }
 
+/// `files/<id>.jsonl` with an id of letters, digits, `_` and `-` only: a Batch API file.
+fn checked_file(relative: &str) -> Result<&str, ObjectError> {
+    match relative.strip_prefix("files/").and_then(|r| r.strip_suffix(".jsonl")) {
+        Some(id) if !id.is_empty() && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') => Ok(relative),
+        _ => Err(ObjectError::Config(format!("not a batch file name: {relative:?}"))),
+    }
+}
+
 /// `adapters/<id>` with an id of letters, digits, `_` and `-` only: what uploads name blobs.
 fn checked_blob(blob: &str) -> Result<&str, ObjectError> {
     match blob.strip_prefix("adapters/") {
@@ -284,6 +292,68 @@ impl AdapterFiles {
         drop(guard);
         lock(&r.present).insert(id.to_string());
         Ok(())
+    }
+
+    /// Stores the Batch API file at `relative` (a path under the data directory, where it is) so
+    /// that every replica can read it; nothing to do on the local store.
+    pub async fn put_file(&self, relative: &str) -> Result<(), ApiError> {
+        let Some(r) = &self.remote else { return Ok(()) };
+        let object = r.prefix.clone().join("files").join(checked_file(relative)?.trim_start_matches("files/"));
+        let (store, url, file) = (r.store.clone(), r.url.clone(), self.data_dir.join(relative));
+        on_io(async move { put_file(&store, &file, &object).await.map_err(|e| store_error(&url, e)) }).await??;
+        Ok(())
+    }
+
+    /// The local path of the Batch API file `relative`, of `size` bytes: at once when this
+    /// replica has it whole, else fetched from the store first.
+    pub async fn local_file(&self, background: &BlockingPool, relative: &str, size: u64) -> Result<PathBuf, ApiError> {
+        let path = self.data_dir.join(relative);
+        let Some(r) = &self.remote else { return Ok(path) };
+        let name = checked_file(relative)?.trim_start_matches("files/").to_string();
+        let have = |path: PathBuf| async move { background.run(move || std::fs::metadata(&path).map(|m| m.len()).unwrap_or(u64::MAX)).await };
+        if have(path.clone()).await? == size {
+            return Ok(path);
+        }
+        let gate = lock(&r.fetching).entry(relative.to_string()).or_default().clone();
+        let _fetching = gate.lock().await;
+        let fetched = async {
+            if have(path.clone()).await? == size {
+                return Ok(());
+            }
+            let partial = path.with_extension(format!("fetch-{}", crate::store::random_id("p")));
+            let guard = super::adapters::ScratchFile(Some(partial.clone()));
+            let (store, url, object, into) = (r.store.clone(), r.url.clone(), r.prefix.clone().join("files").join(name.as_str()), partial.clone());
+            let parent = path.parent().map(Path::to_path_buf);
+            background
+                .run(move || parent.map_or(Ok(()), std::fs::create_dir_all))
+                .await?
+                .map_err(|e| ApiError::Internal(format!("creating the files directory: {e}")))?;
+            let got = on_io(async move {
+                get_file(&store, &object, &into, size).await.map_err(|e| match e {
+                    Fetch::Store(e) => store_error(&url, e),
+                    Fetch::Io(e) => ObjectError::Config(format!("writing {}: {e}", into.display())),
+                    Fetch::TooLarge => ObjectError::Corrupt { store: url.clone(), message: format!("{object} is larger than its record says") },
+                })
+            })
+            .await??;
+            if got != size {
+                return Err(ObjectError::Corrupt { store: r.url.clone(), message: format!("{relative} has {got} bytes, its record says {size}") }.into());
+            }
+            let (from, to) = (partial.clone(), path.clone());
+            background.run(move || std::fs::rename(from, to)).await?.map_err(|e| ApiError::Internal(format!("moving a fetched file into place: {e}")))?;
+            drop(guard);
+            Ok::<(), ApiError>(())
+        }
+        .await;
+        lock(&r.fetching).remove(relative);
+        fetched?;
+        Ok(path)
+    }
+
+    /// Deletes the stored copy of the Batch API file `relative` (failures are logged).
+    pub async fn remove_file(&self, relative: &str) {
+        let (Some(r), Ok(relative)) = (&self.remote, checked_file(relative)) else { return };
+        self.delete_objects(vec![r.prefix.clone().join("files").join(relative.trim_start_matches("files/"))]).await;
     }
 
     /// This replica no longer keeps `blob` (its version was deleted, and its directory removed).

@@ -309,6 +309,28 @@ impl Store {
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(tenant).bind(page.after.unwrap_or("")).bind(page.limit).fetch_all(&self.pool).await?)
     }
 
+    /// The batches `instance` runs that were told to cancel (through any replica).
+    pub async fn batches_cancelling(&self, instance: &str) -> Result<Vec<String>, StoreError> {
+        let rows: Vec<(String,)> = sqlx::query_as("SELECT id FROM batches WHERE instance = $1 AND status = $2")
+            .bind(instance)
+            .bind(batch_status::CANCELLING)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.into_iter().map(|(id,)| id).collect())
+    }
+
+    /// Makes `instance` the runner of every batch with work left whose runner has not been seen
+    /// (in `replicas`) since `seen_after_ms`: a replica that died or was replaced leaves its
+    /// batches to the others. Returns their ids.
+    pub async fn adopt_batches(&self, instance: &str, seen_after_ms: i64) -> Result<Vec<String>, StoreError> {
+        let sql = format!(
+            "UPDATE batches SET instance = $1 WHERE {} AND instance <> $1 AND instance NOT IN (SELECT id FROM replicas WHERE seen_ms > $2) RETURNING id",
+            active_in()
+        );
+        let rows: Vec<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(instance).bind(seen_after_ms).fetch_all(&self.pool).await?;
+        Ok(rows.into_iter().map(|(id,)| id).collect())
+    }
+
     /// The batches `instance` runs that have work left, oldest first.
     pub async fn active_batches(&self, instance: &str) -> Result<Vec<BatchRecord>, StoreError> {
         let sql = format!("SELECT {BATCH_COLUMNS} FROM batches WHERE instance = $1 AND {} ORDER BY created_at, id", active_in());

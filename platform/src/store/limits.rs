@@ -79,15 +79,17 @@ impl Store {
         if self.kind != DbKind::Postgres {
             return Err(StoreError::Unavailable("shared limits need PostgreSQL".into()));
         }
-        let (cap, rate) = ask.bucket.unzip();
+        // No NULLs (see limits.sql): -1 is no limit.
+        let (cap, rate) = ask.bucket.unwrap_or((-1.0, 0.0));
+        let none = |v: Option<i64>| v.map_or(-1, |v| v.max(0));
         Ok(sqlx::query_as("SELECT verdict, now_ms, oldest_ms, held FROM loraplex_limit_admit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)")
             .bind(ask.tenant)
             .bind(ask.batch as i32)
             .bind(ask.replica)
-            .bind(ask.max_concurrent)
-            .bind(ask.requests_per_min)
-            .bind(ask.share_concurrent)
-            .bind(ask.share_requests_per_min)
+            .bind(none(ask.max_concurrent))
+            .bind(none(ask.requests_per_min))
+            .bind(none(ask.share_concurrent))
+            .bind(none(ask.share_requests_per_min))
             .bind(cap)
             .bind(rate)
             .bind(WINDOW_MS)
@@ -113,8 +115,8 @@ impl Store {
             .bind(batch as i32)
             .bind(second)
             .bind(tokens)
-            .bind(max)
-            .bind(share_max)
+            .bind(max.map_or(-1, |v| v.max(0)))
+            .bind(share_max.map_or(-1, |v| v.max(0)))
             .bind(WINDOW_MS)
             .fetch_one(&self.pool)
             .await?)

@@ -1,7 +1,8 @@
 -- The shared limits' decisions, one call each (PostgreSQL only; created at connect). Each takes
 -- the tenant's lock first, so the statements after it read what every earlier decision
 -- committed. A window is the last sixty seconds of `limit_seconds`: reading it costs the same
--- whatever the tenant's rate.
+-- whatever the tenant's rate. A limit or bucket capacity below zero is none (no parameter is
+-- ever NULL: a prepared statement keeps the type its first binding gave each parameter).
 
 CREATE OR REPLACE FUNCTION loraplex_limit_admit(
     p_tenant TEXT, p_batch INTEGER, p_replica TEXT,
@@ -26,19 +27,19 @@ BEGIN
       INTO v_run, v_brun
       FROM limit_running n JOIN replicas r ON r.id = n.replica
      WHERE n.tenant_id = p_tenant AND r.seen_ms > v_now - p_timeout;
-    IF p_conc IS NOT NULL AND v_run >= p_conc THEN
+    IF p_conc >= 0 AND v_run >= p_conc THEN
         RETURN QUERY SELECT 'concurrent', v_now, CAST(NULL AS BIGINT), CAST(NULL AS DOUBLE PRECISION); RETURN;
     END IF;
-    IF p_rpm IS NOT NULL AND v_req >= p_rpm THEN
+    IF p_rpm >= 0 AND v_req >= p_rpm THEN
         RETURN QUERY SELECT 'rpm', v_now, v_old * 1000, CAST(NULL AS DOUBLE PRECISION); RETURN;
     END IF;
-    IF p_batch = 1 AND p_share_conc IS NOT NULL AND v_brun >= p_share_conc THEN
+    IF p_batch = 1 AND p_share_conc >= 0 AND v_brun >= p_share_conc THEN
         RETURN QUERY SELECT 'share_concurrent', v_now, CAST(NULL AS BIGINT), CAST(NULL AS DOUBLE PRECISION); RETURN;
     END IF;
-    IF p_batch = 1 AND p_share_rpm IS NOT NULL AND v_breq >= p_share_rpm THEN
+    IF p_batch = 1 AND p_share_rpm >= 0 AND v_breq >= p_share_rpm THEN
         RETURN QUERY SELECT 'share_rpm', v_now, v_bold * 1000, CAST(NULL AS DOUBLE PRECISION); RETURN;
     END IF;
-    IF p_cap IS NOT NULL THEN
+    IF p_cap >= 0 THEN
         SELECT b.held_milli / 1000.0, b.at_ms INTO v_held, v_at FROM limit_buckets b WHERE b.tenant_id = p_tenant AND b.batch = p_batch;
         IF NOT FOUND THEN
             v_held := p_cap;
@@ -79,10 +80,10 @@ BEGIN
     v_now := CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS BIGINT);
     SELECT COALESCE(SUM(s.tokens) FILTER (WHERE s.batch = 0), 0), COALESCE(SUM(s.tokens) FILTER (WHERE s.batch = 1), 0) INTO v_all, v_batch
       FROM limit_seconds s WHERE s.tenant_id = p_tenant AND s.second > v_now / 1000 - p_window / 1000;
-    IF p_batch = 1 AND p_share_max IS NOT NULL AND v_batch + p_tokens > p_share_max THEN
+    IF p_batch = 1 AND p_share_max >= 0 AND v_batch + p_tokens > p_share_max THEN
         RETURN QUERY SELECT 'share', v_now, v_batch; RETURN;
     END IF;
-    IF p_max IS NOT NULL AND v_all + p_tokens > p_max THEN
+    IF p_max >= 0 AND v_all + p_tokens > p_max THEN
         RETURN QUERY SELECT 'all', v_now, v_all; RETURN;
     END IF;
     UPDATE limit_seconds SET tokens = tokens + p_tokens WHERE tenant_id = p_tenant AND second = p_second AND (batch = 0 OR batch = p_batch);

@@ -88,7 +88,7 @@ async fn create(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
         return Err(ApiError::Invalid(format!("file `{shown}` is a batch's output (purpose {}), not an input (purpose batch)", file.purpose)));
     }
     // Every line calls the batch's endpoint and names a model the tenant may use.
-    let path = state.data_dir.join(&file.path);
+    let path = state.adapter_files.local_file(&state.background, &file.path, u64::try_from(file.bytes).unwrap_or(0)).await?;
     let scan = state
         .background
         .run(move || std::fs::File::open(path).and_then(|f| lines::scan(f, endpoint)))

@@ -277,7 +277,7 @@ async fn run_lines(state: &AppState, batch: &BatchRecord, stop: &mut watch::Rece
     state.store.void_unrecorded_batch_usage(&batch.id).await?;
     let done: HashSet<i64> = state.store.batch_done_lines(&batch.id).await?.into_iter().collect();
     let context = Arc::new(Context { batch_id: batch.id.as_str().into(), endpoint, caller: Mutex::new(caller), targets: tokio::sync::Mutex::default() });
-    let path = state.data_dir.join(&input.path);
+    let path = state.adapter_files.local_file(&state.background, &input.path, u64::try_from(input.bytes).unwrap_or(0)).await?;
     let mut reader =
         Some(state.background.run(move || LineReader::open(&path)).await?.map_err(|e| ApiError::Internal(format!("opening the input file: {e}")))?);
     let deadline = tokio::time::Instant::now() + Duration::from_millis(u64::try_from(batch.expires_at - now_ms()).unwrap_or(0));
@@ -522,8 +522,10 @@ async fn finalize(state: &AppState, batch: &BatchRecord, status: &str) -> Result
     let mut writers = out.take().ok_or_else(|| ApiError::Internal("the output files are gone".into()))?;
     if status == batch_status::EXPIRED {
         // Every line that never ran is an error of its own.
-        let input = state.store.file(&batch.tenant_id, &batch.input_file_id).await?;
-        let path = input.map(|f| state.data_dir.join(f.path));
+        let path = match state.store.file(&batch.tenant_id, &batch.input_file_id).await? {
+            Some(f) => Some(state.adapter_files.local_file(&state.background, &f.path, u64::try_from(f.bytes).unwrap_or(0)).await?),
+            None => None,
+        };
         let (w, added) = state
             .background
             .run(move || -> std::io::Result<_> {
@@ -588,6 +590,10 @@ async fn finalize(state: &AppState, batch: &BatchRecord, status: &str) -> Result
         })
     };
     let (output, errors) = (record(0, "output"), record(1, "errors"));
+    // Into the shared store (in a cluster) before the rows name them.
+    for f in output.iter().chain(&errors) {
+        state.adapter_files.put_file(&f.path).await?;
+    }
     state.store.finish_batch(&batch.id, status, output.as_ref(), errors.as_ref(), (sizes[0][0], sizes[1][0])).await?;
     Ok(())
 }
