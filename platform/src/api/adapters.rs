@@ -304,20 +304,6 @@ impl Drop for Scratch {
     }
 }
 
-/// A scratch file removed on drop unless kept.
-pub(super) struct ScratchFile(pub(super) Option<PathBuf>);
-
-impl Drop for ScratchFile {
-    fn drop(&mut self) {
-        if let Some(path) = self.0.take()
-            && let Err(e) = std::fs::remove_file(&path)
-            && e.kind() != std::io::ErrorKind::NotFound
-        {
-            eprintln!("warning: could not remove {}: {e}", path.display());
-        }
-    }
-}
-
 /// Reads one multipart field into memory, refusing more than `limit` bytes.
 pub(super) async fn read_small(state: &AppState, field: &mut actix_multipart::Field, what: &str, limit: usize) -> Result<Vec<u8>, ApiError> {
     let mut out = Vec::new();

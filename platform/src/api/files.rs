@@ -47,7 +47,7 @@ pub fn file_json(f: &FileRecord) -> Value {
 }
 
 /// A scratch file removed on drop unless kept.
-struct Scratch(Option<PathBuf>);
+pub(super) struct Scratch(pub(super) Option<PathBuf>);
 
 impl Drop for Scratch {
     fn drop(&mut self) {

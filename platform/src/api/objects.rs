@@ -321,7 +321,7 @@ impl AdapterFiles {
                 return Ok(());
             }
             let partial = path.with_extension(format!("fetch-{}", crate::store::random_id("p")));
-            let guard = super::adapters::ScratchFile(Some(partial.clone()));
+            let guard = super::files::Scratch(Some(partial.clone()));
             let (store, url, object, into) = (r.store.clone(), r.url.clone(), r.prefix.clone().join("files").join(name.as_str()), partial.clone());
             let parent = path.parent().map(Path::to_path_buf);
             background
