@@ -26,8 +26,10 @@ pub const ADOPT_AFTER_MS: i64 = 30_000;
 /// How often batches to take over are looked for.
 const ADOPT_EVERY: Duration = Duration::from_secs(5);
 
-/// Cancellations from other replicas, and batches to take over.
-async fn batches(state: &AppState, adopt: bool) -> Result<(), crate::store::StoreError> {
+/// Cancellations from other replicas, batches to take over, and batches another replica took
+/// over from this one (cut off from the database for long enough to be thought gone): those
+/// stop here, starting no more lines, and leave their end to their new runner.
+pub(crate) async fn batches(state: &AppState, adopt: bool) -> Result<(), crate::store::StoreError> {
     let me = &state.settings.instance;
     for id in state.store.batches_cancelling(me).await? {
         if !state.batches.signal(&id, super::batch::Stop::Cancel) {
@@ -36,6 +38,13 @@ async fn batches(state: &AppState, adopt: bool) -> Result<(), crate::store::Stor
         }
     }
     if adopt {
+        let here = state.batches.running_ids();
+        if !here.is_empty() {
+            for id in state.store.batches_run_elsewhere(&here, me).await? {
+                eprintln!("warning: batch {id} is run by another replica now (this one was thought gone); it stops here");
+                state.batches.signal(&id, super::batch::Stop::Shutdown);
+            }
+        }
         for id in state.store.adopt_batches(me, crate::store::now_ms() - ADOPT_AFTER_MS).await? {
             println!("batches: took over {id} from a replica no longer seen");
             super::batch::Batches::start(state, &id);

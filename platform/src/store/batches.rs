@@ -331,6 +331,22 @@ impl Store {
         Ok(rows.into_iter().map(|(id,)| id).collect())
     }
 
+    /// Which of the batches `ids` another replica than `instance` runs now (one took them over).
+    pub async fn batches_run_elsewhere(&self, ids: &[String], instance: &str) -> Result<Vec<String>, StoreError> {
+        let mut out = Vec::new();
+        for chunk in ids.chunks(256) {
+            let marks: Vec<String> = (2..chunk.len() + 2).map(|i| format!("${i}")).collect();
+            // Only numbered placeholders are formatted in; the ids are bound.
+            let sql = sqlx::AssertSqlSafe(format!("SELECT id FROM batches WHERE instance <> $1 AND id IN ({})", marks.join(", ")));
+            let mut q = sqlx::query_as::<_, (String,)>(sql).bind(instance);
+            for id in chunk {
+                q = q.bind(id);
+            }
+            out.extend(q.fetch_all(&self.pool).await?.into_iter().map(|(id,)| id));
+        }
+        Ok(out)
+    }
+
     /// The batches `instance` runs that have work left, oldest first.
     pub async fn active_batches(&self, instance: &str) -> Result<Vec<BatchRecord>, StoreError> {
         let sql = format!("SELECT {BATCH_COLUMNS} FROM batches WHERE instance = $1 AND {} ORDER BY created_at, id", active_in());

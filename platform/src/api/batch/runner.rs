@@ -122,6 +122,11 @@ impl Batches {
         }
     }
 
+    /// The batches with a task here.
+    pub fn running_ids(&self) -> Vec<String> {
+        self.lock().keys().cloned().collect()
+    }
+
     /// Whether batch `id` has a task here.
     pub fn is_running(&self, id: &str) -> bool {
         self.lock().contains_key(id)

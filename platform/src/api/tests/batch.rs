@@ -631,3 +631,36 @@ async fn a_batch_whose_input_cannot_be_read_fails_after_a_few_tries() {
     let message = batch["errors"]["data"][0]["message"].as_str().unwrap();
     assert!(message.contains("opening the input file"), "{message}");
 }
+
+#[actix_web::test]
+async fn a_batch_taken_over_by_another_replica_stops_here_without_ending() {
+    let scratch = tempfile::tempdir().unwrap();
+    let Some(url) = crate::store::test_urls(scratch.path()).await.into_iter().find(|u| u.starts_with("postgres")) else {
+        eprintln!("taking batches over needs PostgreSQL (the replicas' heartbeats): skipped");
+        return;
+    };
+    // Two lines in flight at a time: the batch is far from done when it is taken over.
+    {
+        let h = Harness::on(tempfile::tempdir().unwrap(), &url, batch_settings(2)).await;
+        let mut state = h.state.clone();
+        state.limiter = crate::api::Limiter::shared(state.store.clone(), &state.settings.instance).await.unwrap();
+        let admin = &h.admin;
+        let app = app!(state);
+        let (_, key) = tenant(&app, admin, json!({"name": "acme"})).await;
+        let batch = start_batch(&app, &key, "/v1/completions", &long_lines(40, 48)).await;
+        let id = batch["id"].as_str().unwrap().to_string();
+        wait_for(&app, &key, &id, |b| b["request_counts"]["completed"].as_i64() >= Some(2)).await;
+        // Another replica, alive, now runs it (it took it over while this one was cut off).
+        state.store.limit_heartbeat("inst_other").await.unwrap();
+        sqlx::query("UPDATE batches SET instance = 'inst_other' WHERE id = $1").bind(&id).execute(state.store.pool()).await.unwrap();
+        crate::api::cluster::batches(&state, true).await.unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while state.batches.is_running(&id) {
+            assert!(std::time::Instant::now() < deadline, "the batch still runs here");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let (_, now) = call(&app, "GET", &format!("/v1/batches/{id}"), Some(&key), None).await;
+        assert_eq!(now["status"], "in_progress", "its end is left to its new runner: {now}");
+        assert!(now["request_counts"]["completed"].as_i64().unwrap() < 40, "{now}");
+    }
+}
