@@ -544,8 +544,9 @@ pub(super) fn retire(state: &AppState, r: &AdapterRecord) -> Option<PathBuf> {
 /// when this replica has no copy.
 pub(super) async fn adapter_dir(state: &AppState, record: &AdapterRecord) -> Result<PathBuf, ApiError> {
     let (shape, limits) = (*state.serving.base_shape(), *state.serving.adapter_limits());
-    let verify: super::objects::Verify =
-        Arc::new(move |dir: &Path| LoraAdapter::load_validated(dir, &shape, &limits).map(|a| a.content_hash_hex()).map_err(|e| e.to_string()));
+    let verify = move || -> super::objects::Verify {
+        Arc::new(move |dir: &Path| LoraAdapter::load_validated(dir, &shape, &limits).map(|a| a.content_hash_hex()).map_err(|e| e.to_string()))
+    };
     let max_bytes = u64::try_from(record.bytes).unwrap_or(0);
     state.metrics.name_adapter(&record.id, &record.name);
     state.adapter_files.local_dir(&state.background, &record.blob, &record.content_hash, max_bytes, verify).await

@@ -214,7 +214,15 @@ impl AdapterFiles {
 
     /// The local directory of `blob`, whose content hash is `hash`: at once when this replica
     /// has it, else fetched from the store and verified first.
-    pub async fn local_dir(&self, background: &BlockingPool, blob: &str, hash: &str, max_bytes: u64, verify: Verify) -> Result<PathBuf, ApiError> {
+    /// `verify` is called only when the files are fetched (or a leftover copy is checked).
+    pub async fn local_dir(
+        &self,
+        background: &BlockingPool,
+        blob: &str,
+        hash: &str,
+        max_bytes: u64,
+        verify: impl FnOnce() -> Verify,
+    ) -> Result<PathBuf, ApiError> {
         let Some(r) = &self.remote else { return Ok(self.dir(blob)) };
         let id = checked_blob(blob)?.to_string();
         if lock(&r.present).contains(&id) {
@@ -222,7 +230,7 @@ impl AdapterFiles {
         }
         let gate = lock(&r.fetching).entry(id.clone()).or_default().clone();
         let _fetching = gate.lock().await;
-        let fetched = if lock(&r.present).contains(&id) { Ok(()) } else { self.fetch(r, background, &id, hash, max_bytes, verify).await };
+        let fetched = if lock(&r.present).contains(&id) { Ok(()) } else { self.fetch(r, background, &id, hash, max_bytes, verify()).await };
         lock(&r.fetching).remove(&id);
         fetched?;
         Ok(self.dir(blob))
@@ -524,12 +532,12 @@ mod tests {
         a.publish(&pool, &up, "adapters/blob_1").await.unwrap();
         assert!(!up.exists());
         assert_eq!(std::fs::read(root.path().join("store/adapters/blob_1/adapter_model.safetensors")).unwrap(), weights);
-        assert_eq!(a.local_dir(&pool, "adapters/blob_1", &hash, 1 << 20, verify.clone()).await.unwrap(), a_dir.join("adapters/blob_1"));
+        assert_eq!(a.local_dir(&pool, "adapters/blob_1", &hash, 1 << 20, || verify.clone()).await.unwrap(), a_dir.join("adapters/blob_1"));
 
         // B fetches it once, verified, into its own directory; concurrent requests share the fetch.
         let (one, two) = futures::future::join(
-            b.local_dir(&pool, "adapters/blob_1", &hash, 1 << 20, verify.clone()),
-            b.local_dir(&pool, "adapters/blob_1", &hash, 1 << 20, verify.clone()),
+            b.local_dir(&pool, "adapters/blob_1", &hash, 1 << 20, || verify.clone()),
+            b.local_dir(&pool, "adapters/blob_1", &hash, 1 << 20, || verify.clone()),
         )
         .await;
         assert_eq!(one.unwrap(), b_dir.join("adapters/blob_1"));
@@ -539,14 +547,14 @@ mod tests {
 
         // Larger than the recorded size, or not what was recorded: refused, nothing kept.
         let c = AdapterFiles::open(Some(&url), &c_dir).unwrap();
-        match c.local_dir(&pool, "adapters/blob_1", &hash, 1000, verify.clone()).await {
+        match c.local_dir(&pool, "adapters/blob_1", &hash, 1000, || verify.clone()).await {
             Err(ApiError::Internal(m)) => assert!(m.contains("larger than"), "{m}"),
             other => panic!("{other:?}"),
         }
         let (up, hash2) = scratch(&a_dir, "up2", &[1, 2, 3]);
         a.publish(&pool, &up, "adapters/blob_2").await.unwrap();
         std::fs::write(root.path().join("store/adapters/blob_2/adapter_model.safetensors"), [1, 2, 4]).unwrap();
-        match c.local_dir(&pool, "adapters/blob_2", &hash2, 1 << 20, verify.clone()).await {
+        match c.local_dir(&pool, "adapters/blob_2", &hash2, 1 << 20, || verify.clone()).await {
             Err(ApiError::Internal(m)) => assert!(m.contains("do not verify"), "{m}"),
             other => panic!("{other:?}"),
         }
@@ -555,7 +563,7 @@ mod tests {
         // Deleted: its objects go, and a replica without a copy reads it as gone.
         a.remove("adapters/blob_1").await;
         assert!(!root.path().join("store/adapters/blob_1/adapter_model.safetensors").exists());
-        assert!(matches!(c.local_dir(&pool, "adapters/blob_1", &hash, 1 << 20, verify.clone()).await, Err(ApiError::NotFound(_))));
+        assert!(matches!(c.local_dir(&pool, "adapters/blob_1", &hash, 1 << 20, || verify.clone()).await, Err(ApiError::NotFound(_))));
 
         // The sweep removes versions no row names, once old enough to be no upload in progress.
         let (up, _) = scratch(&a_dir, "up3", &[9]);
