@@ -301,7 +301,8 @@ try {
   const perAdapter = page.getByRole('table', { name: 'Usage per adapter' });
   await perAdapter.waitFor();
   await perAdapter.getByRole('rowheader', { name: 'support-bot' }).waitFor();
-  if ((await page.locator('.uplot').count()) < 3) problems.push('the usage charts are missing');
+  // The charts are drawn in an effect after the tables render: wait for them rather than count at once.
+  await page.locator('.uplot').nth(2).waitFor({ timeout: 5000 }).catch(() => problems.push('the usage charts are missing'));
   await audit('tenant-usage');
 
   step('the operator sees the bill equal the usage and downloads the CSV');
@@ -317,7 +318,7 @@ try {
   if (!acmeTotal || acmeTotal[4] !== String(usage.totals.requests) || acmeTotal[8] !== String(usage.totals.total_tokens) || acmeTotal[9] !== usage.totals.cost) {
     problems.push(`acme's bill ${JSON.stringify(acmeTotal)} differs from its usage ${JSON.stringify(usage.totals)}`);
   }
-  if ((await page.locator('.uplot').count()) < 2) problems.push('the billing charts are missing');
+  await page.locator('.uplot').nth(1).waitFor({ timeout: 5000 }).catch(() => problems.push('the billing charts are missing'));
   const [file] = await Promise.all([page.waitForEvent('download'), page.getByRole('button', { name: 'Download CSV' }).click()]);
   const csv = readFileSync(await file.path(), 'utf8').trim().split('\n').slice(1).map((line) => line.split(',').slice(1));
   if (JSON.stringify(csv) !== JSON.stringify(rows)) problems.push(`the CSV ${JSON.stringify(csv)} differs from the table ${JSON.stringify(rows)}`);
