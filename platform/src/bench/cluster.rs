@@ -5,7 +5,10 @@
 //! send requests back to back, spread over `--tenants` tenants (each with limits high enough never
 //! to refuse, so that every request goes through the limits' rows) and over the replicas.
 //!
-//! Reported for each: requests per second, the clients' latency, and the time each request spent
+//! The replicas also serve tenants without limits, apart: what the key and the ledger cost
+//! alone, without the limits' rows.
+//!
+//! Reported for each: requests per second, how busy the machine's cores were, the clients' latency, and the time each request spent
 //! on database-backed state (its key, its tenant's limits, its ledger row), from the servers'
 //! `loraplex_state_seconds` histograms over the timed window (quantiles are bucket upper bounds).
 //! Target: the state path's p99 on PostgreSQL at most 5 ms more than on SQLite.
@@ -46,6 +49,20 @@ struct Phase {
     /// The state path, from the servers' histograms (bucket upper bounds): all of it, then
     /// each part.
     state: Vec<PartTime>,
+    /// How busy this machine's cores were over the phase (0 to 1, all of them together: the
+    /// servers, the database and the clients share them); `None` off Linux.
+    cpu_busy: Option<f64>,
+}
+
+/// (busy, all) clock ticks of every core since boot, from `/proc/stat`.
+fn cpu_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().next()?.strip_prefix("cpu ")?;
+    let v: Vec<u64> = line.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+    // user nice system idle iowait irq softirq steal (guest time is inside user already).
+    let all: u64 = v.iter().take(8).sum();
+    let idle = v.get(3)? + v.get(4).copied().unwrap_or(0);
+    Some((all - idle, all))
 }
 
 /// The parts of `loraplex_state_seconds`, as the servers label them.
@@ -125,11 +142,17 @@ fn bucket_quantile(before: &[(f64, u64)], after: &[(f64, u64)], total: u64, q: f
 }
 
 /// `n` tenants, each with limits high enough never to refuse (so every request goes through the
-/// limits' rows), and a key for each.
-fn tenants(client: &Client, n: usize) -> anyhow::Result<Vec<String>> {
+/// limits' rows), or with none (`limited` false: no limits' rows at all), and a key for each.
+fn tenants(client: &Client, n: usize, limited: bool) -> anyhow::Result<Vec<String>> {
     let mut keys = Vec::new();
     for i in 0..n {
-        let body = json!({"name": format!("bench-{i}"), "limits": {"requests_per_min": 1_000_000_000i64, "tokens_per_min": 1_000_000_000_000i64, "max_concurrent": 1_000_000}});
+        let limits = if limited {
+            json!({"requests_per_min": 1_000_000_000i64, "tokens_per_min": 1_000_000_000_000i64, "max_concurrent": 1_000_000})
+        } else {
+            json!({})
+        };
+        let prefix = if limited { "bench" } else { "bench-unlimited" };
+        let body = json!({"name": format!("{prefix}-{i}"), "limits": limits});
         let t = client.json("POST", "/admin/tenants", Some(ADMIN), Some(&body))?;
         if t.status != 201 {
             bail!("creating a tenant: {} {}", t.status, t.text());
@@ -191,7 +214,12 @@ fn drive(name: &str, servers: &[Server], keys: &Arc<Vec<String>>, args: &BenchCl
     run(args.seconds / 5.0)?;
     let before = state_histograms(servers)?;
     eprintln!("{name}: {n} clients for {} s ...", args.seconds);
+    let ticks = cpu_ticks();
     let (lat, refused, seconds) = run(args.seconds)?;
+    let cpu_busy = match (ticks, cpu_ticks()) {
+        (Some((b0, a0)), Some((b1, a1))) if a1 > a0 => Some((b1 - b0) as f64 / (a1 - a0) as f64),
+        _ => None,
+    };
     let after = state_histograms(servers)?;
     Ok(Phase {
         name: name.to_string(),
@@ -204,6 +232,7 @@ fn drive(name: &str, servers: &[Server], keys: &Arc<Vec<String>>, args: &BenchCl
         client_p50_ms: super::quantile(&lat, 0.5),
         client_p99_ms: super::quantile(&lat, 0.99),
         state: part_times(&before, &after),
+        cpu_busy,
     })
 }
 
@@ -257,16 +286,24 @@ pub fn run(args: &BenchClusterArgs) -> anyhow::Result<()> {
         replicas.push(start(&exe, &scratch.path().join(format!("pg{i}")), &model, &["--database-url", &db, "--host", &host])?);
     }
     let (sqlite_name, pg_name) = ("SQLite, 1 server".to_string(), format!("PostgreSQL, {} replicas", replicas.len()));
-    let sqlite_keys = Arc::new(tenants(&one[0].client(), args.tenants.max(1))?);
-    let pg_keys = Arc::new(tenants(&replicas[0].client(), args.tenants.max(1))?);
-    let mut phases = vec![drive(&sqlite_name, &one, &sqlite_keys, args, None)?, drive(&pg_name, &replicas, &pg_keys, args, None)?];
+    let sqlite_keys = Arc::new(tenants(&one[0].client(), args.tenants.max(1), true)?);
+    let pg_keys = Arc::new(tenants(&replicas[0].client(), args.tenants.max(1), true)?);
+    // The same replicas for tenants without limits: what the key and the ledger cost alone.
+    let unlimited_name = format!("{pg_name}, no limits");
+    let unlimited_keys = Arc::new(tenants(&replicas[0].client(), args.tenants.max(1), false)?);
+    let mut phases = vec![
+        drive(&sqlite_name, &one, &sqlite_keys, args, None)?,
+        drive(&pg_name, &replicas, &pg_keys, args, None)?,
+        drive(&unlimited_name, &replicas, &unlimited_keys, args, None)?,
+    ];
     let capacity = phases[0].requests_per_s.min(phases[1].requests_per_s);
     let mut overheads = Vec::new();
     for &load in &args.loads {
         let rate = load * capacity;
         phases.push(drive(&sqlite_name, &one, &sqlite_keys, args, Some(rate))?);
         phases.push(drive(&pg_name, &replicas, &pg_keys, args, Some(rate))?);
-        let (a, b) = (&phases[phases.len() - 2], &phases[phases.len() - 1]);
+        phases.push(drive(&unlimited_name, &replicas, &unlimited_keys, args, Some(rate))?);
+        let (a, b) = (&phases[phases.len() - 3], &phases[phases.len() - 2]);
         overheads.push(json!({"load": load, "offered_per_s": rate, "overhead_p99_ms": b.state[0].p99_ms - a.state[0].p99_ms, "met": b.state[0].p99_ms - a.state[0].p99_ms <= TARGET_MS}));
     }
     drop((one, replicas));
@@ -278,15 +315,16 @@ pub fn run(args: &BenchClusterArgs) -> anyhow::Result<()> {
     );
     println!("state time p50 / p99 / mean in ms (p50, p99: bucket upper bounds)");
     println!(
-        "{:<24} {:>9} {:>8} {:>8} {:>8} {:>8} {:>18} {:>18} {:>18} {:>18}",
-        "", "offered/s", "req/s", "p50 ms", "p99 ms", "refused", "state", "key", "limits", "ledger"
+        "{:<35} {:>9} {:>8} {:>5} {:>8} {:>8} {:>8} {:>18} {:>18} {:>18} {:>18}",
+        "", "offered/s", "req/s", "cpu", "p50 ms", "p99 ms", "refused", "state", "key", "limits", "ledger"
     );
     for p in &phases {
         let offered = p.offered_per_s.map_or_else(|| "capacity".to_string(), |r| format!("{r:.0}"));
         let parts: Vec<String> = p.state.iter().map(|t| format!("{:.1}/{:.1}/{:.2}", t.p50_ms, t.p99_ms, t.mean_ms)).collect();
+        let cpu = p.cpu_busy.map_or_else(|| "-".to_string(), |c| format!("{:.0}%", c * 1e2));
         println!(
-            "{:<24} {:>9} {:>8.1} {:>8.1} {:>8.1} {:>8} {:>18} {:>18} {:>18} {:>18}",
-            p.name, offered, p.requests_per_s, p.client_p50_ms, p.client_p99_ms, p.refused, parts[0], parts[1], parts[2], parts[3]
+            "{:<35} {:>9} {:>8.1} {:>5} {:>8.1} {:>8.1} {:>8} {:>18} {:>18} {:>18} {:>18}",
+            p.name, offered, p.requests_per_s, cpu, p.client_p50_ms, p.client_p99_ms, p.refused, parts[0], parts[1], parts[2], parts[3]
         );
     }
     for o in &overheads {

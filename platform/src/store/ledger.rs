@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 
-use super::{Money, Store, StoreError};
+use super::{DbKind, Money, Store, StoreError};
 
 /// The outcomes a row can have.
 pub mod outcome {
@@ -260,42 +260,82 @@ pub fn date(day: i64) -> String {
     format!("{y:04}-{m:02}-{d:02}")
 }
 
-const UPSERT_USAGE: &str = "INSERT INTO usage (id, tenant_id, key_id, adapter, prompt_tokens, cached_prompt_tokens, completion_tokens, queue_ms, ttft_ms, \
-     total_ms, outcome, started_at, finished_at, plan, prompt_price, cached_prompt_price, completion_price, instance, batch_id) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19) \
-     ON CONFLICT (id) DO UPDATE SET prompt_tokens = excluded.prompt_tokens, cached_prompt_tokens = excluded.cached_prompt_tokens, \
-     completion_tokens = excluded.completion_tokens, queue_ms = excluded.queue_ms, ttft_ms = excluded.ttft_ms, total_ms = excluded.total_ms, \
-     outcome = excluded.outcome, finished_at = excluded.finished_at";
+/// The columns of a usage row, in the order both statements below name them.
+const USAGE_COLUMNS: &str = "id, tenant_id, key_id, adapter, prompt_tokens, cached_prompt_tokens, completion_tokens, queue_ms, ttft_ms, \
+     total_ms, outcome, started_at, finished_at, plan, prompt_price, cached_prompt_price, completion_price, instance, batch_id";
+
+/// What a known row (opened earlier) takes from a later write: its outcome, tokens and times;
+/// its plan and prices stay as opened.
+const USAGE_ON_CONFLICT: &str = "ON CONFLICT (id) DO UPDATE SET prompt_tokens = excluded.prompt_tokens, \
+     cached_prompt_tokens = excluded.cached_prompt_tokens, completion_tokens = excluded.completion_tokens, queue_ms = excluded.queue_ms, \
+     ttft_ms = excluded.ttft_ms, total_ms = excluded.total_ms, outcome = excluded.outcome, finished_at = excluded.finished_at";
+
+/// A group of rows as one statement with one parameter, a JSON array of the rows: one round
+/// trip and one cached statement whatever the group's size (a statement per row cost a round
+/// trip per row inside the transaction, which is what limited the ledger on PostgreSQL).
+fn upsert_usage_sql(kind: DbKind) -> String {
+    match kind {
+        DbKind::Postgres => format!(
+            "INSERT INTO usage ({USAGE_COLUMNS}) SELECT {USAGE_COLUMNS} FROM json_to_recordset($1::json) AS r(id TEXT, tenant_id TEXT, \
+             key_id TEXT, adapter TEXT, prompt_tokens BIGINT, cached_prompt_tokens BIGINT, completion_tokens BIGINT, queue_ms DOUBLE PRECISION, \
+             ttft_ms DOUBLE PRECISION, total_ms DOUBLE PRECISION, outcome TEXT, started_at BIGINT, finished_at BIGINT, plan TEXT, \
+             prompt_price BIGINT, cached_prompt_price BIGINT, completion_price BIGINT, instance TEXT, batch_id TEXT) {USAGE_ON_CONFLICT}"
+        ),
+        DbKind::Sqlite => {
+            let fields = USAGE_COLUMNS.split(',').map(|c| format!("json_extract(value, '$.{}')", c.trim())).collect::<Vec<_>>().join(", ");
+            // `WHERE true` settles SQLite's parse of `ON CONFLICT` after a SELECT.
+            format!("INSERT INTO usage ({USAGE_COLUMNS}) SELECT {fields} FROM json_each($1) WHERE true {USAGE_ON_CONFLICT}")
+        }
+    }
+}
+
+/// Splits `rows` into runs in which no id is written twice: PostgreSQL refuses one statement
+/// that updates a row twice, and rows of the same id must apply in order. A request's end is
+/// only sent after its opening was written, so one run is the rule.
+fn runs<'a>(rows: &[&'a UsageRecord]) -> Vec<Vec<&'a UsageRecord>> {
+    let mut runs: Vec<Vec<&UsageRecord>> = vec![Vec::new()];
+    let mut ids = std::collections::HashSet::new();
+    for r in rows {
+        if !ids.insert(r.id.as_str()) {
+            ids.clear();
+            ids.insert(r.id.as_str());
+            runs.push(Vec::new());
+        }
+        runs.last_mut().expect("runs starts with one").push(r);
+    }
+    runs.retain(|r| !r.is_empty());
+    runs
+}
+
+/// The rows as a JSON array; times that are not finite numbers (which JSON cannot hold) are
+/// written as 0.
+fn usage_json(rows: &[&UsageRecord]) -> Result<String, StoreError> {
+    let finite = |v: f64| if v.is_finite() { v } else { 0.0 };
+    let rows: Vec<UsageRecord> =
+        rows.iter().map(|r| UsageRecord { queue_ms: finite(r.queue_ms), ttft_ms: finite(r.ttft_ms), total_ms: finite(r.total_ms), ..(*r).clone() }).collect();
+    serde_json::to_string(&rows).map_err(|e| StoreError::Invalid { field: "usage", why: e.to_string() })
+}
 
 impl Store {
-    /// Writes rows in one transaction: new rows are inserted, known ones (opened earlier) get
-    /// their outcome, tokens and times; their plan and prices stay as opened.
+    /// Writes rows atomically: new rows are inserted, known ones (opened earlier) get their
+    /// outcome, tokens and times; their plan and prices stay as opened.
     pub async fn upsert_usage(&self, rows: &[&UsageRecord]) -> Result<(), StoreError> {
+        static POSTGRES: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| upsert_usage_sql(DbKind::Postgres));
+        static SQLITE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| upsert_usage_sql(DbKind::Sqlite));
+        let sql: &'static str = match self.kind {
+            DbKind::Postgres => &POSTGRES,
+            DbKind::Sqlite => &SQLITE,
+        };
+        let runs = runs(rows).iter().map(|run| usage_json(run)).collect::<Result<Vec<_>, _>>()?;
         self.retrying(|| async {
+            if let [one] = runs.as_slice() {
+                // One statement is atomic by itself: no transaction's two extra round trips.
+                sqlx::query(sqlx::AssertSqlSafe(sql)).bind(one).execute(&self.pool).await?;
+                return Ok(());
+            }
             let mut tx = self.write_tx().await?;
-            for r in rows {
-                sqlx::query(UPSERT_USAGE)
-                    .bind(&r.id)
-                    .bind(&r.tenant_id)
-                    .bind(&r.key_id)
-                    .bind(&r.adapter)
-                    .bind(r.prompt_tokens)
-                    .bind(r.cached_prompt_tokens)
-                    .bind(r.completion_tokens)
-                    .bind(r.queue_ms)
-                    .bind(r.ttft_ms)
-                    .bind(r.total_ms)
-                    .bind(&r.outcome)
-                    .bind(r.started_at)
-                    .bind(r.finished_at)
-                    .bind(&r.plan)
-                    .bind(r.prompt_price)
-                    .bind(r.cached_prompt_price)
-                    .bind(r.completion_price)
-                    .bind(&r.instance)
-                    .bind(&r.batch_id)
-                    .execute(&mut *tx)
-                    .await?;
+            for run in &runs {
+                sqlx::query(sqlx::AssertSqlSafe(sql)).bind(run).execute(&mut *tx).await?;
             }
             tx.commit().await?;
             Ok(())

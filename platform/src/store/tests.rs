@@ -103,6 +103,52 @@ async fn adapter_versions_and_visibility() {
     }
 }
 
+/// One group written as one statement: a row opened and ended in the same group keeps its
+/// opening's plan and prices and takes its end's outcome; every value comes back as written.
+#[tokio::test]
+async fn a_group_of_usage_rows_is_written_exactly() {
+    for (s, _dir) in stores().await {
+        let kind = s.kind();
+        let row = |id: &str, outcome: &str, price: i64| UsageRecord {
+            id: id.into(),
+            tenant_id: "ten".into(),
+            key_id: "key".into(),
+            adapter: "it's \"quoted\" ü@1".into(),
+            prompt_tokens: i64::MAX / 3,
+            cached_prompt_tokens: 7,
+            completion_tokens: 11,
+            queue_ms: 0.1 + 0.2,
+            ttft_ms: 1e-9,
+            total_ms: 12_345.678_9,
+            outcome: outcome.into(),
+            started_at: 1_700_000_000_123,
+            finished_at: 1_700_000_000_456,
+            plan: "standard".into(),
+            prompt_price: price,
+            cached_prompt_price: price / 4,
+            completion_price: price * 3,
+            instance: "replica-1".into(),
+            batch_id: String::new(),
+        };
+        let opened = row("a", "running", 500_000);
+        let ended = UsageRecord { completion_tokens: 99, total_ms: f64::NAN, plan: "other".into(), ..row("a", "ok", 1) };
+        let other = row("b", "cancelled", 2);
+        s.upsert_usage(&[&opened, &other, &ended]).await.unwrap();
+        let a = s.usage_row("a").await.unwrap().unwrap();
+        let want = UsageRecord {
+            total_ms: 0.0,
+            plan: opened.plan.clone(),
+            prompt_price: 500_000,
+            cached_prompt_price: 125_000,
+            completion_price: 1_500_000,
+            ..ended.clone()
+        };
+        assert_eq!(a, want, "{kind:?}");
+        assert_eq!(s.usage_row("b").await.unwrap().unwrap(), other, "{kind:?}");
+        s.upsert_usage(&[]).await.unwrap();
+    }
+}
+
 #[tokio::test]
 async fn the_ledger_commits_in_groups_and_the_report_adds_up() {
     for (s, _dir) in stores().await {
