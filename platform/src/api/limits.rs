@@ -12,18 +12,23 @@
 //!
 //! On PostgreSQL the limits hold across every replica sharing the database ([`Limiter::shared`]):
 //! the same rules are decided on rows (`store::limits`), one transaction under the tenant's
-//! lock per admission and per reservation, on the database's clock. Releases and settlements
-//! are written behind the request by a task of the limiter (in batches), which also marks the
-//! replica alive: the slots of a replica that died stop counting within
-//! [`crate::store::limits::REPLICA_TIMEOUT_MS`]. A tenant without any of these limits costs no
-//! query.
+//! lock per decision, on the database's clock. A decision far from every limit grants a lease:
+//! several admissions (or tokens) counted at once, which this replica hands out until the
+//! database's second ends, then gives back what it did not use. Its size follows the tenant's
+//! traffic here (doubled when a lease runs out before its second ends, halved when most of one
+//! is left) and is at most an eighth of the room left under the limits, so near a limit every
+//! request is decided in the database alone, and the sum over replicas never passes a limit.
+//! Releases, settlements and returned leases are written behind the requests by a task of the
+//! limiter (in batches), which also marks the replica alive: the slots of a replica that died
+//! stop counting within [`crate::store::limits::REPLICA_TIMEOUT_MS`]. A tenant without any of
+//! these limits costs no query.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::ApiError;
-use crate::store::limits::{AdmitAsk, AdmitVerdict};
+use crate::store::limits::{AdmitAsk, AdmitVerdict, LimitChanges};
 use crate::store::{Store, StoreError, TenantLimits};
 
 const WINDOW: Duration = Duration::from_secs(60);
@@ -219,6 +224,88 @@ struct Shared {
     replica: String,
     /// Releases and settlements, written behind the requests by [`maintain`].
     changes: tokio::sync::mpsc::UnboundedSender<Change>,
+    leases: Arc<LeaseMap>,
+    /// Decisions this replica asked the database for.
+    calls: std::sync::atomic::AtomicU64,
+}
+
+/// This replica's leases, per (tenant, batch work). A class's lock is held while its lease is
+/// renewed, so the requests that find it empty wait for one call instead of each making one.
+type LeaseMap = Mutex<HashMap<(String, bool), Arc<tokio::sync::Mutex<Leases>>>>;
+
+/// The most admissions one lease may ask for.
+const MAX_LEASE: i64 = 64;
+
+#[derive(Debug)]
+struct Leases {
+    admissions: Option<Lease>,
+    tokens: Option<Lease>,
+    /// Admissions the next lease asks for (tokens: that many requests' worth).
+    want: i64,
+}
+
+impl Default for Leases {
+    fn default() -> Self {
+        Self { admissions: None, tokens: None, want: 1 }
+    }
+}
+
+/// Admissions or tokens counted in the database in `second`, `left` of them not handed out yet;
+/// usable until `until`, this replica's instant for the end of that second.
+#[derive(Debug, Clone, Copy)]
+struct Lease {
+    second: i64,
+    until: Instant,
+    granted: i64,
+    left: i64,
+}
+
+impl Lease {
+    /// A lease granted at the database's `now_ms`, asked for at `sent` (so `until` is never later
+    /// than the end of its second).
+    fn new(now_ms: i64, sent: Instant, granted: i64, used: i64) -> Self {
+        let until = sent + Duration::from_millis((1000 - now_ms.rem_euclid(1000)) as u64);
+        Self { second: now_ms.div_euclid(1000), until, granted, left: granted - used }
+    }
+
+    fn live(&self, now: Instant) -> bool {
+        now < self.until
+    }
+}
+
+impl Leases {
+    /// Ends the admissions' lease (used up or over): its unused admissions are given back, and
+    /// the next lease is sized on how this one went.
+    fn end_admissions(&mut self, tenant: &str, batch: bool, changes: &tokio::sync::mpsc::UnboundedSender<Change>) {
+        if let Some(a) = self.admissions.take() {
+            if a.left > 0 {
+                let _ = changes.send(Change::Unlease { tenant: tenant.to_string(), batch, second: a.second, n: a.left });
+            }
+            self.want = if a.left == 0 {
+                (self.want * 2).min(MAX_LEASE)
+            } else if a.left * 2 > a.granted {
+                (self.want / 2).max(1)
+            } else {
+                self.want
+            };
+        }
+    }
+
+    /// Ends the tokens' lease: its unused tokens are given back.
+    fn end_tokens(&mut self, tenant: &str, batch: bool, changes: &tokio::sync::mpsc::UnboundedSender<Change>) {
+        if let Some(t) = self.tokens.take()
+            && t.left > 0
+        {
+            let _ = changes.send(Change::Settle { tenant: tenant.to_string(), batch, second: t.second, delta: -t.left });
+        }
+    }
+}
+
+impl Shared {
+    fn leases(&self, tenant: &str, batch: bool) -> Arc<tokio::sync::Mutex<Leases>> {
+        let mut all = self.leases.lock().unwrap_or_else(|e| e.into_inner());
+        all.entry((tenant.to_string(), batch)).or_default().clone()
+    }
 }
 
 #[derive(Debug)]
@@ -228,6 +315,28 @@ enum Change {
     /// A request of (tenant, batch work) admitted in a second used this many tokens more (or
     /// fewer) than it reserved.
     Settle { tenant: String, batch: bool, second: i64, delta: i64 },
+    /// Admissions of (tenant, batch work) leased in a second and not handed out.
+    Unlease { tenant: String, batch: bool, second: i64, n: i64 },
+}
+
+/// Ends the leases whose second is over (giving back what they did not hand out), and forgets
+/// the classes nothing holds.
+fn sweep(leases: &LeaseMap, changes: &tokio::sync::mpsc::UnboundedSender<Change>) {
+    let now = Instant::now();
+    let mut all = leases.lock().unwrap_or_else(|e| e.into_inner());
+    all.retain(|(tenant, batch), cell| {
+        // A class being renewed is left to its next sweep.
+        let Ok(mut l) = cell.try_lock() else { return true };
+        if l.admissions.is_some_and(|a| !a.live(now)) {
+            l.end_admissions(tenant, *batch, changes);
+        }
+        if l.tokens.is_some_and(|t| !t.live(now)) {
+            l.end_tokens(tenant, *batch, changes);
+        }
+        let idle = l.admissions.is_none() && l.tokens.is_none() && l.want == 1;
+        drop(l);
+        !(idle && Arc::strong_count(cell) == 1)
+    });
 }
 
 /// How often a replica marks itself alive (well within the timeout after which its slots stop
@@ -237,13 +346,28 @@ const HEARTBEAT: Duration = Duration::from_secs(3);
 /// The shared limiter's writer: marks the replica alive every [`HEARTBEAT`] (and deletes rows
 /// nothing counts any more), and writes releases (summed per tenant) and settlements, keeping
 /// those that failed (the database away) for the next try.
-async fn maintain(store: Store, replica: String, mut changes: tokio::sync::mpsc::UnboundedReceiver<Change>) {
+async fn maintain(
+    store: Store,
+    replica: String,
+    leases: Arc<LeaseMap>,
+    sender: tokio::sync::mpsc::WeakUnboundedSender<Change>,
+    mut changes: tokio::sync::mpsc::UnboundedReceiver<Change>,
+) {
     let mut beat = tokio::time::interval(HEARTBEAT);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut releases: HashMap<(String, bool), i64> = HashMap::new();
     let mut settles: HashMap<(String, bool, i64), i64> = HashMap::new();
+    let mut unleases: HashMap<(String, bool, i64), i64> = HashMap::new();
     let mut warned = false;
     loop {
         tokio::select! {
+            _ = tick.tick() => {
+                // Ended leases send their returns here, written below with the next changes.
+                if let Some(sender) = sender.upgrade() {
+                    sweep(&leases, &sender);
+                }
+                continue;
+            }
             _ = beat.tick() => {
                 if let Err(e) = store.limit_heartbeat(&replica).await
                     && !std::mem::replace(&mut warned, true)
@@ -253,31 +377,73 @@ async fn maintain(store: Store, replica: String, mut changes: tokio::sync::mpsc:
             }
             change = changes.recv() => {
                 let Some(first) = change else { break };
-                let mut next = Some(first);
-                while let Some(change) = next.take() {
-                    match change {
-                        Change::Release(tenant, batch) => *releases.entry((tenant, batch)).or_default() += 1,
-                        Change::Settle { tenant, batch, second, delta } => *settles.entry((tenant, batch, second)).or_default() += delta,
-                    }
-                    if releases.len() + settles.len() < 1024 {
-                        next = changes.try_recv().ok();
-                    }
-                }
+                add(first, &mut releases, &mut settles, &mut unleases);
             }
         }
-        // Settlements first: a released request's tokens are final.
-        let pending: Vec<_> = settles.keys().cloned().collect();
-        for key in pending {
-            let delta = settles[&key];
-            if delta == 0 || store.limit_settle(&key.0, key.1, key.2, delta).await.is_ok() {
-                settles.remove(&key);
+        // A few milliseconds more to gather what the requests ending now give back: one write of
+        // each kind for many of them.
+        tokio::time::sleep(GATHER).await;
+        while let Ok(change) = changes.try_recv() {
+            add(change, &mut releases, &mut settles, &mut unleases);
+        }
+        let mut rows = LimitChanges::default();
+        // Batch work's changes count in its class and in its tenant's totals (class 0).
+        let both = |batch: bool| if batch { &[false, true][..] } else { &[false][..] };
+        let mut tokens: HashMap<(String, bool, i64), i64> = HashMap::new();
+        for ((tenant, batch, second), delta) in &settles {
+            for &class in both(*batch) {
+                *tokens.entry((tenant.clone(), class, *second)).or_default() += delta;
             }
         }
-        let pending: Vec<_> = releases.keys().cloned().collect();
-        for key in pending {
-            if store.limit_release(&key.0, key.1, &replica, releases[&key]).await.is_ok() {
-                releases.remove(&key);
+        let mut requests: HashMap<(String, bool, i64), i64> = HashMap::new();
+        let mut running: HashMap<(String, bool, i64), i64> = HashMap::new();
+        for ((tenant, batch, second), n) in &unleases {
+            for &class in both(*batch) {
+                *requests.entry((tenant.clone(), class, *second)).or_default() += n;
             }
+        }
+        for ((tenant, batch), n) in &releases {
+            for &class in both(*batch) {
+                *running.entry((tenant.clone(), class, 0)).or_default() += n;
+            }
+        }
+        let list = |m: HashMap<(String, bool, i64), i64>| m.into_iter().filter(|&(_, n)| n != 0).map(|((t, b, s), n)| (t, b, s, n)).collect();
+        rows.tokens = list(tokens);
+        rows.requests = list(requests);
+        rows.running = list(running);
+        // Settlements first: a released request's tokens are final. What failed (the database
+        // away) is kept for the next try.
+        let [tokens, requests, running] = store.limit_apply(&replica, &rows).await;
+        if tokens {
+            settles.clear();
+        }
+        if requests {
+            unleases.clear();
+        }
+        if running {
+            releases.clear();
+        }
+    }
+}
+
+/// How long the writer of the shared limits gathers changes before it writes them.
+const GATHER: Duration = Duration::from_millis(5);
+
+/// Adds one change to what the writer has to write: slots to let go per (tenant, batch work),
+/// tokens to settle and admissions to take back per (tenant, batch work, second).
+fn add(
+    change: Change,
+    releases: &mut HashMap<(String, bool), i64>,
+    settles: &mut HashMap<(String, bool, i64), i64>,
+    unleases: &mut HashMap<(String, bool, i64), i64>,
+) {
+    match change {
+        Change::Release(tenant, batch) => *releases.entry((tenant, batch)).or_default() += 1,
+        Change::Settle { tenant, batch, second, delta } => *settles.entry((tenant, batch, second)).or_default() += delta,
+        // Taken back from the minute, and their slots let go.
+        Change::Unlease { tenant, batch, second, n } => {
+            *releases.entry((tenant.clone(), batch)).or_default() += n;
+            *unleases.entry((tenant, batch, second)).or_default() += n;
         }
     }
 }
@@ -316,13 +482,20 @@ impl Limiter {
         store.limit_heartbeat(replica).await?;
         store.limit_restart(replica).await?;
         let (changes, rx) = tokio::sync::mpsc::unbounded_channel();
-        let (writer, name) = (store.clone(), replica.to_string());
-        super::on_main_thread(move || maintain(writer, name, rx));
-        Ok(Arc::new(Self { shared: Some(Shared { store, replica: replica.to_string(), changes }), ..Self::default() }))
+        let leases = Arc::new(LeaseMap::default());
+        let (writer, name, swept, sender) = (store.clone(), replica.to_string(), leases.clone(), changes.downgrade());
+        super::on_main_thread(move || maintain(writer, name, swept, sender, rx));
+        let calls = Default::default();
+        Ok(Arc::new(Self { shared: Some(Shared { store, replica: replica.to_string(), changes, leases, calls }), ..Self::default() }))
     }
 
     pub fn is_shared(&self) -> bool {
         self.shared.is_some()
+    }
+
+    /// Decisions this replica asked the shared database for (0 in memory).
+    pub fn database_calls(&self) -> u64 {
+        self.shared.as_ref().map_or(0, |s| s.calls.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Admits one request of `tenant` against its concurrency and requests-per-minute limits,
@@ -351,6 +524,19 @@ impl Limiter {
         if limits.requests_per_min.is_none() && limits.tokens_per_min.is_none() && limits.max_concurrent.is_none() {
             return Ok(permit);
         }
+        let batch = permit.share.is_some();
+        let cell = shared.leases(tenant, batch);
+        let mut leases = cell.lock().await;
+        let now = Instant::now();
+        if let Some(a) = leases.admissions.as_mut()
+            && a.left > 0
+            && a.live(now)
+        {
+            a.left -= 1;
+            permit.slot = Some((a.second, 0));
+            return Ok(permit);
+        }
+        leases.end_admissions(tenant, batch, &shared.changes);
         let bucket_limits = permit.share.as_ref().unwrap_or(limits);
         let ask = AdmitAsk {
             tenant,
@@ -361,12 +547,17 @@ impl Limiter {
             share_concurrent: permit.share.as_ref().and_then(|s| s.max_concurrent),
             share_requests_per_min: permit.share.as_ref().and_then(|s| s.requests_per_min),
             bucket: bucket_limits.requests_per_min.map(|max| (burst(max), max.max(0) as f64 / 60.0)),
+            want: leases.want,
         };
+        let sent = Instant::now();
+        shared.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let v = shared.store.limit_admit(&ask).await?;
         if v.verdict != "ok" {
             return Err(refusal(&v, limits, permit.share.as_ref()));
         }
-        permit.slot = Some((v.now_ms.div_euclid(1000), 0));
+        let lease = Lease::new(v.now_ms, sent, v.granted.max(1), 1);
+        permit.slot = Some((lease.second, 0));
+        leases.admissions = Some(lease);
         Ok(permit)
     }
 
@@ -416,7 +607,7 @@ impl Permit {
 
     async fn reserve_shared(&mut self, shared: &Shared, tokens: u64) -> Result<(), ApiError> {
         let share_max = self.share.as_ref().and_then(|s| s.tokens_per_min);
-        let (Some((second, _)), true) = (self.slot, self.limits.tokens_per_min.is_some() || share_max.is_some()) else { return Ok(()) };
+        let (Some(_), true) = (self.slot, self.limits.tokens_per_min.is_some() || share_max.is_some()) else { return Ok(()) };
         const SHARE: &str = " for batch work (half the limit)";
         // A request that could never fit is told so first, not to wait.
         if let Some(max) = share_max {
@@ -427,10 +618,26 @@ impl Permit {
         }
         let wanted = i64::try_from(tokens).unwrap_or(i64::MAX);
         let batch = self.share.is_some();
-        let v = shared.store.limit_reserve(&self.tenant, batch, second, wanted, self.limits.tokens_per_min, share_max).await?;
+        let cell = shared.leases(&self.tenant, batch);
+        let mut leases = cell.lock().await;
+        if let Some(t) = leases.tokens.as_mut()
+            && t.left >= wanted
+            && t.live(Instant::now())
+        {
+            t.left -= wanted;
+            self.slot = Some((t.second, tokens));
+            return Ok(());
+        }
+        leases.end_tokens(&self.tenant, batch, &shared.changes);
+        let sent = Instant::now();
+        let want = wanted.saturating_mul(leases.want);
+        shared.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let v = shared.store.limit_reserve(&self.tenant, batch, wanted, self.limits.tokens_per_min, share_max, want).await?;
         let (max, what, batch) = match v.verdict.as_str() {
             "ok" => {
-                self.slot = Some((second, tokens));
+                let lease = Lease::new(v.now_ms, sent, v.granted.max(wanted), wanted);
+                self.slot = Some((lease.second, tokens));
+                leases.tokens = Some(lease);
                 return Ok(());
             }
             "share" => (share_max, SHARE, true),
@@ -718,10 +925,13 @@ mod tests {
 
         // Batch work takes half of the concurrency across replicas.
         let conc4 = limits(None, None, Some(4));
-        let _b1 = a.admit_batch("m", &conc4).await.unwrap();
+        let b1 = a.admit_batch("m", &conc4).await.unwrap();
         let _b2 = b.admit_batch("m", &conc4).await.unwrap();
         assert!(matches!(a.admit_batch("m", &conc4).await, Err(ApiError::RateLimited { .. })));
         let _i1 = b.admit("m", &conc4).await.unwrap();
+        // A batch slot let go on A is free again in batch work's half, on B too.
+        drop(b1);
+        let _b3 = eventually(|| b.admit_batch("m", &conc4)).await;
 
         // A replica that dies holding slots: once it has not been seen for the timeout, its
         // slots no longer count.
@@ -734,5 +944,101 @@ mod tests {
         // ... and a replica that restarts under the same name lets its previous run's slots go.
         let again = Limiter::shared(store.clone(), "rep_a").await.unwrap();
         let _e = again.admit("d", &conc1).await.unwrap();
+    }
+
+    /// A PostgreSQL store for the shared limits' tests, or `None` (skipped) without one.
+    async fn shared_store(dir: &std::path::Path) -> Option<Store> {
+        let url = crate::store::test_urls(dir).await.into_iter().find(|u| u.starts_with("postgres"))?;
+        Some(Store::connect(&url).await.unwrap())
+    }
+
+    /// (requests, tokens) counted for `tenant`'s interactive class, and its concurrency slots.
+    async fn counted(store: &Store, tenant: &str) -> (i64, i64, i64) {
+        let (requests, tokens): (i64, i64) = sqlx::query_as(
+            "SELECT CAST(COALESCE(SUM(requests), 0) AS BIGINT), CAST(COALESCE(SUM(tokens), 0) AS BIGINT) FROM limit_seconds WHERE tenant_id = $1 AND batch = 0",
+        )
+        .bind(tenant)
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+        let (running,): (i64,) = sqlx::query_as("SELECT CAST(COALESCE(SUM(running), 0) AS BIGINT) FROM limit_running WHERE tenant_id = $1 AND batch = 0")
+            .bind(tenant)
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        (requests, tokens, running)
+    }
+
+    /// Waits (up to five seconds) until `tenant`'s counts are `want`.
+    async fn counts_become(store: &Store, tenant: &str, want: (i64, i64, i64)) {
+        let mut last = (0, 0, 0);
+        for _ in 0..500 {
+            last = counted(store, tenant).await;
+            if last == want {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("{tenant}: counted {last:?}, not {want:?}");
+    }
+
+    #[actix_web::test]
+    async fn far_from_its_limits_a_replica_leases_admissions_and_tokens_and_gives_back_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let Some(store) = shared_store(dir.path()).await else {
+            eprintln!("shared limits need PostgreSQL: skipped");
+            return;
+        };
+        let a = Limiter::shared(store.clone(), "rep_a").await.unwrap();
+        let high = limits(Some(1_000_000), Some(1_000_000_000), Some(100_000));
+        let mut permits = Vec::new();
+        for _ in 0..40 {
+            let mut p = a.admit("t", &high).await.unwrap();
+            p.reserve(100).await.unwrap();
+            permits.push(p);
+        }
+        // One decision each would be 80 calls; leases that double while they run out take a
+        // handful (a few more when the requests straddle a second).
+        let calls = a.database_calls();
+        assert!(calls <= 30, "{calls} calls for 40 admissions and reservations");
+        // Once the leases' seconds are over, what they did not hand out is given back: the
+        // database counts exactly the 40 requests, their tokens and their slots.
+        counts_become(&store, "t", (40, 4000, 40)).await;
+        for p in &permits[..10] {
+            p.settle(30);
+        }
+        drop(permits);
+        counts_become(&store, "t", (40, 4000 - 10 * 70, 0)).await;
+    }
+
+    #[actix_web::test]
+    async fn near_a_limit_leases_never_let_the_replicas_pass_it_together() {
+        let dir = tempfile::tempdir().unwrap();
+        let Some(store) = shared_store(dir.path()).await else {
+            eprintln!("shared limits need PostgreSQL: skipped");
+            return;
+        };
+        let a = Limiter::shared(store.clone(), "rep_a").await.unwrap();
+        let b = Limiter::shared(store.clone(), "rep_b").await.unwrap();
+        // 40 slots: a lease may take a few of them at once, which the other replica cannot use
+        // until they are handed out or given back; together they never hold more than 40, and
+        // they reach 40.
+        let conc = limits(None, None, Some(40));
+        let mut held = Vec::new();
+        let began = Instant::now();
+        while held.len() < 40 && began.elapsed() < Duration::from_secs(10) {
+            for l in [&a, &b] {
+                if let Ok(p) = l.admit("c", &conc).await {
+                    held.push(p);
+                }
+            }
+            let (_, _, running) = counted(&store, "c").await;
+            assert!(running <= 40, "{running} slots held");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(held.len(), 40, "the replicas never reached the limit together");
+        assert!(matches!(a.admit("c", &conc).await, Err(ApiError::RateLimited { .. })));
+        assert!(matches!(b.admit("c", &conc).await, Err(ApiError::RateLimited { .. })));
+        counts_become(&store, "c", (40, 0, 40)).await;
     }
 }

@@ -455,7 +455,7 @@ impl Store {
             if done.rows_affected() == 0 {
                 return Ok(false);
             }
-            Self::void_unrecorded(&mut tx, id).await?;
+            Self::void_unrecorded(&mut tx, id, status == batch_status::CANCELLED).await?;
             for f in &files {
                 sqlx::query(
                     "INSERT INTO files (id, tenant_id, purpose, filename, bytes, lines, path, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
@@ -484,15 +484,21 @@ impl Store {
     /// are lines cancelled while they ran, tries of a line that were refused for capacity and
     /// tried again, and lines whose server stopped between the usage row and the result (they
     /// run again). They become `interrupted` (a cancelled one stays `cancelled`), without
-    /// charge.
-    async fn void_unrecorded(tx: &mut sqlx::Transaction<'static, sqlx::Any>, id: &str) -> Result<u64, sqlx::Error> {
+    /// charge; at the end of a cancelled batch (`cancelled`), a line still ending, or that
+    /// finished as the cancel came before its result was recorded, is `cancelled` too: it was
+    /// never delivered (and its request's own end, written later, keeps that).
+    async fn void_unrecorded(tx: &mut sqlx::Transaction<'static, sqlx::Any>, id: &str, cancelled: bool) -> Result<u64, sqlx::Error> {
         let done = sqlx::query(
-            "UPDATE usage SET outcome = CASE WHEN outcome = $1 THEN $1 ELSE $2 END, prompt_price = 0, cached_prompt_price = 0, completion_price = 0 \
+            "UPDATE usage SET outcome = CASE WHEN outcome = $1 OR ($4 = 1 AND outcome IN ($5, $6)) THEN $1 ELSE $2 END, \
+             prompt_price = 0, cached_prompt_price = 0, completion_price = 0 \
              WHERE batch_id = $3 AND id NOT IN (SELECT usage_id FROM batch_results WHERE batch_id = $3)",
         )
         .bind(super::outcome::CANCELLED)
         .bind(super::outcome::INTERRUPTED)
         .bind(id)
+        .bind(i32::from(cancelled))
+        .bind(super::outcome::OK)
+        .bind(super::outcome::RUNNING)
         .execute(&mut **tx)
         .await?;
         Ok(done.rows_affected())
@@ -502,7 +508,7 @@ impl Store {
     pub async fn void_unrecorded_batch_usage(&self, id: &str) -> Result<u64, StoreError> {
         self.retrying(|| async {
             let mut tx = self.write_tx().await?;
-            let n = Self::void_unrecorded(&mut tx, id).await?;
+            let n = Self::void_unrecorded(&mut tx, id, false).await?;
             tx.commit().await?;
             Ok(n)
         })

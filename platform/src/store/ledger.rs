@@ -265,10 +265,13 @@ const USAGE_COLUMNS: &str = "id, tenant_id, key_id, adapter, prompt_tokens, cach
      total_ms, outcome, started_at, finished_at, plan, prompt_price, cached_prompt_price, completion_price, instance, batch_id";
 
 /// What a known row (opened earlier) takes from a later write: its outcome, tokens and times;
-/// its plan and prices stay as opened.
+/// its plan and prices stay as opened. A row already `cancelled` or `interrupted` (voided with
+/// its batch while its request was still ending) keeps that outcome.
 const USAGE_ON_CONFLICT: &str = "ON CONFLICT (id) DO UPDATE SET prompt_tokens = excluded.prompt_tokens, \
      cached_prompt_tokens = excluded.cached_prompt_tokens, completion_tokens = excluded.completion_tokens, queue_ms = excluded.queue_ms, \
-     ttft_ms = excluded.ttft_ms, total_ms = excluded.total_ms, outcome = excluded.outcome, finished_at = excluded.finished_at";
+     ttft_ms = excluded.ttft_ms, total_ms = excluded.total_ms, \
+     outcome = CASE WHEN usage.outcome IN ('cancelled', 'interrupted') THEN usage.outcome ELSE excluded.outcome END, \
+     finished_at = excluded.finished_at";
 
 /// A group of rows as one statement with one parameter, a JSON array of the rows: one round
 /// trip and one cached statement whatever the group's size (a statement per row cost a round

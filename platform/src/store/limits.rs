@@ -4,7 +4,8 @@
 //! Every decision is one call of a function (`limits.sql`) that takes the tenant's advisory lock
 //! before it reads, so two replicas never both take the last slot, and costs one round trip;
 //! time is the database's clock, so replicas whose clocks differ still agree on what the last
-//! minute is.
+//! minute is. A decision may grant a lease of several admissions or tokens, counted at once, that
+//! the replica hands out until the second ends, then gives back the rest ([`Store::limit_apply`]).
 
 use super::{DbKind, Store, StoreError};
 
@@ -27,6 +28,9 @@ pub struct AdmitAsk<'a> {
     pub share_requests_per_min: Option<i64>,
     /// The class's burst bucket: (capacity, requests per second); `None` without one.
     pub bucket: Option<(f64, f64)>,
+    /// Admissions wanted at once (this request's and a lease of the rest); at least one is
+    /// granted, at most an eighth of the room every limit has left.
+    pub want: i64,
 }
 
 /// What [`Store::limit_admit`] decided: `ok` (the request is counted), or which limit
@@ -39,6 +43,8 @@ pub struct AdmitVerdict {
     pub oldest_ms: Option<i64>,
     /// The bucket's requests, after this one (`ok`) or as found (`bucket`).
     pub held: Option<f64>,
+    /// Admissions granted and counted (`ok`: at least one), 0 when refused.
+    pub granted: i64,
 }
 
 /// What [`Store::limit_reserve`] decided: `ok` (reserved), `share` (batch work's half would be
@@ -48,6 +54,9 @@ pub struct ReserveVerdict {
     pub verdict: String,
     pub now_ms: i64,
     pub held: i64,
+    /// Tokens granted and counted in the second of `now_ms` (`ok`: at least those asked), 0
+    /// when refused.
+    pub granted: i64,
 }
 
 impl Store {
@@ -82,42 +91,45 @@ impl Store {
         // No NULLs (see limits.sql): -1 is no limit.
         let (cap, rate) = ask.bucket.unwrap_or((-1.0, 0.0));
         let none = |v: Option<i64>| v.map_or(-1, |v| v.max(0));
-        Ok(sqlx::query_as("SELECT verdict, now_ms, oldest_ms, held FROM loraplex_limit_admit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)")
-            .bind(ask.tenant)
-            .bind(ask.batch as i32)
-            .bind(ask.replica)
-            .bind(none(ask.max_concurrent))
-            .bind(none(ask.requests_per_min))
-            .bind(none(ask.share_concurrent))
-            .bind(none(ask.share_requests_per_min))
-            .bind(cap)
-            .bind(rate)
-            .bind(WINDOW_MS)
-            .bind(REPLICA_TIMEOUT_MS)
-            .fetch_one(&self.pool)
-            .await?)
+        Ok(sqlx::query_as(
+            "SELECT verdict, now_ms, oldest_ms, held, granted FROM loraplex_limit_admit_lease($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+        )
+        .bind(ask.tenant)
+        .bind(ask.batch as i32)
+        .bind(ask.replica)
+        .bind(none(ask.max_concurrent))
+        .bind(none(ask.requests_per_min))
+        .bind(none(ask.share_concurrent))
+        .bind(none(ask.share_requests_per_min))
+        .bind(cap)
+        .bind(rate)
+        .bind(WINDOW_MS)
+        .bind(REPLICA_TIMEOUT_MS)
+        .bind(ask.want.max(1))
+        .fetch_one(&self.pool)
+        .await?)
     }
 
-    /// Reserves `tokens` for a request admitted in `second` (its class `batch`), under the
-    /// tenant's lock, if they fit `max` (all its requests of the minute) and `share_max` (its batch
-    /// work's); see [`ReserveVerdict`].
+    /// Reserves `tokens` for a request of `tenant`'s class `batch` in the current second, under
+    /// the tenant's lock, if they fit `max` (all its requests of the minute) and `share_max` (its
+    /// batch work's), with a lease of up to `want` in all; see [`ReserveVerdict`].
     pub async fn limit_reserve(
         &self,
         tenant: &str,
         batch: bool,
-        second: i64,
         tokens: i64,
         max: Option<i64>,
         share_max: Option<i64>,
+        want: i64,
     ) -> Result<ReserveVerdict, StoreError> {
-        Ok(sqlx::query_as("SELECT verdict, now_ms, held FROM loraplex_limit_reserve($1, $2, $3, $4, $5, $6, $7)")
+        Ok(sqlx::query_as("SELECT verdict, now_ms, held, granted FROM loraplex_limit_reserve_lease($1, $2, $3, $4, $5, $6, $7)")
             .bind(tenant)
             .bind(batch as i32)
-            .bind(second)
             .bind(tokens)
             .bind(max.map_or(-1, |v| v.max(0)))
             .bind(share_max.map_or(-1, |v| v.max(0)))
             .bind(WINDOW_MS)
+            .bind(want.max(tokens))
             .fetch_one(&self.pool)
             .await?)
     }
@@ -159,29 +171,65 @@ impl Store {
         Ok(())
     }
 
-    /// Lets `n` concurrency slots of `tenant`'s class `batch` go on `replica` (batch work's in
-    /// the tenant's total too).
-    pub async fn limit_release(&self, tenant: &str, batch: bool, replica: &str, n: i64) -> Result<(), StoreError> {
-        sqlx::query("UPDATE limit_running SET running = GREATEST(running - $1, 0) WHERE tenant_id = $2 AND replica = $3 AND (batch = 0 OR batch = $4)")
-            .bind(n)
-            .bind(tenant)
-            .bind(replica)
-            .bind(batch as i32)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
+    /// Writes what requests and leases gave back since the last call, each kind in one
+    /// statement (its rows as one JSON parameter): tokens settled (used less reserved, per second),
+    /// admissions of leases not handed out (per second), and concurrency slots let go on
+    /// `replica`. Each list names the rows themselves: batch work's changes are already added to
+    /// its tenant's totals (class 0). Returns which of the three were written.
+    pub async fn limit_apply(&self, replica: &str, changes: &LimitChanges) -> [bool; 3] {
+        #[derive(serde::Serialize)]
+        struct Row<'a> {
+            t: &'a str,
+            b: i32,
+            s: i64,
+            d: i64,
+        }
+        let rows = |list: &[(String, bool, i64, i64)]| {
+            let rows: Vec<Row<'_>> = list.iter().map(|(t, b, s, d)| Row { t, b: i32::from(*b), s: *s, d: *d }).collect();
+            serde_json::to_string(&rows).unwrap_or_else(|_| "[]".into())
+        };
+        let run = |sql: &'static str, list: &[(String, bool, i64, i64)]| {
+            let (json, empty) = (rows(list), list.is_empty());
+            async move {
+                if empty {
+                    return true;
+                }
+                let query = sqlx::query(sql).bind(json);
+                // Only the slots' statement names the replica.
+                let query = if sql.contains("$2") { query.bind(replica) } else { query };
+                query.execute(&self.pool).await.is_ok()
+            }
+        };
+        let tokens = run(
+            "UPDATE limit_seconds s SET tokens = GREATEST(s.tokens + x.d, 0) FROM json_to_recordset($1::json) AS x(t TEXT, b INTEGER, s BIGINT, d BIGINT) \
+             WHERE s.tenant_id = x.t AND s.batch = x.b AND s.second = x.s",
+            &changes.tokens,
+        )
+        .await;
+        let requests = run(
+            "UPDATE limit_seconds s SET requests = GREATEST(s.requests - x.d, 0) FROM json_to_recordset($1::json) AS x(t TEXT, b INTEGER, s BIGINT, d BIGINT) \
+             WHERE s.tenant_id = x.t AND s.batch = x.b AND s.second = x.s",
+            &changes.requests,
+        )
+        .await;
+        let running = run(
+            "UPDATE limit_running r SET running = GREATEST(r.running - x.d, 0) FROM json_to_recordset($1::json) AS x(t TEXT, b INTEGER, s BIGINT, d BIGINT) \
+             WHERE r.tenant_id = x.t AND r.batch = x.b AND r.replica = $2",
+            &changes.running,
+        )
+        .await;
+        [tokens, requests, running]
     }
+}
 
-    /// Corrects the tokens a request admitted in `second` holds by `delta` (what it used less what
-    /// it reserved).
-    pub async fn limit_settle(&self, tenant: &str, batch: bool, second: i64, delta: i64) -> Result<(), StoreError> {
-        sqlx::query("UPDATE limit_seconds SET tokens = GREATEST(tokens + $1, 0) WHERE tenant_id = $2 AND second = $3 AND (batch = 0 OR batch = $4)")
-            .bind(delta)
-            .bind(tenant)
-            .bind(second)
-            .bind(batch as i32)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
-    }
+/// What [`Store::limit_apply`] writes: rows of (tenant, batch class, second, amount), one per
+/// row of the tables (`running` ignores the second).
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct LimitChanges {
+    /// Tokens to add (negative: used less than reserved, or a lease's unused tokens).
+    pub tokens: Vec<(String, bool, i64, i64)>,
+    /// Admissions to take back (leased, never handed out).
+    pub requests: Vec<(String, bool, i64, i64)>,
+    /// Concurrency slots to let go.
+    pub running: Vec<(String, bool, i64, i64)>,
 }

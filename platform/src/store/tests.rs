@@ -145,6 +145,9 @@ async fn a_group_of_usage_rows_is_written_exactly() {
         };
         assert_eq!(a, want, "{kind:?}");
         assert_eq!(s.usage_row("b").await.unwrap().unwrap(), other, "{kind:?}");
+        // A cancelled row keeps its outcome when its request's end is written later.
+        s.upsert_usage(&[&row("b", "ok", 2)]).await.unwrap();
+        assert_eq!(s.usage_row("b").await.unwrap().unwrap().outcome, "cancelled", "{kind:?}");
         s.upsert_usage(&[]).await.unwrap();
     }
 }

@@ -230,10 +230,35 @@ async fn a_cancelled_batch_stops_its_lines_and_bills_only_what_finished() {
     let h = Harness::sqlite(batch_settings(2)).await;
     let (state, admin) = (&h.state, &h.admin);
     let app = app!(state);
-    let (_, key) = tenant(&app, admin, json!({"name": "acme", "plan": "standard"})).await;
+    let (tenant_id, key) = tenant(&app, admin, json!({"name": "acme", "plan": "standard"})).await;
     let batch = start_batch(&app, &key, "/v1/completions", &long_lines(40, 48)).await;
     let id = batch["id"].as_str().unwrap().to_string();
     wait_for(&app, &key, &id, |b| b["request_counts"]["completed"].as_i64() >= Some(3)).await;
+    // A line that finished just as the cancel came, before its result was recorded: it was
+    // never delivered, so it is cancelled and not charged.
+    let standard = state.store.plan("standard").await.unwrap().unwrap();
+    let late = UsageRecord {
+        id: "use_late".into(),
+        tenant_id,
+        key_id: "key".into(),
+        adapter: String::new(),
+        prompt_tokens: 5,
+        cached_prompt_tokens: 0,
+        completion_tokens: 48,
+        queue_ms: 0.0,
+        ttft_ms: 0.0,
+        total_ms: 0.0,
+        outcome: outcome::OK.into(),
+        started_at: 0,
+        finished_at: 0,
+        plan: "standard".into(),
+        prompt_price: standard.prompt_price / 2,
+        cached_prompt_price: 0,
+        completion_price: standard.completion_price / 2,
+        instance: "test-instance".into(),
+        batch_id: id.clone(),
+    };
+    state.ledger.commit(late).await.unwrap();
     let (status, cancelling) = call(&app, "POST", &format!("/v1/batches/{id}/cancel"), Some(&key), None).await;
     assert_eq!(status, StatusCode::OK, "{cancelling}");
     assert!(["cancelling", "cancelled"].contains(&cancelling["status"].as_str().unwrap()), "{cancelling}");
@@ -265,6 +290,7 @@ async fn a_cancelled_batch_stops_its_lines_and_bills_only_what_finished() {
     assert!(charged.iter().all(|r| r.outcome == outcome::OK));
     let stopped: Vec<&UsageRecord> = rows.iter().filter(|r| r.prompt_price == 0).collect();
     assert!(!stopped.is_empty() && stopped.iter().all(|r| r.outcome == outcome::CANCELLED && r.completion_price == 0), "{stopped:?}");
+    assert!(stopped.iter().any(|r| r.id == "use_late"), "{stopped:?}");
     let (prompt, completion) = answered_tokens(&output);
     assert_eq!((batch["usage"]["input_tokens"].as_i64(), batch["usage"]["output_tokens"].as_i64()), (Some(prompt), Some(completion)));
     let report = state.store.billing_report(0, i64::MAX, None).await.unwrap();
