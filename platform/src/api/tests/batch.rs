@@ -90,6 +90,33 @@ where
     batch
 }
 
+/// The usage row of a line of batch `batch` that answered `completion_tokens` tokens, billed at
+/// the standard plan's batch prices, with no result recorded for it.
+async fn unrecorded_line(state: &AppState, id: &str, tenant: &str, batch: &str, completion_tokens: i64) -> UsageRecord {
+    let standard = state.store.plan("standard").await.unwrap().unwrap();
+    UsageRecord {
+        id: id.into(),
+        tenant_id: tenant.into(),
+        key_id: "key".into(),
+        adapter: String::new(),
+        prompt_tokens: 5,
+        cached_prompt_tokens: 0,
+        completion_tokens,
+        queue_ms: 0.0,
+        ttft_ms: 0.0,
+        total_ms: 0.0,
+        outcome: outcome::OK.into(),
+        started_at: 0,
+        finished_at: 0,
+        plan: "standard".into(),
+        prompt_price: standard.prompt_price / 2,
+        cached_prompt_price: 0,
+        completion_price: standard.completion_price / 2,
+        instance: "test-instance".into(),
+        batch_id: batch.into(),
+    }
+}
+
 /// The usage rows of a batch.
 async fn batch_rows(state: &AppState, id: &str) -> Vec<UsageRecord> {
     state.ledger.flush().await;
@@ -236,29 +263,7 @@ async fn a_cancelled_batch_stops_its_lines_and_bills_only_what_finished() {
     wait_for(&app, &key, &id, |b| b["request_counts"]["completed"].as_i64() >= Some(3)).await;
     // A line that finished just as the cancel came, before its result was recorded: it was
     // never delivered, so it is cancelled and not charged.
-    let standard = state.store.plan("standard").await.unwrap().unwrap();
-    let late = UsageRecord {
-        id: "use_late".into(),
-        tenant_id,
-        key_id: "key".into(),
-        adapter: String::new(),
-        prompt_tokens: 5,
-        cached_prompt_tokens: 0,
-        completion_tokens: 48,
-        queue_ms: 0.0,
-        ttft_ms: 0.0,
-        total_ms: 0.0,
-        outcome: outcome::OK.into(),
-        started_at: 0,
-        finished_at: 0,
-        plan: "standard".into(),
-        prompt_price: standard.prompt_price / 2,
-        cached_prompt_price: 0,
-        completion_price: standard.completion_price / 2,
-        instance: "test-instance".into(),
-        batch_id: id.clone(),
-    };
-    state.ledger.commit(late).await.unwrap();
+    state.ledger.commit(unrecorded_line(state, "use_late", &tenant_id, &id, 48).await).await.unwrap();
     let (status, cancelling) = call(&app, "POST", &format!("/v1/batches/{id}/cancel"), Some(&key), None).await;
     assert_eq!(status, StatusCode::OK, "{cancelling}");
     assert!(["cancelling", "cancelled"].contains(&cancelling["status"].as_str().unwrap()), "{cancelling}");
@@ -317,29 +322,7 @@ async fn a_batch_goes_on_after_a_restart_without_billing_a_line_twice_and_expire
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(h.state.store.batch_counts(&id).await.unwrap().0, before, "nothing runs after the shutdown");
     // A usage row whose line's result was never written (its server died in between).
-    let standard = h.state.store.plan("standard").await.unwrap().unwrap();
-    let stray = UsageRecord {
-        id: "use_stray".into(),
-        tenant_id: tenant_id.clone(),
-        key_id: "key".into(),
-        adapter: String::new(),
-        prompt_tokens: 5,
-        cached_prompt_tokens: 0,
-        completion_tokens: 24,
-        queue_ms: 0.0,
-        ttft_ms: 0.0,
-        total_ms: 0.0,
-        outcome: outcome::OK.into(),
-        started_at: 0,
-        finished_at: 0,
-        plan: "standard".into(),
-        prompt_price: standard.prompt_price / 2,
-        cached_prompt_price: 0,
-        completion_price: standard.completion_price / 2,
-        instance: "test-instance".into(),
-        batch_id: id.clone(),
-    };
-    h.state.ledger.commit(stray).await.unwrap();
+    h.state.ledger.commit(unrecorded_line(&h.state, "use_stray", &tenant_id, &id, 24).await).await.unwrap();
 
     // The server starts again over the same database and data directory.
     let restarted = AppState::new(h.state.store.clone(), h.runtime.clone(), h.state.tokenizer.clone(), MODEL, h.dir.path(), batch_settings(4));
