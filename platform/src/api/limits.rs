@@ -386,31 +386,11 @@ async fn maintain(
         while let Ok(change) = changes.try_recv() {
             add(change, &mut releases, &mut settles, &mut unleases);
         }
-        let mut rows = LimitChanges::default();
-        // Batch work's changes count in its class and in its tenant's totals (class 0).
-        let both = |batch: bool| if batch { &[false, true][..] } else { &[false][..] };
-        let mut tokens: HashMap<(String, bool, i64), i64> = HashMap::new();
-        for ((tenant, batch, second), delta) in &settles {
-            for &class in both(*batch) {
-                *tokens.entry((tenant.clone(), class, *second)).or_default() += delta;
-            }
-        }
-        let mut requests: HashMap<(String, bool, i64), i64> = HashMap::new();
-        let mut running: HashMap<(String, bool, i64), i64> = HashMap::new();
-        for ((tenant, batch, second), n) in &unleases {
-            for &class in both(*batch) {
-                *requests.entry((tenant.clone(), class, *second)).or_default() += n;
-            }
-        }
-        for ((tenant, batch), n) in &releases {
-            for &class in both(*batch) {
-                *running.entry((tenant.clone(), class, 0)).or_default() += n;
-            }
-        }
-        let list = |m: HashMap<(String, bool, i64), i64>| m.into_iter().filter(|&(_, n)| n != 0).map(|((t, b, s), n)| (t, b, s, n)).collect();
-        rows.tokens = list(tokens);
-        rows.requests = list(requests);
-        rows.running = list(running);
+        let rows = LimitChanges {
+            tokens: table_rows(settles.iter().map(|((t, b, s), n)| (t, *b, *s, *n))),
+            requests: table_rows(unleases.iter().map(|((t, b, s), n)| (t, *b, *s, *n))),
+            running: table_rows(releases.iter().map(|((t, b), n)| (t, *b, 0, *n))),
+        };
         // Settlements first: a released request's tokens are final. What failed (the database
         // away) is kept for the next try.
         let [tokens, requests, running] = store.limit_apply(&replica, &rows).await;
@@ -424,6 +404,19 @@ async fn maintain(
             releases.clear();
         }
     }
+}
+
+/// The rows of the limit tables that (tenant, batch work, second, amount) changes touch: batch
+/// work's count in its class and in its tenant's totals (class 0), summed per row.
+fn table_rows<'a>(changes: impl Iterator<Item = (&'a String, bool, i64, i64)>) -> Vec<(String, bool, i64, i64)> {
+    let mut rows: HashMap<(&String, bool, i64), i64> = HashMap::new();
+    for (tenant, batch, second, n) in changes {
+        *rows.entry((tenant, false, second)).or_default() += n;
+        if batch {
+            *rows.entry((tenant, true, second)).or_default() += n;
+        }
+    }
+    rows.into_iter().filter(|&(_, n)| n != 0).map(|((t, b, s), n)| (t.clone(), b, s, n)).collect()
 }
 
 /// How long the writer of the shared limits gathers changes before it writes them.

@@ -311,12 +311,16 @@ fn runs<'a>(rows: &[&'a UsageRecord]) -> Vec<Vec<&'a UsageRecord>> {
 }
 
 /// The rows as a JSON array; times that are not finite numbers (which JSON cannot hold) are
-/// written as 0.
+/// written as 0 (only then are the rows copied).
 fn usage_json(rows: &[&UsageRecord]) -> Result<String, StoreError> {
+    let invalid = |e: serde_json::Error| StoreError::Invalid { field: "usage", why: e.to_string() };
+    if rows.iter().all(|r| [r.queue_ms, r.ttft_ms, r.total_ms].iter().all(|v| v.is_finite())) {
+        return serde_json::to_string(rows).map_err(invalid);
+    }
     let finite = |v: f64| if v.is_finite() { v } else { 0.0 };
     let rows: Vec<UsageRecord> =
         rows.iter().map(|r| UsageRecord { queue_ms: finite(r.queue_ms), ttft_ms: finite(r.ttft_ms), total_ms: finite(r.total_ms), ..(*r).clone() }).collect();
-    serde_json::to_string(&rows).map_err(|e| StoreError::Invalid { field: "usage", why: e.to_string() })
+    serde_json::to_string(&rows).map_err(invalid)
 }
 
 impl Store {

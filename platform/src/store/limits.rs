@@ -188,15 +188,19 @@ impl Store {
             let rows: Vec<Row<'_>> = list.iter().map(|(t, b, s, d)| Row { t, b: i32::from(*b), s: *s, d: *d }).collect();
             serde_json::to_string(&rows).unwrap_or_else(|_| "[]".into())
         };
-        let run = |sql: &'static str, list: &[(String, bool, i64, i64)]| {
+        // Only the slots' statement names the replica.
+        let run = |sql: &'static str, list: &[(String, bool, i64, i64)], replica: Option<&str>| {
             let (json, empty) = (rows(list), list.is_empty());
+            let replica = replica.map(str::to_string);
             async move {
                 if empty {
                     return true;
                 }
                 let query = sqlx::query(sql).bind(json);
-                // Only the slots' statement names the replica.
-                let query = if sql.contains("$2") { query.bind(replica) } else { query };
+                let query = match replica {
+                    Some(r) => query.bind(r),
+                    None => query,
+                };
                 query.execute(&self.pool).await.is_ok()
             }
         };
@@ -204,18 +208,21 @@ impl Store {
             "UPDATE limit_seconds s SET tokens = GREATEST(s.tokens + x.d, 0) FROM json_to_recordset($1::json) AS x(t TEXT, b INTEGER, s BIGINT, d BIGINT) \
              WHERE s.tenant_id = x.t AND s.batch = x.b AND s.second = x.s",
             &changes.tokens,
+            None,
         )
         .await;
         let requests = run(
             "UPDATE limit_seconds s SET requests = GREATEST(s.requests - x.d, 0) FROM json_to_recordset($1::json) AS x(t TEXT, b INTEGER, s BIGINT, d BIGINT) \
              WHERE s.tenant_id = x.t AND s.batch = x.b AND s.second = x.s",
             &changes.requests,
+            None,
         )
         .await;
         let running = run(
             "UPDATE limit_running r SET running = GREATEST(r.running - x.d, 0) FROM json_to_recordset($1::json) AS x(t TEXT, b INTEGER, s BIGINT, d BIGINT) \
              WHERE r.tenant_id = x.t AND r.batch = x.b AND r.replica = $2",
             &changes.running,
+            Some(replica),
         )
         .await;
         [tokens, requests, running]
