@@ -74,7 +74,7 @@ impl std::fmt::Display for DType {
 
 /// Device memory: allocation and host transfers.
 pub trait Memory {
-    /// An opaque device buffer of f32 or u32 elements.
+    /// An opaque device buffer of float (f32, or the compute type) or u32 elements.
     type Buffer: Send + Sync;
     /// A linear layer's weight (`[out_features, in_features]`, as in HF checkpoints), stored in
     /// whatever layout this backend's matmul wants.
@@ -88,7 +88,7 @@ pub trait Memory {
         1.0
     }
     /// Whether this backend's attention reads KV pages stored as `dtype` in an f32 pool (see
-    /// [`KvLayout::dtype`]). Every backend reads f32.
+    /// [`KvLayout::dtype`]). By default only f32.
     fn supports_kv_dtype(&self, dtype: RowDType) -> bool {
         dtype == RowDType::F32
     }
@@ -100,11 +100,24 @@ pub trait Memory {
     fn run_step<R: Send>(&self, step: impl FnOnce() -> R + Send) -> R {
         step()
     }
-    /// A zero-filled f32 buffer of `len` elements.
+    /// The element type of the activations, weights and logits this backend computes on:
+    /// what [`Memory::zeros`], [`Memory::upload_f32`] and [`Memory::load_weight`] make (f32
+    /// storage on the CPU backend; f32 or bf16 on CUDA). Arithmetic accumulates in f32 either way.
+    fn compute_dtype(&self) -> DType {
+        DType::F32
+    }
+    /// A zero-filled buffer of `len` elements of [`Memory::compute_dtype`].
     fn zeros(&self, len: usize) -> Result<Self::Buffer>;
+    /// A zero-filled buffer of `len` f32 elements, whatever the compute type: the page pool (KV
+    /// pages and adapter rows, each stored as [`RowDType`] in f32 slots), LoRA's rank buffers,
+    /// and logits.
+    fn zeros_f32(&self, len: usize) -> Result<Self::Buffer> {
+        self.zeros(len)
+    }
+    /// Host f32 values stored as [`Memory::compute_dtype`] (rounded to nearest even).
     fn upload_f32(&self, data: &[f32]) -> Result<Self::Buffer>;
     fn upload_u32(&self, data: &[u32]) -> Result<Self::Buffer>;
-    /// Copies an f32 buffer back to the host.
+    /// Copies a float buffer back to the host, widened to f32.
     fn download_f32(&self, buf: &Self::Buffer) -> Result<Vec<f32>>;
     /// Overwrites `buf[offset .. offset + data.len()]` with host data (filling pool pages).
     fn write_f32(&self, buf: &mut Self::Buffer, offset: usize, data: &[f32]) -> Result<()>;
@@ -167,7 +180,8 @@ pub trait DenseOps: Memory {
     fn embedding(&self, table: &Self::Buffer, ids: &Self::Buffer, out: &mut Self::Buffer, hidden: usize) -> Result<()>;
     /// `out = x / rms(x) * weight` per row; the row length is `weight`'s length.
     fn rms_norm(&self, x: &Self::Buffer, weight: &Self::Buffer, out: &mut Self::Buffer, eps: f32) -> Result<()>;
-    /// `out[rows, n] = x[rows, k] · Wᵀ (+ bias)`.
+    /// `out[rows, n] = x[rows, k] · Wᵀ (+ bias)`. `out` holds `x`'s element type, or f32 when
+    /// there is no bias (logits kept at full precision from compute-type activations).
     fn matmul(&self, x: &Self::Buffer, w: &Self::Weight, bias: Option<&Self::Buffer>, out: &mut Self::Buffer, rows: usize) -> Result<()>;
     /// `out = silu(gate) * up`, elementwise.
     fn silu_mul(&self, gate: &Self::Buffer, up: &Self::Buffer, out: &mut Self::Buffer) -> Result<()>;

@@ -194,6 +194,80 @@ fn paged_attention_matches_the_cpu() {
     }
 }
 
+/// bf16 values packed two to an f32 slot, the lower-addressed first (the pool's bf16 pages).
+fn pack_bf16(values: &[f32]) -> Vec<f32> {
+    let bits: Vec<u16> = values.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+    bits.chunks(2).map(|p| f32::from_bits(p[0] as u32 | (p.get(1).copied().unwrap_or(0) as u32) << 16)).collect()
+}
+
+/// A bf16 backend's KV pages: bf16 packed two to an f32 slot of the pool. write_kv writes the
+/// same bits as the CPU backend's bf16 pages and attention reads them as the CPU does.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bf16_pages_packed_in_the_f32_pool_match_the_cpu() {
+    let (c, mut r) = (CpuBackend::new(), rng());
+    let g = gpu().with_compute_dtype(DType::Bf16).unwrap();
+    let bf = DType::Bf16;
+    for (what, heads, kv_heads, hd, seqs) in [
+        ("decode gqa", 8, 2, 128, &[(40, 1), (1, 1), (200, 1)][..]),
+        ("decode long (partitions)", 8, 8, 64, &[(3000, 1)][..]),
+        ("prefill cached prefix", 8, 2, 128, &[(50, 17), (0, 33), (5, 1)][..]),
+    ] {
+        let layout = KvLayout { num_layers: 2, num_kv_heads: kv_heads, head_dim: hd, block_size: 16, dtype: RowDType::Bf16 };
+        let p = paged(&mut r, layout.block_size, seqs);
+        let cache = pack_bf16(&randn(&mut r, p.pages * layout.page_values(), 1.0));
+        assert_eq!(cache.len(), p.pages * layout.page_elems());
+        let t = p.positions.len();
+        let k = round_to(&randn(&mut r, t * kv_heads * hd, 1.0), bf);
+        let v = round_to(&randn(&mut r, t * kv_heads * hd, 1.0), bf);
+        let q = round_to(&randn(&mut r, t * heads * hd, 1.0), bf);
+        let params =
+            AttentionParams { layer: 1, num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), sliding_window: None };
+
+        let gm = meta(&g, &p);
+        let mut gcache = g.upload_as(&cache, DType::F32).unwrap();
+        // The backend's own buffers: activations in bf16, the pool in f32 slots.
+        assert_eq!(g.upload_f32(&k).unwrap().dtype(), bf);
+        assert_eq!(g.zeros_f32(1).unwrap().dtype(), DType::F32);
+        g.write_kv(&g.upload_f32(&k).unwrap(), &g.upload_f32(&v).unwrap(), &mut gcache, &gm, &layout, 1).unwrap();
+        let mut go = poisoned(&g, t * heads * hd, bf);
+        g.attention(&g.upload_f32(&q).unwrap(), &gcache, &mut go, &gm, &layout, &params).unwrap();
+
+        let cm = meta(&c, &p);
+        let mut ccache = c.upload_f32(&cache).unwrap();
+        c.write_kv(&c.upload_f32(&k).unwrap(), &c.upload_f32(&v).unwrap(), &mut ccache, &cm, &layout, 1).unwrap();
+        let mut co = c.zeros(t * heads * hd).unwrap();
+        c.attention(&c.upload_f32(&q).unwrap(), &ccache, &mut co, &cm, &layout, &params).unwrap();
+
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<u32>>();
+        let (gb, cb) = (bits(g.download_f32(&gcache).unwrap()), bits(c.download_f32(&ccache).unwrap()));
+        let differ = gb.iter().zip(&cb).filter(|(a, b)| a != b).count();
+        assert_eq!(differ, 0, "write_kv {what}: {differ} pool slots differ from the CPU's bf16 pages");
+        check(&format!("attention bf16 pages {what}"), bf, &g.download_f32(&go).unwrap(), &c.download_f32(&co).unwrap());
+        // An f32 activation on a bf16 pool is refused, not misread.
+        let q32 = g.upload_as(&q, DType::F32).unwrap();
+        let mut o32 = g.zeros_as(t * heads * hd, DType::F32).unwrap();
+        assert!(g.attention(&q32, &gcache, &mut o32, &gm, &layout, &params).is_err(), "{what}: f32 queries read bf16 pages");
+    }
+}
+
+/// A bf16 backend's matmul writes f32 logits from bf16 activations and weights.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bf16_matmul_writes_f32_logits() {
+    let (c, mut r) = (CpuBackend::new(), rng());
+    let g = gpu().with_compute_dtype(DType::Bf16).unwrap();
+    let (rows, k, n) = (5, 96, 300);
+    let x = round_to(&randn(&mut r, rows * k, 1.0), DType::Bf16);
+    let w = round_to(&randn(&mut r, n * k, 0.1), DType::Bf16);
+    let gw = g.load_weight(&w, n, k).unwrap();
+    let mut go = poisoned(&g, rows * n, DType::F32);
+    g.matmul(&g.upload_f32(&x).unwrap(), &gw, None, &mut go, rows).unwrap();
+    let mut co = c.zeros(rows * n).unwrap();
+    c.matmul(&c.upload_f32(&x).unwrap(), &c.load_weight(&w, n, k).unwrap(), None, &mut co, rows).unwrap();
+    check("matmul bf16 -> f32", DType::Bf16, &g.download_f32(&go).unwrap(), &c.download_f32(&co).unwrap());
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn sampling_helpers_match_the_cpu() {

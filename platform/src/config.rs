@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 use loraplex_adapters::AdapterLimits;
-use loraplex_kernels::RowDType;
 use loraplex_kernels::cpu::{CpuBackend, MatmulInputs};
+use loraplex_kernels::{DType, RowDType};
 
 use crate::engine::EngineConfig;
 use crate::memory::LoaderConfig;
@@ -27,6 +27,8 @@ pub enum Command {
     Generate(Box<GenerateArgs>),
     /// Write a random model in the HuggingFace layout.
     Synth(SynthArgs),
+    /// Logits of given token sequences (teacher forced), for parity checks.
+    Logits(LogitsArgs),
     /// Run the HTTP server: OpenAI- and LoRAX-compatible inference, adapters, tenants, billing.
     Serve(Box<ServeArgs>),
     /// Measure performance.
@@ -56,7 +58,8 @@ pub struct EngineArgs {
     pub block_size: usize,
     /// Element type of keys and values in the page pool. bf16 halves the bytes per cached
     /// token (twice the tokens in `--pool-mb`, half the bytes attention reads), rounding each
-    /// key and value once when it is written; f32 is exact. The CPU backend only for now.
+    /// key and value once when it is written; f32 is exact. On CUDA, bf16 pages go with
+    /// `--matmul-dtype bf16` (and f32 pages with f32).
     #[arg(long, env = "LORAPLEX_KV_DTYPE", value_enum, default_value_t = KvDType::F32)]
     pub kv_dtype: KvDType,
     /// What activations enter the matmuls of bf16 weights as (see [`MatmulDType`]).
@@ -115,19 +118,42 @@ impl KvDType {
     }
 }
 
-/// What the CPU backend multiplies bf16 weights with.
+/// What the backend multiplies weights with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MatmulDType {
-    /// Activations in f32: exact, bf16 weights give the same bits as f32 weights.
+    /// Activations in f32: exact, bf16 weights give the same bits as f32 weights. On CUDA the
+    /// weights are widened to f32 (twice the memory and bytes read of bf16).
     F32,
-    /// Activations rounded to bf16 at each matmul of a bf16 weight, products summed in f32 (as
-    /// PyTorch and llama.cpp run bf16 models); on CPUs with AVX-512 BF16 its dot product does
-    /// twice the multiply-adds of f32. Other weights stay exact. The CPU backend only.
+    /// CPU: activations rounded to bf16 at each matmul of a bf16 weight, products summed in f32
+    /// (as PyTorch and llama.cpp run bf16 models); on CPUs with AVX-512 BF16 its dot product
+    /// does twice the multiply-adds of f32. Other weights stay exact. CUDA: the whole forward in
+    /// bf16, as transformers runs a bf16 model (weights, activations, the residual stream and,
+    /// with `--kv-dtype bf16`, the KV pages; every kernel and GEMM sums in f32; logits in f32).
     Bf16,
 }
 
+/// Whether the CUDA backend runs with these types: its attention reads KV pages of the type it
+/// computes in, so bf16 compute keeps bf16 pages and f32 compute f32 pages.
+pub fn check_cuda_dtypes(matmul: MatmulDType, kv: KvDType) -> Result<(), String> {
+    match (matmul, kv) {
+        (MatmulDType::F32, KvDType::F32) | (MatmulDType::Bf16, KvDType::Bf16) => Ok(()),
+        (MatmulDType::Bf16, KvDType::F32) => {
+            Err("on CUDA, --matmul-dtype bf16 runs the whole model in bf16 and keeps its KV pages in bf16: add --kv-dtype bf16".into())
+        }
+        (MatmulDType::F32, KvDType::Bf16) => Err("on CUDA, bf16 KV pages go with --matmul-dtype bf16 (the whole model in bf16)".into()),
+    }
+}
+
 impl MatmulDType {
+    /// The element type the CUDA backend computes in with this choice.
+    pub fn cuda_compute(self) -> DType {
+        match self {
+            MatmulDType::F32 => DType::F32,
+            MatmulDType::Bf16 => DType::Bf16,
+        }
+    }
+
     pub fn inputs(self) -> MatmulInputs {
         match self {
             MatmulDType::F32 => MatmulInputs::F32,
@@ -262,6 +288,29 @@ pub struct GenerateArgs {
     pub sampling: SamplingArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct LogitsArgs {
+    /// A HuggingFace model directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// JSON lines, one case each: {"name", "prompt_ids": [...], "follow": [...], "rows": N,
+    /// "adapter": "DIR"} (follow, rows and adapter optional).
+    #[arg(long)]
+    pub cases: PathBuf,
+    /// Where the JSON report goes: each case's name and its rows of logits.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// cpu, or cuda / cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: Device,
+    /// What the matmuls multiply in (see `serve --matmul-dtype`).
+    #[arg(long, value_enum, default_value_t = MatmulDType::F32)]
+    pub matmul_dtype: MatmulDType,
+    /// Element type of the KV pages (see `serve --kv-dtype`).
+    #[arg(long, value_enum, default_value_t = KvDType::F32)]
+    pub kv_dtype: KvDType,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -848,7 +897,7 @@ pub struct BenchEngineArgs {
     /// Element type of the KV pool (see `serve --kv-dtype`).
     #[arg(long, value_enum, default_value_t = KvDType::F32)]
     pub kv_dtype: KvDType,
-    /// The device to measure: cpu, or cuda / cuda:N (the CUDA backend runs the model in f32).
+    /// The device to measure: cpu, or cuda / cuda:N (the CUDA backend computes in f32, or bf16 with --matmul-dtype bf16).
     #[arg(long, default_value = "cpu")]
     pub device: Device,
     /// Decode batch sizes to measure.

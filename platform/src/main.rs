@@ -12,6 +12,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => cli::generate::run(args),
         Command::Serve(args) => cli::serve::run(args),
         Command::Synth(args) => cli::synth(args),
+        Command::Logits(args) => cli::logits::run(args),
         Command::Bench { which: BenchCommand::Engine(args) } => loraplex::bench::engine::run(args),
         Command::Bench { which: BenchCommand::Lora(args) } => loraplex::bench::lora::run(args),
         Command::Bench { which: BenchCommand::Runtime(args) } => loraplex::bench::runtime::run(args),

@@ -73,6 +73,55 @@ fn logits_match_reference_at_prefill_and_every_decode_step() {
     }
 }
 
+/// `loraplex logits` (teacher forcing): fed the reference's own greedy tokens it gives the
+/// reference's rows, with and without an adapter; fed other tokens, row `k` is the logits of the
+/// prompt extended by the first `k` fed tokens, not of the model's own argmax.
+#[test]
+fn forced_logits_follow_the_given_tokens() {
+    use loraplex::cli::logits::{Case, run_cases};
+    let (model, _) = load(&VARIANTS[0]);
+    let reference = common::reference("llama");
+    let prompts = reference["prompts"].as_array().unwrap();
+    let dir = common::fixtures().join("llama");
+    let mut cases = Vec::new();
+    for (variant, adapter) in [("base", None), ("a2_r16_all", Some(dir.join("adapters/a2_r16_all")))] {
+        for i in [0, 4] {
+            let follow = common::ids(&reference["variants"][variant]["results"][i]["greedy_new_tokens"]);
+            cases.push(Case {
+                name: format!("{variant} p{i}"),
+                prompt_ids: common::ids(&prompts[i]["token_ids"]),
+                follow,
+                rows: None,
+                adapter: adapter.clone(),
+            });
+        }
+    }
+    let results = run_cases(&model, &cases, RowDType::F32).unwrap();
+    for (case, got) in cases.iter().zip(&results) {
+        let (variant, i) = case.name.split_once(" p").unwrap();
+        let (shape, decode) = common::read_npy(&dir.join("logits").join(variant).join(format!("p{i}_decode.npy")));
+        assert_eq!(got.logits.len(), shape[0], "{}", case.name);
+        for (k, row) in got.logits.iter().enumerate() {
+            let err = max_abs_diff(row, &decode[k * shape[1]..(k + 1) * shape[1]]);
+            assert!(err <= LOGIT_TOL, "{} row {k}: differs from the reference by {err}", case.name);
+        }
+    }
+    // Tokens the model would not choose: each row is the prompt-plus-prefix's last logits.
+    let prompt = common::ids(&prompts[0]["token_ids"]);
+    let follow = vec![7, 7, 300, 11];
+    let forced =
+        run_cases(&model, &[Case { name: "forced".into(), prompt_ids: prompt.clone(), follow: follow.clone(), rows: None, adapter: None }], RowDType::F32)
+            .unwrap();
+    let greedy = scoring::greedy_logits(&model, &prompt, 4, 16, RowDType::F32, None).unwrap();
+    assert!(max_abs_diff(&forced[0].logits[1], &greedy[1]) > 1e-3, "the fed token changed nothing");
+    for k in 1..4 {
+        let extended: Vec<u32> = prompt.iter().chain(&follow[..k]).copied().collect();
+        let alone = scoring::greedy_logits(&model, &extended, 1, 16, RowDType::F32, None).unwrap();
+        let err = max_abs_diff(&forced[0].logits[k], &alone[0]);
+        assert!(err <= LOGIT_TOL, "row {k} is not the logits after the fed prefix ({err})");
+    }
+}
+
 /// Logits with the KV pool in bf16 (`--kv-dtype bf16`) against transformers' (f32 cache): the
 /// rounding of keys and values moves them by at most this much on the reference fixtures.
 const BF16_KV_LOGIT_TOL: f32 = 5e-3;

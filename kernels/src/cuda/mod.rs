@@ -9,9 +9,16 @@
 //! Buffers carry their element type: f32, f16 or bf16 storage (arithmetic is f32 in every
 //! kernel), or u32 for indices. A u32 buffer keeps a host copy of what was uploaded, so every
 //! index is checked on the host (the same checks as the CPU backend) before a launch reads it.
-//! Each op picks the kernel instantiated for its buffers' type; the trait's `zeros`,
-//! `upload_f32` and `load_weight` make f32 buffers, and [`CudaBackend::upload_as`],
-//! [`CudaBackend::zeros_as`] and [`CudaBackend::load_weight_as`] make f16 and bf16 ones.
+//! Each op picks the kernel instantiated for its buffers' type. The trait's `zeros`,
+//! `upload_f32` and `load_weight` make buffers of the backend's compute type (f32 unless
+//! [`CudaBackend::with_compute_dtype`] chose bf16; `zeros_f32` always f32: the page pool, LoRA's
+//! rank buffers, logits), and [`CudaBackend::upload_as`], [`CudaBackend::zeros_as`] and
+//! [`CudaBackend::load_weight_as`] make any float type.
+//!
+//! With bf16 compute the model runs in bf16 end to end, as transformers does in bf16: weights,
+//! activations and the residual stream are bf16, every kernel and GEMM accumulates in f32, and
+//! the KV pages are bf16 packed two to an f32 slot of the pool ([`crate::RowDType::Bf16`]), which
+//! the bf16 attention kernels read as a bf16 array.
 
 pub mod compile;
 mod ops;
@@ -173,6 +180,8 @@ pub struct CudaBackend {
     /// geometrically; the lock is held from the shrink's launch to the expand's, so two threads
     /// never interleave their use of it on the stream.
     lora_scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// The type of activations and weights (f32 or bf16).
+    compute: DType,
 }
 
 /// An uploaded index list and its host copy.
@@ -231,7 +240,20 @@ impl CudaBackend {
             smem_raised: Mutex::new(HashMap::new()),
             meta_cache: Mutex::new(Vec::new()),
             lora_scratch: Mutex::new(None),
+            compute: DType::F32,
         })
+    }
+
+    /// Computes in `dtype` (f32, the default, or bf16): see the module's documentation. f16 is
+    /// refused: the pool has no f16 KV layout.
+    pub fn with_compute_dtype(mut self, dtype: DType) -> Result<Self> {
+        match dtype {
+            DType::F32 | DType::Bf16 => {
+                self.compute = dtype;
+                Ok(self)
+            }
+            other => Err(KernelError::Device { op: "cuda", detail: format!("cannot compute in {other}: f32 or bf16") }),
+        }
     }
 
     pub fn info(&self) -> &DeviceInfo {
@@ -396,6 +418,19 @@ impl CudaBackend {
             DType::U32 => return Err(KernelError::DType { op: OP, expected: DType::F32, actual: DType::U32 }),
         };
         Ok(CudaBuffer { len: data.len(), data: d })
+    }
+
+    /// Uploads f16 or bf16 values as they are.
+    pub fn upload_bits(&self, bits: &[u16], dtype: DType) -> Result<CudaBuffer> {
+        const OP: &str = "upload";
+        let padded: &[u16] = if bits.is_empty() { &[0] } else { bits };
+        let dev = self.stream.clone_htod(padded).map_err(|e| dev_err(OP, e))?;
+        let d = match dtype {
+            DType::F16 => Data::F16(dev),
+            DType::Bf16 => Data::Bf16(dev),
+            other => return Err(KernelError::DType { op: OP, expected: DType::Bf16, actual: other }),
+        };
+        Ok(CudaBuffer { len: bits.len(), data: d })
     }
 
     /// A weight stored as `dtype`.

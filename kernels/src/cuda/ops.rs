@@ -10,7 +10,7 @@ use super::{ATTENTION, CudaBackend, CudaBuffer, CudaWeight, DENSE, Data, LORA, S
 use crate::check::{Batch, Directory, Segments, check_slots, ensure_len, ensure_rows, rows_of};
 use crate::{
     AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KernelError, KvLayout, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory, NO_ADAPTER, Result,
-    RowDType, SampleParams, SamplingOps,
+    RowDType, SampleParams, SamplingOps, WeightData,
 };
 
 /// Fails unless every buffer holds the same float type; returns it.
@@ -30,12 +30,24 @@ impl Memory for CudaBackend {
         self.device_name_str()
     }
 
+    fn compute_dtype(&self) -> DType {
+        self.compute
+    }
+
+    fn supports_kv_dtype(&self, dtype: RowDType) -> bool {
+        dtype.dtype() == self.compute
+    }
+
     fn zeros(&self, len: usize) -> Result<CudaBuffer> {
+        self.zeros_as(len, self.compute)
+    }
+
+    fn zeros_f32(&self, len: usize) -> Result<CudaBuffer> {
         self.zeros_as(len, DType::F32)
     }
 
     fn upload_f32(&self, data: &[f32]) -> Result<CudaBuffer> {
-        self.upload_as(data, DType::F32)
+        self.upload_as(data, self.compute)
     }
 
     fn upload_u32(&self, data: &[u32]) -> Result<CudaBuffer> {
@@ -108,7 +120,21 @@ impl Memory for CudaBackend {
     }
 
     fn load_weight(&self, data: &[f32], out_features: usize, in_features: usize) -> Result<CudaWeight> {
-        self.load_weight_as(data, out_features, in_features, DType::F32)
+        self.load_weight_as(data, out_features, in_features, self.compute)
+    }
+
+    fn load_weight_data(&self, data: WeightData<'_>, out_features: usize, in_features: usize) -> Result<CudaWeight> {
+        match (data, self.compute) {
+            // A bf16 checkpoint on a bf16 backend goes up as it is stored, never widened.
+            (WeightData::Bf16(bits), DType::Bf16) => {
+                if out_features == 0 || in_features == 0 || bits.len() != out_features * in_features {
+                    let detail = format!("{} values for a [{out_features}, {in_features}] weight", bits.len());
+                    return Err(KernelError::Shape { op: "load_weight", detail });
+                }
+                Ok(CudaWeight { out_features, in_features, data: self.upload_bits(bits, DType::Bf16)? })
+            }
+            _ => self.load_weight_as(&data.to_f32(), out_features, in_features, self.compute),
+        }
     }
 }
 
@@ -219,7 +245,12 @@ impl DenseOps for CudaBackend {
 
     fn matmul(&self, x: &CudaBuffer, w: &CudaWeight, bias: Option<&CudaBuffer>, out: &mut CudaBuffer, rows: usize) -> Result<()> {
         const OP: &str = "matmul";
-        let dtype = same_float(OP, &[x, &w.data, out])?;
+        let dtype = same_float(OP, &[x, &w.data])?;
+        // out is x's type, or f32 without a bias (cuBLAS writes f32 from 16-bit inputs).
+        let out_type = out.float(OP)?;
+        if out_type != dtype && (out_type != DType::F32 || bias.is_some()) {
+            return Err(KernelError::DType { op: OP, expected: dtype, actual: out_type });
+        }
         let (n, k) = (w.out_features, w.in_features);
         ensure_rows(OP, "x", x.len, rows, k)?;
         ensure_rows(OP, "out", out.len, rows, n)?;
@@ -239,7 +270,7 @@ impl DenseOps for CudaBackend {
         };
         let (pw, px, po) = (ptr(&w.data), ptr(x), ptr(out));
         let (alpha, beta) = (1.0f32, 0.0f32);
-        let ty = cuda_type(dtype);
+        let (ty, out_ty) = (cuda_type(dtype), cuda_type(out_type));
         // Launches bind the context themselves; the raw cuBLAS call does not.
         self.ctx.bind_to_thread().map_err(|e| dev_err(OP, e))?;
         {
@@ -266,7 +297,7 @@ impl DenseOps for CudaBackend {
                     k_,
                     &beta as *const f32 as *const _,
                     po as *mut _,
-                    ty,
+                    out_ty,
                     m_,
                     cublasComputeType_t::CUBLAS_COMPUTE_32F,
                     cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
@@ -351,8 +382,7 @@ impl AttentionOps for CudaBackend {
 
     fn write_kv(&self, k: &CudaBuffer, v: &CudaBuffer, cache: &mut CudaBuffer, meta: &BatchMeta<CudaBuffer>, layout: &KvLayout, layer: usize) -> Result<()> {
         const OP: &str = "write_kv";
-        kv_in_buffer_type(OP, layout)?;
-        let dtype = same_float(OP, &[k, v, cache])?;
+        let (dtype, pe) = kv_access(OP, layout, cache, same_float(OP, &[k, v])?)?;
         let m = Batch::read(OP, meta)?;
         let row = layout.num_kv_heads * layout.head_dim;
         ensure_len(OP, "k", k.len, meta.num_tokens * row)?;
@@ -367,7 +397,7 @@ impl AttentionOps for CudaBackend {
         let name = format!("write_kv_{}", suffix(dtype));
         let f = self.function(ATTENTION, &name)?;
         let l = plan::per_row(OP, meta.num_tokens, row)?;
-        let (kvh, hd, bs, pe, layer) = (layout.num_kv_heads as u32, layout.head_dim as u32, layout.block_size as u32, layout.page_elems() as u64, layer as u32);
+        let (kvh, hd, bs, layer) = (layout.num_kv_heads as u32, layout.head_dim as u32, layout.block_size as u32, layer as u32);
         self.launch(OP, &name, &f, &l, |b| {
             k.push(b);
             v.push(b);
@@ -387,8 +417,7 @@ impl AttentionOps for CudaBackend {
         p: &AttentionParams,
     ) -> Result<()> {
         const OP: &str = "attention";
-        kv_in_buffer_type(OP, layout)?;
-        let dtype = same_float(OP, &[q, cache, out])?;
+        let (dtype, pe) = kv_access(OP, layout, cache, same_float(OP, &[q, out])?)?;
         let m = Batch::read(OP, meta)?;
         let token_seq = m.check_attention(OP, layout, p, cache.len / layout.page_elems())?;
         let (hd, heads) = (p.head_dim, p.num_heads);
@@ -407,7 +436,7 @@ impl AttentionOps for CudaBackend {
             plan::Limits { sm_count: self.info.sm_count, max_smem: self.info.max_smem_optin },
         )?;
         let (mb, nh, nkv, hd32, bs) = (m.max_blocks as u32, heads as u32, p.num_kv_heads as u32, hd as u32, layout.block_size as u32);
-        let (pe, layer, scale) = (layout.page_elems() as u64, p.layer as u32, p.scale);
+        let (layer, scale) = (p.layer as u32, p.scale);
         let window = p.sliding_window.map_or(0u32, |w| w.min(u32::MAX as usize) as u32);
         let s = suffix(dtype);
         match attn_plan {
@@ -499,7 +528,7 @@ impl SamplingOps for CudaBackend {
         let ks: Vec<u32> = params.iter().map(|p| p.top_k).collect();
         let ps: Vec<f32> = params.iter().map(|p| p.top_p).collect();
         let us: Vec<f32> = params.iter().map(|p| p.uniform).collect();
-        let (temps, ps, us) = (self.upload_f32(&temps)?, self.upload_f32(&ps)?, self.upload_f32(&us)?);
+        let (temps, ps, us) = (self.upload_as(&temps, DType::F32)?, self.upload_as(&ps, DType::F32)?, self.upload_as(&us, DType::F32)?);
         let ks = self.upload_u32(&ks)?;
         let out = self.zeros_as(rows, DType::U32)?;
         let f = self.function(SAMPLING, "sample_rows")?;
@@ -678,11 +707,22 @@ impl LoraOps for CudaBackend {
     }
 }
 
-/// Fails unless `layout` stores one value per pool element: on this backend the pool buffer's
-/// own element type (f32, f16 or bf16) is the KV type, not a packing of it into f32 slots.
-fn kv_in_buffer_type(op: &'static str, layout: &KvLayout) -> Result<()> {
+/// The type the KV kernels read and write for activations of type `act`, and the page stride
+/// in its elements. With f32 pages the pool buffer's own element type (f32, f16 or bf16) is the
+/// KV type, one value per element; with bf16 pages the pool is f32 slots, two bf16 values each
+/// (the lower-addressed first), which the bf16 kernels read as a bf16 array of twice the length.
+fn kv_access(op: &'static str, layout: &KvLayout, cache: &CudaBuffer, act: DType) -> Result<(DType, u64)> {
     match layout.dtype {
-        RowDType::F32 => Ok(()),
-        other => Err(KernelError::DType { op, expected: DType::F32, actual: other.dtype() }),
+        RowDType::F32 => {
+            cache.expect(op, act)?;
+            Ok((act, layout.page_elems() as u64))
+        }
+        RowDType::Bf16 => {
+            cache.expect(op, DType::F32)?;
+            if act != DType::Bf16 {
+                return Err(KernelError::DType { op, expected: DType::Bf16, actual: act });
+            }
+            Ok((DType::Bf16, layout.page_values() as u64))
+        }
     }
 }

@@ -46,8 +46,8 @@ impl Machine {
         })
     }
 
-    /// The GPU's limits in the model's own arithmetic: the backend's matmul (cuBLAS, f32
-    /// operands as the model runs them) on a 4096×4096×4096 product, and a 1 GiB copy.
+    /// The GPU's limits in the model's own arithmetic: the backend's matmul (cuBLAS, operands
+    /// of the type the model computes in) on a 4096×4096×4096 product, and a 1 GiB copy.
     fn measure_cuda(g: &CudaBackend) -> anyhow::Result<Self> {
         const N: usize = 4096;
         let x = g.upload_f32(&(0..N * N).map(|i| ((i % 97) as f32 - 48.0) / 64.0).collect::<Vec<_>>())?;
@@ -140,11 +140,12 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<()> {
             let host = super::Machine::with_kernels(backend.describe());
             measure(Arc::new(backend), Machine::measure_cpu, host, &dir, source, linear_bytes, args)
         }
-        Device::Cuda(_) if args.matmul_dtype != crate::config::MatmulDType::F32 => anyhow::bail!("--matmul-dtype is an option of the CPU backend"),
         Device::Cuda(n) => {
-            let g = Arc::new(super::open_cuda(n.unwrap_or(0), &format!("bench engine --device {}", args.device))?);
-            // The CUDA backend widens every checkpoint to f32 weights.
-            measure(g, Machine::measure_cuda, super::Machine::here(), &dir, source, 4, args)
+            crate::config::check_cuda_dtypes(args.matmul_dtype, args.kv_dtype).map_err(anyhow::Error::msg)?;
+            let compute = args.matmul_dtype.cuda_compute();
+            let g = Arc::new(super::open_cuda(n.unwrap_or(0), compute, &format!("bench engine --device {}", args.device))?);
+            // The CUDA backend stores every weight in the type it computes in.
+            measure(g, Machine::measure_cuda, super::Machine::here(), &dir, source, compute.size(), args)
         }
         Device::Auto => anyhow::bail!("bench engine measures one named device: use --device cpu, cuda or cuda:N"),
     }
@@ -347,7 +348,7 @@ fn print_table(r: &Report) {
         Some(x) if x.machine.threads > 0 => {
             println!("(peak: matmul GFLOP/s and bw: read GB/s, measured right before each row on {} threads)", x.machine.threads)
         }
-        Some(x) => println!("(peak: matmul GFLOP/s in f32 and bw: copy GB/s read + written, measured right before each row on {})", x.machine.device),
+        Some(x) => println!("(peak: matmul GFLOP/s in the compute type and bw: copy GB/s read + written, measured right before each row on {})", x.machine.device),
         None => {}
     }
     let decode: Vec<&Row> = r.rows.iter().filter(|x| x.phase == "decode").collect();

@@ -239,7 +239,7 @@ pub fn run(args: &BenchKernelsArgs) -> anyhow::Result<()> {
         Device::Cuda(n) => n.unwrap_or(0),
         other => bail!("bench kernels measures a CUDA device: use --device cuda or cuda:N, not {other}"),
     };
-    let g = super::open_cuda(ordinal, "bench kernels")?;
+    let g = super::open_cuda(ordinal, loraplex_kernels::DType::F32, "bench kernels")?;
     let copy_gbs = g.copy_bandwidth(1 << 30)? / 1e9;
     println!("{}: device-to-device copy {copy_gbs:.0} GB/s (read + write)", g.device_name());
     let mut rng = StdRng::seed_from_u64(args.seed);

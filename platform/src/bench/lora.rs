@@ -86,9 +86,9 @@ pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
             let kernels = backend.describe();
             measure(Arc::new(backend), "cpu".into(), kernels, &dir, source, tmp.path(), args)
         }
-        Device::Cuda(_) if args.matmul_dtype != crate::config::MatmulDType::F32 => anyhow::bail!("--matmul-dtype is an option of the CPU backend"),
         Device::Cuda(n) => {
-            let g = super::open_cuda(n.unwrap_or(0), &format!("bench lora --device {}", args.device))?;
+            let compute = args.matmul_dtype.cuda_compute();
+            let g = super::open_cuda(n.unwrap_or(0), compute, &format!("bench lora --device {}", args.device))?;
             let name = g.device_name();
             measure(Arc::new(g), name, CpuBackend::new().describe(), &dir, source, tmp.path(), args)
         }
@@ -153,7 +153,7 @@ fn measure<B: Backend>(
         let adapter = loraplex_adapters::LoraAdapter::load(&batch_refs[0].dir, &model.base_shape(), &Default::default())?;
         let packed = loraplex_adapters::PackedAdapter::pack(
             &adapter,
-            model.kv_layout(16, loraplex_kernels::RowDType::F32).page_elems(),
+            model.kv_layout(16, super::native_kv_dtype(model.backend().as_ref())).page_elems(),
             loraplex_kernels::LORA_ROW_ALIGN,
         )?;
         (packed.bytes() - packed.unused() * 4) as f64 / 1e6
@@ -194,7 +194,13 @@ struct Bench<'a, B: Backend> {
 
 impl<B: Backend> Bench<'_, B> {
     fn config(&self) -> EngineConfig {
-        EngineConfig { pool_bytes: self.args.pool_mb << 20, max_batch_tokens: self.args.context * 8, max_running: self.args.batch, ..EngineConfig::default() }
+        EngineConfig {
+            pool_bytes: self.args.pool_mb << 20,
+            max_batch_tokens: self.args.context * 8,
+            max_running: self.args.batch,
+            kv_dtype: super::native_kv_dtype(self.model.backend().as_ref()),
+            ..EngineConfig::default()
+        }
     }
 
     fn engine(&self) -> anyhow::Result<Engine<B>> {
@@ -346,7 +352,7 @@ impl<B: Backend> Bench<'_, B> {
 /// evicted from the pool while still in host memory.
 fn residency_times<B: Backend>(model: &Model<B>, adapters: &[AdapterRef]) -> anyhow::Result<Vec<ResidencyTimes>> {
     let backend = model.backend().clone();
-    let layout = model.kv_layout(16, loraplex_kernels::RowDType::F32);
+    let layout = model.kv_layout(16, super::native_kv_dtype(backend.as_ref()));
     let mut mem = DevicePool::with_bytes(backend.as_ref(), layout, 256 << 20)?;
     let loader = AdapterLoader::new(&LoaderConfig::default(), model.base_shape(), layout.page_elems())?;
     let mut res = AdapterResidency::new(loader, model.config().num_layers, usize::MAX);

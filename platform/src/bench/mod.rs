@@ -34,14 +34,23 @@ pub(crate) fn model_dir(
     Ok((out, format!("synth {preset:?} {dtype:?}").to_lowercase()))
 }
 
-/// CUDA device `ordinal` for a benchmark, its kernels compiled: `what` names the benchmark in
-/// the error when CUDA is not usable here.
-pub(crate) fn open_cuda(ordinal: usize, what: &str) -> anyhow::Result<loraplex_kernels::cuda::CudaBackend> {
+/// CUDA device `ordinal` for a benchmark, computing in `compute`, its kernels compiled: `what`
+/// names the benchmark in the error when CUDA is not usable here.
+pub(crate) fn open_cuda(ordinal: usize, compute: loraplex_kernels::DType, what: &str) -> anyhow::Result<loraplex_kernels::cuda::CudaBackend> {
     use loraplex_kernels::cuda;
     cuda::probe().map_err(|why| anyhow::anyhow!("{what} needs CUDA, which is not usable here: {why}"))?;
-    let g = cuda::CudaBackend::new(ordinal, cuda::compile::default_cache_dir())?;
+    let g = cuda::CudaBackend::new(ordinal, cuda::compile::default_cache_dir())?.with_compute_dtype(compute)?;
     g.warm_up()?;
     Ok(g)
+}
+
+/// The KV page type a benchmark runs `backend` with: bf16 where it computes in bf16 (its
+/// attention reads pages of its own type), f32 otherwise.
+pub(crate) fn native_kv_dtype<B: loraplex_kernels::Memory>(backend: &B) -> loraplex_kernels::RowDType {
+    match backend.compute_dtype() {
+        loraplex_kernels::DType::Bf16 => loraplex_kernels::RowDType::Bf16,
+        _ => loraplex_kernels::RowDType::F32,
+    }
 }
 
 /// The synthesis dimensions of a loaded model, so adapters can be made for any checkpoint.

@@ -1,6 +1,7 @@
 //! The commands behind the `loraplex` binary.
 
 pub mod generate;
+pub mod logits;
 pub mod serve;
 
 use anyhow::Context;

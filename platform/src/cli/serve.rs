@@ -13,7 +13,7 @@ use anyhow::{Context, bail};
 use loraplex_kernels::cuda::{self, CudaBackend};
 
 use crate::api::{self, AdmissionConfig, ApiSettings, AppState, Serving};
-use crate::config::{Device, MatmulDType, Resolved, ServeArgs};
+use crate::config::{Device, Resolved, ServeArgs};
 use crate::model;
 use crate::runtime::Runtime;
 use crate::store::Store;
@@ -81,13 +81,14 @@ fn start_runtime(args: &ServeArgs, dir: &Path) -> anyhow::Result<(Arc<dyn Servin
             let devices = vec![model; args.workers];
             Arc::new(Runtime::start(devices, tokenizer.clone(), engine_config(args)).context("starting the workers")?)
         }
-        Resolved::Cuda(_) if args.engine.matmul_dtype != MatmulDType::F32 => {
-            bail!("--matmul-dtype {:?} is an option of the CPU backend; CUDA multiplies in f32", args.engine.matmul_dtype)
-        }
         Resolved::Cuda(ordinals) => {
+            crate::config::check_cuda_dtypes(args.engine.matmul_dtype, args.engine.kv_dtype).map_err(anyhow::Error::msg)?;
+            let compute = args.engine.matmul_dtype.cuda_compute();
             let mut devices = Vec::new();
             for n in ordinals {
-                let backend = CudaBackend::new(n, cuda::compile::default_cache_dir()).with_context(|| format!("opening cuda:{n}"))?;
+                let backend = CudaBackend::new(n, cuda::compile::default_cache_dir())
+                    .and_then(|b| b.with_compute_dtype(compute))
+                    .with_context(|| format!("opening cuda:{n}"))?;
                 backend.warm_up().with_context(|| format!("compiling the kernels for cuda:{n}"))?;
                 devices.push(Arc::new(model::load(Arc::new(backend), dir).with_context(|| load(&format!("cuda:{n}")))?));
             }

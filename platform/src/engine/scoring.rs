@@ -20,6 +20,28 @@ pub fn greedy_logits<B: Backend>(
     kv_dtype: RowDType,
     adapter: Option<&LoraAdapter>,
 ) -> Result<Vec<Vec<f32>>, EngineError> {
+    forced_logits(model, prompt, &[], n, block_size, kv_dtype, adapter)
+}
+
+/// [`greedy_logits`] fed a given continuation: after row `k`, `follow[k]` is the next token
+/// where it exists (the argmax past its end), so two implementations compare logits along the
+/// same tokens even where their argmaxes part (teacher forcing, one decode forward per token).
+pub fn forced_logits<B: Backend>(
+    model: &Model<B>,
+    prompt: &[u32],
+    follow: &[u32],
+    n: usize,
+    block_size: usize,
+    kv_dtype: RowDType,
+    adapter: Option<&LoraAdapter>,
+) -> Result<Vec<Vec<f32>>, EngineError> {
+    if prompt.is_empty() {
+        return Err(EngineError::Config("an empty prompt has no logits".into()));
+    }
+    let vocab = model.config().vocab_size;
+    if let Some(&bad) = prompt.iter().chain(follow).find(|&&t| t as usize >= vocab) {
+        return Err(EngineError::Config(format!("token {bad} is outside the vocabulary of {vocab}")));
+    }
     let layout = model.kv_layout(block_size, kv_dtype);
     let backend = model.backend().as_ref();
     let total = prompt.len() + n;
@@ -48,7 +70,6 @@ pub fn greedy_logits<B: Backend>(
     let mut tokens = prompt.to_vec();
     let mut computed = 0;
     let mut rows = Vec::with_capacity(n);
-    let vocab = model.config().vocab_size;
     while rows.len() < n {
         let chunk = Chunk {
             tokens: &tokens[computed..],
@@ -64,7 +85,10 @@ pub fn greedy_logits<B: Backend>(
             None => None,
         };
         let logits = model.forward(&batch, lora.as_ref(), &mut kv.buffer, &kv.layout)?;
-        let next = model.backend().argmax_rows(&logits, vocab)?;
+        let next = match follow.get(rows.len()) {
+            Some(&t) => vec![t],
+            None => model.backend().argmax_rows(&logits, vocab)?,
+        };
         computed = tokens.len();
         tokens.extend_from_slice(&next);
         rows.push(model.backend().download_f32(&logits)?);

@@ -17,7 +17,7 @@ impl<B: Backend> DevicePool<B> {
     /// Allocates as many pages as fit in `bytes` (at least one).
     pub fn with_bytes(backend: &B, layout: KvLayout, bytes: usize) -> Result<Self, KernelError> {
         let pages = (bytes / layout.page_bytes()).max(1);
-        Ok(Self { buffer: backend.zeros(pages * layout.page_elems())?, layout, pages: PagePool::new(pages) })
+        Ok(Self { buffer: backend.zeros_f32(pages * layout.page_elems())?, layout, pages: PagePool::new(pages) })
     }
 
     /// Values in one page.

@@ -85,15 +85,11 @@ impl<B: Backend> Model<B> {
         } else {
             Linear::load(b, ck, "lm_head", h, c.vocab_size, false, None)?
         };
-        Ok(Self {
-            embed: b.upload_f32(&embed_data)?,
-            norm: norm("model.norm.weight")?,
-            rope: b.upload_f32(&rope::cos_sin_table(c))?,
-            layers,
-            lm_head,
-            config,
-            backend,
-        })
+        // The rotary table stays f32 whatever the compute type: rope reads it in f32.
+        let table = rope::cos_sin_table(c);
+        let mut rope = b.zeros_f32(table.len())?;
+        b.write_f32(&mut rope, 0, &table)?;
+        Ok(Self { embed: b.upload_f32(&embed_data)?, norm: norm("model.norm.weight")?, rope, layers, lm_head, config, backend })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -144,7 +140,7 @@ impl<B: Backend> Model<B> {
         b.gather_rows(&a.x, &batch.logit_rows, &mut last, h)?;
         let mut normed = b.zeros(r * h)?;
         b.rms_norm(&last, &self.norm, &mut normed, c.rms_norm_eps)?;
-        let mut logits = b.zeros(r * c.vocab_size)?;
+        let mut logits = b.zeros_f32(r * c.vocab_size)?;
         self.lm_head.forward(b, &normed, &mut logits, r, None)?;
         Ok(logits)
     }

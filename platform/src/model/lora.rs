@@ -109,7 +109,7 @@ impl<B: Backend> LoraBatch<B> {
         match &self.layout {
             LoraLayout::PerRow(slots) => backend.bgmv(x, pool, &self.rows, slots, &target, y),
             LoraLayout::Segments(segs) => {
-                let mut v = backend.zeros(tokens * self.max_rank)?;
+                let mut v = backend.zeros_f32(tokens * self.max_rank)?;
                 backend.sgmv_shrink(x, pool, &self.rows, segs, &target, &mut v)?;
                 backend.sgmv_expand(&v, pool, &self.rows, segs, &target, y)
             }
