@@ -587,6 +587,9 @@ pub enum BenchCommand {
     Lora(BenchLoraArgs),
     /// The serving runtime: tenant fairness, prefix caching, adapter churn, preemption.
     Runtime(BenchRuntimeArgs),
+    /// S-LoRA's workload: Poisson arrivals over 5 to 1,000 adapters of mixed ranks, the
+    /// throughput of the serving runtime, and of transformers + PEFT on the same trace.
+    Slora(BenchSloraArgs),
     /// The CUDA kernels (needs a GPU): SGMV/BGMV and paged attention against the copy bandwidth
     /// and against PyTorch baselines.
     Kernels(BenchKernelsArgs),
@@ -871,6 +874,81 @@ pub struct BenchLoraArgs {
     pub pool_mb: usize,
     /// Where the JSON report goes.
     #[arg(long, default_value = "bench-lora.json")]
+    pub out: PathBuf,
+    #[arg(long, env = "LORAPLEX_THREADS")]
+    pub threads: Option<usize>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchSloraArgs {
+    /// Synthesized model size to measure (ignored with --model).
+    #[arg(long, value_enum, default_value_t = Preset::Bench)]
+    pub preset: Preset,
+    /// Element type the synthesized model is saved in.
+    #[arg(long, value_enum, default_value_t = FileDType::F32)]
+    pub model_dtype: FileDType,
+    /// What the matmuls multiply in (see `serve --matmul-dtype`); on CUDA, bf16 runs the model
+    /// and its KV pages in bf16.
+    #[arg(long, value_enum, default_value_t = MatmulDType::F32)]
+    pub matmul_dtype: MatmulDType,
+    /// Measure this model directory instead of a synthesized one (adapters are synthesized for it).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Key/value heads of the synthesized model instead of the preset's.
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// The device to measure: cpu, or cuda / cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: Device,
+    /// Adapter counts, one phase each.
+    #[arg(long, value_delimiter = ',', default_value = "5,100,1000")]
+    pub adapters: Vec<usize>,
+    /// Ranks, cycled over the adapters (q, k, v and o projections targeted, bf16 rows).
+    #[arg(long, value_delimiter = ',', default_value = "8,16,32,64")]
+    pub ranks: Vec<usize>,
+    /// Most adapter files synthesized: larger counts serve each file under several names, each
+    /// a separate adapter to the server (its own loads, host copy and pool pages).
+    #[arg(long, default_value_t = 100)]
+    pub adapter_files: usize,
+    /// Zipf exponent of adapter popularity (0: uniform).
+    #[arg(long, default_value_t = 1.0)]
+    pub alpha: f64,
+    /// Prompt lengths, drawn uniformly from this range.
+    #[arg(long, value_delimiter = ',', default_values_t = [8, 512])]
+    pub input_len: Vec<usize>,
+    /// Output lengths, drawn uniformly from this range (end-of-sequence ignored).
+    #[arg(long, value_delimiter = ',', default_values_t = [8, 512])]
+    pub output_len: Vec<usize>,
+    /// Seconds of arrivals per phase; throughput counts what completes within them.
+    #[arg(long, default_value_t = 30.0)]
+    pub duration: f64,
+    /// Offered requests per second; without it, `--load` times the capacity measured first.
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Offered load relative to the capacity measured first (above 1: saturated).
+    #[arg(long, default_value_t = 2.0)]
+    pub load: f64,
+    /// Page pool size, in MiB.
+    #[arg(long, default_value_t = 1024)]
+    pub pool_mb: usize,
+    /// Most sequences in one batch.
+    #[arg(long, default_value_t = 256)]
+    pub max_running: usize,
+    /// Threads reading and packing adapters.
+    #[arg(long, default_value_t = 4)]
+    pub adapter_loaders: usize,
+    /// A Python with torch, transformers and peft: runs the same traces through
+    /// transformers + PEFT on the same device (S-LoRA's baseline), for the counts up to
+    /// `--peft-max-adapters`.
+    #[arg(long)]
+    pub peft_python: Option<PathBuf>,
+    #[arg(long, default_value_t = 100)]
+    pub peft_max_adapters: usize,
+    /// Most same-adapter requests the PEFT baseline batches together.
+    #[arg(long, default_value_t = 16)]
+    pub peft_max_batch: usize,
+    /// Where the JSON report goes.
+    #[arg(long, default_value = "bench-slora.json")]
     pub out: PathBuf,
     #[arg(long, env = "LORAPLEX_THREADS")]
     pub threads: Option<usize>,

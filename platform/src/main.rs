@@ -15,6 +15,7 @@ fn main() -> ExitCode {
         Command::Logits(args) => cli::logits::run(args),
         Command::Bench { which: BenchCommand::Engine(args) } => loraplex::bench::engine::run(args),
         Command::Bench { which: BenchCommand::Lora(args) } => loraplex::bench::lora::run(args),
+        Command::Bench { which: BenchCommand::Slora(args) } => loraplex::bench::slora::run(args),
         Command::Bench { which: BenchCommand::Runtime(args) } => loraplex::bench::runtime::run(args),
         Command::Bench { which: BenchCommand::Kernels(args) } => loraplex::bench::kernels::run(args),
         Command::Bench { which: BenchCommand::NoisyNeighbor(args) } => loraplex::bench::noisy::run(args),

@@ -348,7 +348,9 @@ fn print_table(r: &Report) {
         Some(x) if x.machine.threads > 0 => {
             println!("(peak: matmul GFLOP/s and bw: read GB/s, measured right before each row on {} threads)", x.machine.threads)
         }
-        Some(x) => println!("(peak: matmul GFLOP/s in the compute type and bw: copy GB/s read + written, measured right before each row on {})", x.machine.device),
+        Some(x) => {
+            println!("(peak: matmul GFLOP/s in the compute type and bw: copy GB/s read + written, measured right before each row on {})", x.machine.device)
+        }
         None => {}
     }
     let decode: Vec<&Row> = r.rows.iter().filter(|x| x.phase == "decode").collect();

@@ -9,6 +9,7 @@ pub mod lora;
 pub mod noisy;
 pub mod runtime;
 pub mod server;
+pub mod slora;
 pub mod structured;
 
 use std::path::{Path, PathBuf};
@@ -114,4 +115,21 @@ impl std::fmt::Display for Machine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}, {} cores, {} kernels", self.cpu, self.cores, self.isa)
     }
+}
+
+/// Adapter indices drawn with probability proportional to `1 / (k + 1)^s`.
+pub(crate) fn zipf_draws(n: usize, s: f64, count: usize, seed: u64) -> Vec<usize> {
+    let mut cdf = Vec::with_capacity(n);
+    let mut total = 0.0;
+    for k in 0..n {
+        total += 1.0 / ((k + 1) as f64).powf(s);
+        cdf.push(total);
+    }
+    let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed);
+    (0..count)
+        .map(|_| {
+            let u = rand::Rng::random::<f64>(&mut rng) * total;
+            cdf.partition_point(|&c| c < u).min(n - 1)
+        })
+        .collect()
 }

@@ -22,10 +22,9 @@ use anyhow::{Context, bail, ensure};
 use loraplex_adapters::{LoraAdapter, PackedAdapter};
 use loraplex_kernels::LORA_ROW_ALIGN;
 use loraplex_kernels::cpu::CpuBackend;
-use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use super::{dims_of, prompt, quantile};
+use super::{dims_of, prompt, quantile, zipf_draws};
 use crate::config::BenchRuntimeArgs;
 use crate::engine::EngineConfig;
 use crate::memory::{AdapterRef, LoaderConfig};
@@ -388,23 +387,6 @@ pub struct ChurnResult {
     pub evictions: u64,
     /// Both runs gave every request the same tokens.
     pub outputs_equal: bool,
-}
-
-/// Adapter indices drawn with probability proportional to `1 / (k + 1)^s`.
-fn zipf_draws(n: usize, s: f64, count: usize, seed: u64) -> Vec<usize> {
-    let mut cdf = Vec::with_capacity(n);
-    let mut total = 0.0;
-    for k in 0..n {
-        total += 1.0 / ((k + 1) as f64).powf(s);
-        cdf.push(total);
-    }
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    (0..count)
-        .map(|_| {
-            let u = rng.random::<f64>() * total;
-            cdf.partition_point(|&c| c < u).min(n - 1)
-        })
-        .collect()
 }
 
 pub fn churn(setup: &Setup, opts: &ChurnOptions) -> anyhow::Result<ChurnResult> {

@@ -29,6 +29,9 @@ use crate::sampling::splitmix64;
 pub enum AdapterTargets {
     /// The query and value projections (`q_proj`, `v_proj`), PEFT's default for Llama.
     Qv,
+    /// The four attention projections (`q_proj`, `k_proj`, `v_proj`, `o_proj`), as S-LoRA's
+    /// experiments adapt Llama.
+    Qkvo,
     /// All seven projections: `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`,
     /// `up_proj` and `down_proj`.
     All,
@@ -39,6 +42,7 @@ impl AdapterTargets {
     pub(crate) fn modules(self) -> &'static [TargetModule] {
         match self {
             AdapterTargets::Qv => &[TargetModule::Q, TargetModule::V],
+            AdapterTargets::Qkvo => &[TargetModule::Q, TargetModule::K, TargetModule::V, TargetModule::O],
             AdapterTargets::All => &TargetModule::ALL,
         }
     }
@@ -47,6 +51,7 @@ impl AdapterTargets {
     pub(crate) fn name(self) -> &'static str {
         match self {
             AdapterTargets::Qv => "qv",
+            AdapterTargets::Qkvo => "qkvo",
             AdapterTargets::All => "all",
         }
     }

@@ -39,7 +39,7 @@ fn names(dirs: &[PathBuf]) -> Vec<String> {
 fn every_adapter_loads_with_its_rank_targets_and_scaling() {
     let tmp = tempfile::tempdir().unwrap();
     let dims = Preset::Tiny.dims();
-    for (targets, sub) in [(AdapterTargets::All, "all"), (AdapterTargets::Qv, "qv")] {
+    for (targets, sub) in [(AdapterTargets::All, "all"), (AdapterTargets::Qv, "qv"), (AdapterTargets::Qkvo, "qkvo")] {
         let out = tmp.path().join(sub);
         let dirs = synthesize_adapters(&options(&out, 4, &[4, 8, 32], targets)).unwrap();
         assert_eq!(names(&dirs), [0, 1, 2, 3].map(|i| format!("lora-00{i}-r{}-{sub}", [4, 8, 32, 4][i])));

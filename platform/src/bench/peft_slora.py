@@ -1,0 +1,117 @@
+"""The PEFT baseline of `loraplex bench slora`: S-LoRA's workload through transformers + PEFT.
+
+Usage: python peft_slora.py TRACE.json OUT.json
+
+TRACE.json (written by the bench): the model directory, its compute type, the adapter directory
+of each adapter index, the phase's duration, the largest batch, and the requests (arrival time,
+adapter index, prompt ids, output length). One base model on the GPU (the CPU without one);
+an adapter is loaded into PEFT the first time a request needs it (that time counts, as adapter
+switching does in S-LoRA's PEFT baseline). Requests are served in arrival order: the oldest
+waiting request's adapter is activated and every waiting request of that adapter (up to the
+largest batch) is generated together, left-padded, greedily, for the batch's longest output
+(end-of-sequence ignored). A request completes when its batch does; what completes within the
+duration counts. Writes the phase as OUT.json in the bench's format.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+from peft import LoraConfig, PeftModel
+from transformers import AutoModelForCausalLM
+
+trace = json.load(open(sys.argv[1]))
+out_path = sys.argv[2]
+device = "cuda" if torch.cuda.is_available() else "cpu"
+dtype = torch.bfloat16 if trace["dtype"] == "bf16" else torch.float32
+base = AutoModelForCausalLM.from_pretrained(trace["model"], dtype=dtype).to(device).eval()
+tmp = tempfile.mkdtemp()
+known = {f.name for f in dataclasses.fields(LoraConfig)}
+
+
+def clean(index):
+    """A copy of adapter `index` whose config holds only the fields this PEFT knows."""
+    src = trace["adapters"][index]
+    dst = os.path.join(tmp, str(index))
+    shutil.copytree(src, dst)
+    cfg = json.load(open(os.path.join(src, "adapter_config.json")))
+    json.dump({k: v for k, v in cfg.items() if k in known or k == "peft_type"}, open(os.path.join(dst, "adapter_config.json"), "w"))
+    return dst
+
+
+model = None
+loaded = set()
+
+
+def activate(index):
+    global model
+    name = f"a{index}"
+    if model is None:
+        model = PeftModel.from_pretrained(base, clean(index), adapter_name=name).eval()
+    elif name not in loaded:
+        model.load_adapter(clean(index), adapter_name=name)
+    loaded.add(name)
+    model.set_adapter(name)
+
+
+def sync():
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+requests = sorted(trace["requests"], key=lambda r: r["arrival_s"])
+duration, max_batch = trace["duration_s"], trace["max_batch"]
+pending, latencies, tokens, batches, nxt = [], [], 0, 0, 0
+start = time.perf_counter()
+while True:
+    now = time.perf_counter() - start
+    if now >= duration:
+        break
+    while nxt < len(requests) and requests[nxt]["arrival_s"] <= now:
+        pending.append(requests[nxt])
+        nxt += 1
+    if not pending:
+        if nxt == len(requests):
+            break
+        time.sleep(max(0.0, min(requests[nxt]["arrival_s"], duration) - now))
+        continue
+    head = pending[0]["adapter"]
+    batch = [r for r in pending if r["adapter"] == head][:max_batch]
+    pending = [r for r in pending if not any(r is b for b in batch)]
+    activate(head)
+    width = max(len(r["prompt_ids"]) for r in batch)
+    ids = torch.tensor([[0] * (width - len(r["prompt_ids"])) + r["prompt_ids"] for r in batch], device=device)
+    mask = torch.tensor([[0] * (width - len(r["prompt_ids"])) + [1] * len(r["prompt_ids"]) for r in batch], device=device)
+    new = max(r["output_len"] for r in batch)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    sync()
+    batches += 1
+    done = time.perf_counter() - start
+    if done > duration:
+        break
+    for r in batch:
+        latencies.append(done - r["arrival_s"])
+        tokens += r["output_len"]
+
+latencies.sort()
+completed = len(latencies)
+phase = {
+    "system": "peft",
+    "adapters": len(trace["adapters"]),
+    "duration_s": duration,
+    "arrived": sum(1 for r in requests if r["arrival_s"] < duration),
+    "completed": completed,
+    "failed": 0,
+    "throughput_rps": completed / duration,
+    "tokens_per_s": tokens / duration,
+    "mean_latency_s": sum(latencies) / completed if completed else None,
+    "p99_latency_s": latencies[min(completed - 1, int(0.99 * completed))] if completed else None,
+}
+json.dump(phase, open(out_path, "w"))
+print(f"peft: {batches} batches, {len(loaded)} adapters loaded, device {device}, torch {torch.__version__}", file=sys.stderr)
