@@ -10,7 +10,8 @@ switching does in S-LoRA's PEFT baseline). Requests are served in arrival order:
 waiting request's adapter is activated and every waiting request of that adapter (up to the
 largest batch) is generated together, left-padded, greedily, for the batch's longest output
 (end-of-sequence ignored). A request completes when its batch does; what completes within the
-duration counts. Writes the phase as OUT.json in the bench's format.
+duration counts, and so does every useful token generated within it (a batch still running at
+its end is stopped there). Writes the phase as OUT.json in the bench's format.
 """
 
 import dataclasses
@@ -23,7 +24,8 @@ import time
 
 import torch
 from peft import LoraConfig, PeftModel
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
 
 trace = json.load(open(sys.argv[1]))
 out_path = sys.argv[2]
@@ -64,6 +66,34 @@ def sync():
         torch.cuda.synchronize()
 
 
+class Counter(BaseStreamer):
+    """Counts the batch's useful tokens as generate makes them (a request's tokens past its own
+    output length are the batch's padding), within the duration."""
+
+    def __init__(self, lengths):
+        self.lengths, self.step, self.first = lengths, 0, True
+
+    def put(self, value):
+        global streamed
+        if self.first:  # the prompt
+            self.first = False
+            return
+        if time.perf_counter() - start <= duration:
+            streamed += sum(1 for n in self.lengths if n > self.step)
+        self.step += 1
+
+    def end(self):
+        pass
+
+
+class Deadline(StoppingCriteria):
+    """Stops a batch still running at the end of the duration (its tokens so far counted)."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return time.perf_counter() - start > duration
+
+
+streamed = 0
 requests = sorted(trace["requests"], key=lambda r: r["arrival_s"])
 duration, max_batch = trace["duration_s"], trace["max_batch"]
 pending, latencies, tokens, batches, nxt = [], [], 0, 0, 0
@@ -89,7 +119,16 @@ while True:
     mask = torch.tensor([[0] * (width - len(r["prompt_ids"])) + [1] * len(r["prompt_ids"]) for r in batch], device=device)
     new = max(r["output_len"] for r in batch)
     with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=Counter([r["output_len"] for r in batch]),
+            stopping_criteria=StoppingCriteriaList([Deadline()]),
+        )
     sync()
     batches += 1
     done = time.perf_counter() - start
@@ -110,6 +149,8 @@ phase = {
     "failed": 0,
     "throughput_rps": completed / duration,
     "tokens_per_s": tokens / duration,
+    "streamed_tokens_per_s": streamed / duration,
+    "equivalent_rps": streamed / duration / (sum(r["output_len"] for r in requests) / max(1, len(requests))),
     "mean_latency_s": sum(latencies) / completed if completed else None,
     "p99_latency_s": latencies[min(completed - 1, int(0.99 * completed))] if completed else None,
 }

@@ -92,6 +92,11 @@ pub fn trace(adapters: usize, rate: f64, duration: f64, w: &Workload, vocab: usi
         .collect()
 }
 
+/// The mean output length of a trace's requests.
+pub fn mean_output(requests: &[TraceRequest]) -> f64 {
+    requests.iter().map(|r| r.output_len as f64).sum::<f64>() / requests.len().max(1) as f64
+}
+
 /// One system's run of one trace.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Phase {
@@ -106,11 +111,20 @@ pub struct Phase {
     pub throughput_rps: f64,
     /// Output tokens of the completed requests, per second.
     pub tokens_per_s: f64,
+    /// Every output token generated within the duration, per second, those of requests still
+    /// running at its end included (a saturated system that shares its batch among many
+    /// requests completes few of them in a short window, yet generates as many tokens).
+    pub streamed_tokens_per_s: f64,
+    /// `streamed_tokens_per_s` over the trace's mean output length: requests per second as
+    /// the window's tokens amount to.
+    pub equivalent_rps: f64,
     /// Arrival to completion, over the completed requests.
     pub mean_latency_s: Option<f64>,
     pub p99_latency_s: Option<f64>,
 }
 
+/// Both systems' throughput on one trace, as requests per second of the tokens each generated
+/// within the window.
 #[derive(Debug, Serialize)]
 struct Comparison {
     adapters: usize,
@@ -210,17 +224,17 @@ fn measure<B: Backend>(backend: Arc<B>, kernels: String, dir: &Path, source: Str
     let mut phases = Vec::new();
     let mut peft_errors = Vec::new();
     let mut comparisons = Vec::new();
-    for &n in &args.adapters {
-        let requests = trace(n, offered, args.duration, &workload, vocab, 100 + n as u64);
-        eprintln!("{n} adapters: {} requests over {} s, loraplex ...", requests.len(), args.duration);
-        let ours = bench.serve(n, &requests, args.duration)?;
-        print_phase(&ours);
+    let traces: Vec<Vec<TraceRequest>> = args.adapters.iter().map(|&n| trace(n, offered, args.duration, &workload, vocab, 100 + n as u64)).collect();
+    // The PEFT runs come first: the device memory this process has used for a runtime's pool
+    // stays reserved by it for reuse, out of another process's reach.
+    let mut pefts = Vec::new();
+    for (&n, requests) in args.adapters.iter().zip(&traces) {
         let mut peft = None;
         if let Some(python) = &args.peft_python
             && n <= args.peft_max_adapters
         {
-            eprintln!("{n} adapters: transformers + PEFT on the same trace ...");
-            match bench.peft(python, n, &requests, compute, tmp) {
+            eprintln!("{n} adapters: {} requests over {} s, transformers + PEFT ...", requests.len(), args.duration);
+            match bench.peft(python, n, requests, compute, tmp) {
                 Ok(p) => {
                     print_phase(&p);
                     peft = Some(p);
@@ -231,6 +245,12 @@ fn measure<B: Backend>(backend: Arc<B>, kernels: String, dir: &Path, source: Str
                 }
             }
         }
+        pefts.push(peft);
+    }
+    for ((&n, requests), peft) in args.adapters.iter().zip(&traces).zip(pefts) {
+        eprintln!("{n} adapters: {} requests over {} s, loraplex ...", requests.len(), args.duration);
+        let ours = bench.serve(n, requests, args.duration)?;
+        print_phase(&ours);
         let target = match n {
             n if n <= 5 => Some(VS_PEFT_FEW_TARGET),
             n if n >= 100 => Some(VS_PEFT_MANY_TARGET),
@@ -238,17 +258,17 @@ fn measure<B: Backend>(backend: Arc<B>, kernels: String, dir: &Path, source: Str
         };
         comparisons.push(Comparison {
             adapters: n,
-            loraplex_rps: ours.throughput_rps,
-            peft_rps: peft.as_ref().map(|p| p.throughput_rps),
-            speedup: peft.as_ref().map(|p| ours.throughput_rps / p.throughput_rps),
+            loraplex_rps: ours.equivalent_rps,
+            peft_rps: peft.as_ref().map(|p| p.equivalent_rps),
+            speedup: peft.as_ref().map(|p| ours.equivalent_rps / p.equivalent_rps),
             target: peft.as_ref().and(target),
         });
         phases.push(ours);
         phases.extend(peft);
     }
     let ours: Vec<&Phase> = phases.iter().filter(|p| p.system == "loraplex").collect();
-    let fewest = ours.iter().min_by_key(|p| p.adapters).map_or(f64::NAN, |p| p.throughput_rps);
-    let most = ours.iter().max_by_key(|p| p.adapters).map_or(f64::NAN, |p| p.throughput_rps);
+    let fewest = ours.iter().min_by_key(|p| p.adapters).map_or(f64::NAN, |p| p.equivalent_rps);
+    let most = ours.iter().max_by_key(|p| p.adapters).map_or(f64::NAN, |p| p.equivalent_rps);
     let report = Report {
         machine: super::Machine::with_kernels(kernels),
         device,
@@ -276,7 +296,7 @@ fn measure<B: Backend>(backend: Arc<B>, kernels: String, dir: &Path, source: Str
 
 fn print_phase(p: &Phase) {
     println!(
-        "{:>8} {:>5} adapters: {:>4} arrived, {:>4} completed ({} failed) in {:.0} s: {:.2} requests/s, {:.0} tokens/s, latency mean {:.2} s p99 {:.2} s",
+        "{:>8} {:>5} adapters: {:>4} arrived, {:>4} completed ({} failed) in {:.0} s: {:.2} requests/s completed, {:.0} tokens/s generated ({:.2} requests/s), latency mean {:.2} s p99 {:.2} s",
         p.system,
         p.adapters,
         p.arrived,
@@ -284,7 +304,8 @@ fn print_phase(p: &Phase) {
         p.failed,
         p.duration_s,
         p.throughput_rps,
-        p.tokens_per_s,
+        p.streamed_tokens_per_s,
+        p.equivalent_rps,
         p.mean_latency_s.unwrap_or(f64::NAN),
         p.p99_latency_s.unwrap_or(f64::NAN)
     );
@@ -381,7 +402,7 @@ impl<B: Backend> Bench<'_, B> {
         let valid = requests.iter().map(|r| self.request(r, &refs[r.adapter])).collect::<anyhow::Result<Vec<_>>>()?;
         let mut valid = valid.into_iter();
         let mut live: Vec<(usize, RequestHandle)> = Vec::new();
-        let (mut latencies, mut tokens, mut failed) = (Vec::new(), 0usize, 0usize);
+        let (mut latencies, mut tokens, mut failed, mut streamed) = (Vec::new(), 0usize, 0usize, 0usize);
         let mut next = 0;
         let start = Instant::now();
         let end = if duration.is_finite() { Some(start + Duration::from_secs_f64(duration)) } else { None };
@@ -401,7 +422,7 @@ impl<B: Backend> Bench<'_, B> {
                 while let Some(event) = h.try_next() {
                     moved = true;
                     match event {
-                        crate::actors::Event::Token(_) => {}
+                        crate::actors::Event::Token(_) => streamed += 1,
                         crate::actors::Event::Done(usage) => {
                             latencies.push(start.elapsed().as_secs_f64() - requests[*i].arrival_s);
                             tokens += usage.completion_tokens;
@@ -437,6 +458,8 @@ impl<B: Backend> Bench<'_, B> {
             failed,
             throughput_rps: completed as f64 / secs,
             tokens_per_s: tokens as f64 / secs,
+            streamed_tokens_per_s: streamed as f64 / secs,
+            equivalent_rps: streamed as f64 / secs / mean_output(requests),
             mean_latency_s: (completed > 0).then(|| latencies.iter().sum::<f64>() / completed as f64),
             p99_latency_s: (completed > 0).then(|| quantile(&latencies, 0.99)),
         })
