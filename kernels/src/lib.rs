@@ -187,6 +187,14 @@ pub trait DenseOps: Memory {
     fn silu_mul(&self, gate: &Self::Buffer, up: &Self::Buffer, out: &mut Self::Buffer) -> Result<()>;
     /// `acc += x`, elementwise.
     fn add_assign(&self, acc: &mut Self::Buffer, x: &Self::Buffer) -> Result<()>;
+    /// The residual add and the next norm: `residual += x`, then `out = rms_norm(residual)`
+    /// (the sum stored as the buffers' type first, and normalized as stored: the same values as
+    /// the two ops one after the other). A backend may fuse them into one pass (CUDA: one launch
+    /// instead of two).
+    fn add_rms_norm(&self, residual: &mut Self::Buffer, x: &Self::Buffer, weight: &Self::Buffer, out: &mut Self::Buffer, eps: f32) -> Result<()> {
+        self.add_assign(residual, x)?;
+        self.rms_norm(residual, weight, out, eps)
+    }
     /// `out[i] = x[rows[i]]` over rows of `dim` elements.
     fn gather_rows(&self, x: &Self::Buffer, rows: &Self::Buffer, out: &mut Self::Buffer, dim: usize) -> Result<()>;
 }

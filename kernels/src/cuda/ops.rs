@@ -352,6 +352,10 @@ impl DenseOps for CudaBackend {
     fn gather_rows(&self, x: &CudaBuffer, rows: &CudaBuffer, out: &mut CudaBuffer, dim: usize) -> Result<()> {
         self.gather("gather_rows", x, rows, out, dim)
     }
+
+    fn add_rms_norm(&self, residual: &mut CudaBuffer, x: &CudaBuffer, weight: &CudaBuffer, out: &mut CudaBuffer, eps: f32) -> Result<()> {
+        self.rms_norm_residual(x, residual, weight, out, eps)
+    }
 }
 
 impl AttentionOps for CudaBackend {

@@ -132,8 +132,13 @@ impl<B: Backend> Model<B> {
             act: b.zeros(t * c.intermediate_size)?,
         };
         b.embedding(&self.embed, &batch.token_ids, &mut a.x, h)?;
+        // Each layer starts from its input norm already in `normed`: a layer's last residual
+        // add and the next layer's input norm are one op.
+        if let Some(first) = self.layers.first() {
+            b.rms_norm(&a.x, &first.input_norm, &mut a.normed, c.rms_norm_eps)?;
+        }
         for (l, layer) in self.layers.iter().enumerate() {
-            self.layer_forward((l, layer), batch, lora, cache, layout, &mut a)?;
+            self.layer_forward((l, layer), self.layers.get(l + 1), batch, lora, cache, layout, &mut a)?;
         }
         let r = batch.num_logit_rows;
         let mut last = b.zeros(r * h)?;
@@ -145,9 +150,11 @@ impl<B: Backend> Model<B> {
         Ok(logits)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn layer_forward(
         &self,
         (l, layer): (usize, &Layer<B>),
+        next: Option<&Layer<B>>,
         batch: &ForwardBatch<B>,
         lora: Option<&LoraBatch<B>>,
         cache: &mut B::Buffer,
@@ -157,7 +164,6 @@ impl<B: Backend> Model<B> {
         let b = self.backend.as_ref();
         let c = &self.config;
         let t = batch.meta.num_tokens;
-        b.rms_norm(&a.x, &layer.input_norm, &mut a.normed, c.rms_norm_eps)?;
         {
             let lc = lora.map(|batch| LoraContext { batch, pool: &*cache, layer: l });
             layer.q.forward(b, &a.normed, &mut a.q, t, lc.as_ref())?;
@@ -179,12 +185,14 @@ impl<B: Backend> Model<B> {
         let lc = lora.map(|batch| LoraContext { batch, pool: &*cache, layer: l });
         let lc = lc.as_ref();
         layer.o.forward(b, &a.attn, &mut a.proj, t, lc)?;
-        b.add_assign(&mut a.x, &a.proj)?;
-        b.rms_norm(&a.x, &layer.post_norm, &mut a.normed, c.rms_norm_eps)?;
+        b.add_rms_norm(&mut a.x, &a.proj, &layer.post_norm, &mut a.normed, c.rms_norm_eps)?;
         layer.gate.forward(b, &a.normed, &mut a.gate, t, lc)?;
         layer.up.forward(b, &a.normed, &mut a.up, t, lc)?;
         b.silu_mul(&a.gate, &a.up, &mut a.act)?;
         layer.down.forward(b, &a.act, &mut a.proj, t, lc)?;
-        b.add_assign(&mut a.x, &a.proj)
+        match next {
+            Some(next) => b.add_rms_norm(&mut a.x, &a.proj, &next.input_norm, &mut a.normed, c.rms_norm_eps),
+            None => b.add_assign(&mut a.x, &a.proj),
+        }
     }
 }
