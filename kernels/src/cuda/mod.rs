@@ -244,6 +244,14 @@ impl CudaBackend {
         })
     }
 
+    /// Device `ordinal` computing in `compute`, its kernels compiled (or read from the default
+    /// cache): what a server or a benchmark opens.
+    pub fn open(ordinal: usize, compute: DType) -> Result<Self> {
+        let backend = Self::new(ordinal, compile::default_cache_dir())?.with_compute_dtype(compute)?;
+        backend.warm_up()?;
+        Ok(backend)
+    }
+
     /// Computes in `dtype` (f32, the default, or bf16): see the module's documentation. f16 is
     /// refused: the pool has no f16 KV layout.
     pub fn with_compute_dtype(mut self, dtype: DType) -> Result<Self> {
@@ -435,11 +443,14 @@ impl CudaBackend {
 
     /// A weight stored as `dtype`.
     pub fn load_weight_as(&self, data: &[f32], out_features: usize, in_features: usize, dtype: DType) -> Result<CudaWeight> {
-        const OP: &str = "load_weight";
-        if out_features == 0 || in_features == 0 || data.len() != out_features * in_features {
-            return Err(KernelError::Shape { op: OP, detail: format!("{} values for a [{out_features}, {in_features}] weight", data.len()) });
-        }
+        check_weight_shape(data.len(), out_features, in_features)?;
         Ok(CudaWeight { out_features, in_features, data: self.upload_as(data, dtype)? })
+    }
+
+    /// A weight from f16 or bf16 values, stored as they are.
+    pub fn load_weight_bits(&self, bits: &[u16], out_features: usize, in_features: usize, dtype: DType) -> Result<CudaWeight> {
+        check_weight_shape(bits.len(), out_features, in_features)?;
+        Ok(CudaWeight { out_features, in_features, data: self.upload_bits(bits, dtype)? })
     }
 
     /// The median device time of one run of `f`, in seconds: `warmup` runs first, then `iters`
@@ -483,6 +494,14 @@ impl CudaBackend {
     fn device_name_str(&self) -> String {
         format!("cuda:{} ({})", self.info.ordinal, self.info.name)
     }
+}
+
+/// Fails unless `len` values fill a non-empty `[out_features, in_features]` weight.
+fn check_weight_shape(len: usize, out_features: usize, in_features: usize) -> Result<()> {
+    if out_features == 0 || in_features == 0 || len != out_features * in_features {
+        return Err(KernelError::Shape { op: "load_weight", detail: format!("{len} values for a [{out_features}, {in_features}] weight") });
+    }
+    Ok(())
 }
 
 /// f32 values as the bits of `dtype` (f16 or bf16), rounded to nearest even.

@@ -126,13 +126,7 @@ impl Memory for CudaBackend {
     fn load_weight_data(&self, data: WeightData<'_>, out_features: usize, in_features: usize) -> Result<CudaWeight> {
         match (data, self.compute) {
             // A bf16 checkpoint on a bf16 backend goes up as it is stored, never widened.
-            (WeightData::Bf16(bits), DType::Bf16) => {
-                if out_features == 0 || in_features == 0 || bits.len() != out_features * in_features {
-                    let detail = format!("{} values for a [{out_features}, {in_features}] weight", bits.len());
-                    return Err(KernelError::Shape { op: "load_weight", detail });
-                }
-                Ok(CudaWeight { out_features, in_features, data: self.upload_bits(bits, DType::Bf16)? })
-            }
+            (WeightData::Bf16(bits), DType::Bf16) => self.load_weight_bits(bits, out_features, in_features, DType::Bf16),
             _ => self.load_weight_as(&data.to_f32(), out_features, in_features, self.compute),
         }
     }
@@ -278,7 +272,7 @@ impl DenseOps for CudaBackend {
             // Row-major out[rows, n] = x[rows, k] · w[n, k]ᵀ is column-major outᵀ = w · xᵀ: w read
             // transposed (lda = k), x as is (ldb = k), out with ldc = n.
             // SAFETY: the three pointers are live device buffers of this context holding at least
-            // n*k, rows*k and rows*n elements of `ty` (checked above); alpha and beta are f32 as the
+            // n*k and rows*k elements of `ty` and rows*n of `out_ty` (checked above); alpha and beta are f32 as the
             // 32F compute type requires; the handle's stream is this backend's stream.
             unsafe {
                 cudarc::cublas::result::gemm_ex(

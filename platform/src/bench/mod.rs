@@ -40,9 +40,7 @@ pub(crate) fn model_dir(
 pub(crate) fn open_cuda(ordinal: usize, compute: loraplex_kernels::DType, what: &str) -> anyhow::Result<loraplex_kernels::cuda::CudaBackend> {
     use loraplex_kernels::cuda;
     cuda::probe().map_err(|why| anyhow::anyhow!("{what} needs CUDA, which is not usable here: {why}"))?;
-    let g = cuda::CudaBackend::new(ordinal, cuda::compile::default_cache_dir())?.with_compute_dtype(compute)?;
-    g.warm_up()?;
-    Ok(g)
+    Ok(cuda::CudaBackend::open(ordinal, compute)?)
 }
 
 /// The KV page type a benchmark runs `backend` with: bf16 where it computes in bf16 (its

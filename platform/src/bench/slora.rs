@@ -488,7 +488,9 @@ impl<B: Backend> Bench<'_, B> {
         let out_path = tmp.join(format!("peft-{n}.json"));
         let script = tmp.join("peft_slora.py");
         std::fs::write(&trace_path, serde_json::to_vec(&file)?)?;
-        std::fs::write(&script, include_str!("peft_slora.py"))?;
+        if !script.exists() {
+            std::fs::write(&script, include_str!("peft_slora.py"))?;
+        }
         let status = std::process::Command::new(python)
             .arg(&script)
             .arg(&trace_path)

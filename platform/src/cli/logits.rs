@@ -70,7 +70,7 @@ pub fn run(args: &LogitsArgs) -> anyhow::Result<()> {
         Device::Cuda(n) => {
             check_cuda_dtypes(args.matmul_dtype, args.kv_dtype).map_err(anyhow::Error::msg)?;
             cuda::probe().map_err(|why| anyhow::anyhow!("--device {} needs CUDA, which is not usable here: {why}", args.device))?;
-            let backend = cuda::CudaBackend::new(n.unwrap_or(0), cuda::compile::default_cache_dir())?.with_compute_dtype(args.matmul_dtype.cuda_compute())?;
+            let backend = cuda::CudaBackend::open(n.unwrap_or(0), args.matmul_dtype.cuda_compute())?;
             let model = model::load(Arc::new(backend), &args.model)?;
             (model.backend().device_name(), run_cases(&model, &cases, kv)?)
         }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use actix_web::middleware::from_fn;
 use actix_web::{App, HttpServer, web};
 use anyhow::{Context, bail};
-use loraplex_kernels::cuda::{self, CudaBackend};
+use loraplex_kernels::cuda::CudaBackend;
 
 use crate::api::{self, AdmissionConfig, ApiSettings, AppState, Serving};
 use crate::config::{Device, Resolved, ServeArgs};
@@ -86,10 +86,7 @@ fn start_runtime(args: &ServeArgs, dir: &Path) -> anyhow::Result<(Arc<dyn Servin
             let compute = args.engine.matmul_dtype.cuda_compute();
             let mut devices = Vec::new();
             for n in ordinals {
-                let backend = CudaBackend::new(n, cuda::compile::default_cache_dir())
-                    .and_then(|b| b.with_compute_dtype(compute))
-                    .with_context(|| format!("opening cuda:{n}"))?;
-                backend.warm_up().with_context(|| format!("compiling the kernels for cuda:{n}"))?;
+                let backend = CudaBackend::open(n, compute).with_context(|| format!("opening cuda:{n} and compiling its kernels"))?;
                 devices.push(Arc::new(model::load(Arc::new(backend), dir).with_context(|| load(&format!("cuda:{n}")))?));
             }
             Arc::new(Runtime::start(devices, tokenizer.clone(), engine_config(args)).context("starting the workers")?)
