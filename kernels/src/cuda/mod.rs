@@ -180,6 +180,10 @@ pub struct CudaBackend {
     /// geometrically; the lock is held from the shrink's launch to the expand's, so two threads
     /// never interleave their use of it on the stream.
     lora_scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// Split decode attention's partial results (`[rows, head_dim]` sums, then `[rows, 2]` max
+    /// and denominator), reused by every layer and step as `lora_scratch` is: every partition's
+    /// block writes its whole row, so nothing is read that the step did not write.
+    attn_scratch: Mutex<Option<CudaSlice<f32>>>,
     /// The type of activations and weights (f32 or bf16).
     compute: DType,
 }
@@ -194,7 +198,7 @@ const META_CACHE: usize = 16;
 /// buffers so an evicted one can take the next list without a new allocation.
 const META_MIN: usize = 256;
 
-/// Smallest BGMV rank buffer, in f32s.
+/// Smallest scratch buffer (BGMV's rank buffer, decode attention's partials), in f32s.
 const SCRATCH_MIN: usize = 4096;
 
 impl std::fmt::Debug for CudaBackend {
@@ -240,6 +244,7 @@ impl CudaBackend {
             smem_raised: Mutex::new(HashMap::new()),
             meta_cache: Mutex::new(Vec::new()),
             lora_scratch: Mutex::new(None),
+            attn_scratch: Mutex::new(None),
             compute: DType::F32,
         })
     }
@@ -382,13 +387,23 @@ impl CudaBackend {
         Ok(dev)
     }
 
-    /// Runs `f` with the backend's f32 scratch buffer of at least `len` elements, holding its
+    /// Runs `f` with BGMV's rank buffer of at least `len` f32s (see [`Self::with_scratch`]).
+    fn with_lora_scratch<R>(&self, len: usize, f: impl FnOnce(&CudaSlice<f32>) -> Result<R>) -> Result<R> {
+        self.with_scratch(&self.lora_scratch, len, f)
+    }
+
+    /// Runs `f` with split decode attention's partials buffer of at least `len` f32s.
+    fn with_attn_scratch<R>(&self, len: usize, f: impl FnOnce(&CudaSlice<f32>) -> Result<R>) -> Result<R> {
+        self.with_scratch(&self.attn_scratch, len, f)
+    }
+
+    /// Runs `f` with the f32 scratch buffer `slot` grown to at least `len` elements, holding its
     /// lock throughout (so what `f` queues on the stream is not interleaved with another
     /// caller's use). The buffer's contents are whatever an earlier call left: `f` must write
     /// every element it reads. A buffer too small is freed (stream-ordered: kernels queued
     /// before still read it) and replaced by one at least twice its size.
-    fn with_lora_scratch<R>(&self, len: usize, f: impl FnOnce(&CudaSlice<f32>) -> Result<R>) -> Result<R> {
-        let mut guard = self.lora_scratch.lock().unwrap_or_else(|p| p.into_inner());
+    fn with_scratch<R>(&self, slot: &Mutex<Option<CudaSlice<f32>>>, len: usize, f: impl FnOnce(&CudaSlice<f32>) -> Result<R>) -> Result<R> {
+        let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
         let old = guard.as_ref().map_or(0, |s| s.len());
         if old < len.max(1) {
             *guard = None;

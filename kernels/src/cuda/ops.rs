@@ -440,41 +440,40 @@ impl AttentionOps for CudaBackend {
         match attn_plan {
             AttentionPlan::Decode { launch, part_size, parts, combine } => {
                 let token_seq = self.upload_meta(OP, &token_seq)?;
-                let rows = meta.num_tokens * heads * parts as usize;
-                let (part_acc, part_ml) =
-                    if parts > 1 { (Some(self.zeros_as(rows * hd, DType::F32)?), Some(self.zeros_as(rows * 2, DType::F32)?)) } else { (None, None) };
                 let name = format!("attn_decode_{s}");
                 let f = self.function(ATTENTION, &name)?;
-                let null = 0u64;
-                self.launch(OP, &name, &f, &launch, |b| {
-                    q.push(b);
-                    cache.push(b);
-                    out.push(b);
-                    match (&part_acc, &part_ml) {
-                        (Some(a), Some(ml)) => {
-                            a.push(b);
-                            ml.push(b);
-                        }
-                        _ => {
-                            b.arg(&null).arg(&null);
-                        }
-                    }
-                    b.arg(&*token_seq);
-                    meta.positions.push(b);
-                    meta.block_tables.push(b);
-                    b.arg(&mb).arg(&nh).arg(&nkv).arg(&hd32).arg(&bs).arg(&pe).arg(&layer).arg(&scale).arg(&window).arg(&part_size);
-                })?;
-                if let (Some(c), Some(a), Some(ml)) = (combine, &part_acc, &part_ml) {
+                // The partials' device addresses (null when one partition covers the keys).
+                let decode = |(acc, ml): &(u64, u64)| {
+                    self.launch(OP, &name, &f, &launch, |b| {
+                        q.push(b);
+                        cache.push(b);
+                        out.push(b);
+                        b.arg(acc).arg(ml);
+                        b.arg(&*token_seq);
+                        meta.positions.push(b);
+                        meta.block_tables.push(b);
+                        b.arg(&mb).arg(&nh).arg(&nkv).arg(&hd32).arg(&bs).arg(&pe).arg(&layer).arg(&scale).arg(&window).arg(&part_size);
+                    })
+                };
+                let Some(combine) = combine else {
+                    return decode(&(0, 0));
+                };
+                // Each (token, head, partition) row: head_dim partial sums, then its max and
+                // denominator. Every partition's block writes its row, empty ones included.
+                let rows = meta.num_tokens * heads * parts as usize;
+                let (acc_len, ml_len) = (rows * hd, rows * 2);
+                self.with_attn_scratch(acc_len + ml_len, |scratch| {
+                    let base = scratch.device_ptr(&self.stream).0;
+                    let (acc, ml) = (base, base + (acc_len * std::mem::size_of::<f32>()) as u64);
+                    decode(&(acc, ml))?;
                     let name = format!("attn_combine_{s}");
                     let f = self.function(ATTENTION, &name)?;
-                    self.launch(OP, &name, &f, &c, |b| {
-                        a.push(b);
-                        ml.push(b);
+                    self.launch(OP, &name, &f, &combine, |b| {
+                        b.arg(&acc).arg(&ml);
                         out.push(b);
                         b.arg(&nh).arg(&hd32).arg(&parts);
-                    })?;
-                }
-                Ok(())
+                    })
+                })
             }
             AttentionPlan::Prefill { launch, tiles } => {
                 let tiles = self.upload_meta(OP, &tiles)?;

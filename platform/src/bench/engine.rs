@@ -83,6 +83,33 @@ struct Row {
     mfu: f64,
     gbs: f64,
     mbu: f64,
+    /// Decode: where a timed step's host time went, mean milliseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    host_split: Option<HostSplit>,
+}
+
+/// The engine's [`crate::engine::StepTime`] over a row's timed steps, mean milliseconds a step.
+/// With a device, `forward_ms` is the time to queue the kernels; when it is close to the whole
+/// step the device waits on the host.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct HostSplit {
+    schedule_ms: f64,
+    prepare_ms: f64,
+    forward_ms: f64,
+    finish_ms: f64,
+}
+
+impl HostSplit {
+    fn between(before: crate::engine::StepTime, after: crate::engine::StepTime) -> Option<Self> {
+        let steps = after.steps.checked_sub(before.steps).filter(|&n| n > 0)? as f64;
+        let ms = |a: u64, b: u64| a.saturating_sub(b) as f64 / 1e6 / steps;
+        Some(Self {
+            schedule_ms: ms(after.schedule_ns, before.schedule_ns),
+            prepare_ms: ms(after.prepare_ns, before.prepare_ns),
+            forward_ms: ms(after.forward_ns, before.forward_ns),
+            finish_ms: ms(after.finish_ns, before.finish_ns),
+        })
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -246,18 +273,21 @@ fn decode_row<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, costs: &C
     }
     let mut times = Vec::with_capacity(steps);
     let mut produced = 0;
+    let before = engine.step_time();
     for _ in 0..steps {
         let t = Instant::now();
         produced += engine.step()?.len();
         times.push(t.elapsed().as_secs_f64());
     }
     anyhow::ensure!(produced == batch * steps, "expected {} tokens, the engine produced {produced}", batch * steps);
+    let split = HostSplit::between(before, engine.step_time());
     times.sort_by(f64::total_cmp);
     let avg_ctx = ctx as f64 + generated.values().sum::<usize>() as f64 / batch as f64 + steps as f64 / 2.0;
     let step_s = times[times.len() / 2];
     let flops = batch as f64 * (costs.layer_flops_per_token + costs.head_flops + costs.attn_flops_per_pair * avg_ctx);
     let bytes = costs.weight_bytes + batch as f64 * avg_ctx * costs.kv_bytes_per_token;
-    Ok(Measured { phase: "decode", batch, context: ctx, tokens: batch, seconds: step_s, flops, bytes }.row(m))
+    let row = Measured { phase: "decode", batch, context: ctx, tokens: batch, seconds: step_s, flops, bytes }.row(m);
+    Ok(Row { host_split: split, ..row })
 }
 
 fn prefill_row<B: Backend>(model: &Arc<Model<B>>, tok: &Arc<Tokenizer>, costs: &Costs, m: Machine, args: &BenchEngineArgs) -> anyhow::Result<Row> {
@@ -311,6 +341,7 @@ impl Measured {
             gbs,
             mbu: gbs / m.read_bandwidth_gbs,
             machine: m,
+            host_split: None,
         }
     }
 }
@@ -354,6 +385,14 @@ fn print_table(r: &Report) {
         None => {}
     }
     let decode: Vec<&Row> = r.rows.iter().filter(|x| x.phase == "decode").collect();
+    for row in &decode {
+        if let Some(h) = row.host_split {
+            println!(
+                "decode batch {}: host ms a step (means): schedule {:.3}, prepare {:.3}, forward {:.3}, finish {:.3}",
+                row.batch, h.schedule_ms, h.prepare_ms, h.forward_ms, h.finish_ms
+            );
+        }
+    }
     if let Some(largest) = decode.iter().max_by_key(|x| x.batch) {
         println!("target: MFU >= {:.0}% at batch {}: {:.1}%", MFU_TARGET * 100.0, largest.batch, largest.mfu * 100.0);
     }

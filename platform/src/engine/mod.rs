@@ -168,6 +168,22 @@ pub struct Engine<B: Backend> {
     /// Sequences sent back to their queue to free pages, since the engine started.
     preemptions: u64,
     grammar_time: GrammarTime,
+    step_time: StepTime,
+}
+
+/// Where the host time of the engine's steps went, since it started (steps that ran a forward).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepTime {
+    pub steps: u64,
+    /// Polling adapters and scheduling.
+    pub schedule_ns: u64,
+    /// Building and uploading the batch and its LoRA metadata.
+    pub prepare_ns: u64,
+    /// The forward call: queuing its kernels (on the CPU backend, running them).
+    pub forward_ns: u64,
+    /// From the forward's return until the sampled tokens (or logits) were on the host: on a
+    /// device, the wait for queued kernels plus sampling.
+    pub finish_ns: u64,
 }
 
 /// What structured output has cost the engine's steps, since it started.
@@ -187,6 +203,11 @@ impl<B: Backend> Engine<B> {
     /// What structured output has cost the steps so far.
     pub fn grammar_time(&self) -> GrammarTime {
         self.grammar_time
+    }
+
+    /// Where the steps' host time went so far.
+    pub fn step_time(&self) -> StepTime {
+        self.step_time
     }
 
     pub fn new(model: Arc<Model<B>>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Result<Self, EngineError> {
@@ -233,6 +254,7 @@ impl<B: Backend> Engine<B> {
             residency_events: Vec::new(),
             preemptions: 0,
             grammar_time: GrammarTime::default(),
+            step_time: StepTime::default(),
         })
     }
 
@@ -367,6 +389,7 @@ impl<B: Backend> Engine<B> {
     }
 
     fn step_here(&mut self) -> Result<Vec<TokenEvent>, EngineError> {
+        let entered = std::time::Instant::now();
         self.poll_adapters()?;
         self.fail_unplaceable();
         let prefix = self.config.prefix_cache.then_some(&mut self.prefix);
@@ -406,8 +429,10 @@ impl<B: Backend> Engine<B> {
                 constrained.push((id, c));
             }
         }
-        let (logits, masked) = if constrained.is_empty() {
-            (self.model.forward(&batch, lora.as_ref(), &mut self.mem.buffer, &self.mem.layout), Vec::new())
+        let forward_began = std::time::Instant::now();
+        let (logits, masked, forward_done) = if constrained.is_empty() {
+            let logits = self.model.forward(&batch, lora.as_ref(), &mut self.mem.buffer, &self.mem.layout);
+            (logits, Vec::new(), std::time::Instant::now())
         } else {
             let (model, mem) = (&self.model, &mut self.mem);
             let count = constrained.len() as u64;
@@ -438,7 +463,7 @@ impl<B: Backend> Engine<B> {
             t.masks += count;
             t.mask_ns += mask_ns;
             t.wait_ns += wait_ns;
-            (logits, masked)
+            (logits, masked, forward_done)
         };
         for (id, c, mask) in masked {
             if let Some(s) = self.sched.get_mut(id) {
@@ -459,6 +484,13 @@ impl<B: Backend> Engine<B> {
         let host_logits = if argmax_only { Vec::new() } else { backend.download_f32(&logits)? };
         // The step's results are on the host: it has run.
         self.sched.observe_step(cost, began.elapsed().as_secs_f64());
+        let ns = |d: std::time::Duration| d.as_nanos() as u64;
+        let t = &mut self.step_time;
+        t.steps += 1;
+        t.schedule_ns += ns(began.saturating_duration_since(entered));
+        t.prepare_ns += ns(forward_began.saturating_duration_since(began));
+        t.forward_ns += ns(forward_done.saturating_duration_since(forward_began));
+        t.finish_ns += ns(forward_done.elapsed());
         let mut rows = host_logits.chunks_exact(vocab);
         let mut events = Vec::with_capacity(host.logit_rows.len());
         for &(id, n) in &plan {

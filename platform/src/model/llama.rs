@@ -1,5 +1,7 @@
 //! The Llama-family forward pass.
 
+use std::sync::Mutex;
+
 use loraplex_adapters::{BaseShape, TargetModule};
 use loraplex_kernels::{AttentionParams, Backend, BatchMeta, KernelError, KvLayout, RowDType};
 
@@ -29,7 +31,14 @@ pub struct Model<B: Backend> {
     lm_head: Linear<B>,
     /// `[max_position_embeddings, head_dim]` cos/sin table for rotary embeddings.
     rope: B::Buffer,
+    /// The activations of recent forwards, each taken by the next forward of its token count
+    /// (decode steps repeat theirs): no allocating and zeroing ten buffers a step.
+    kept: Mutex<Vec<Activations<B>>>,
 }
+
+/// Activation sets kept between forwards: two token counts (a decode batch and the chunked
+/// prefill's) stay without a fresh allocation.
+const KEPT_ACTIVATIONS: usize = 2;
 
 /// One forward batch, already uploaded: the tokens of every sequence flattened without padding.
 pub struct ForwardBatch<B: Backend> {
@@ -41,8 +50,11 @@ pub struct ForwardBatch<B: Backend> {
     pub num_logit_rows: usize,
 }
 
-/// Scratch activations of one forward, sized for its token count.
+/// Scratch activations of one forward, sized for its token count. Every op writes its output
+/// whole before anything reads it, so a set is reused as it is, never cleared.
 struct Activations<B: Backend> {
+    /// Tokens and logit rows.
+    shape: (usize, usize),
     x: B::Buffer,
     normed: B::Buffer,
     q: B::Buffer,
@@ -53,6 +65,9 @@ struct Activations<B: Backend> {
     gate: B::Buffer,
     up: B::Buffer,
     act: B::Buffer,
+    /// The logit rows' hidden states, before and after the final norm.
+    last: B::Buffer,
+    last_normed: B::Buffer,
 }
 
 impl<B: Backend> Model<B> {
@@ -89,7 +104,7 @@ impl<B: Backend> Model<B> {
         let table = rope::cos_sin_table(c);
         let mut rope = b.zeros_f32(table.len())?;
         b.write_f32(&mut rope, 0, &table)?;
-        Ok(Self { embed: b.upload_f32(&embed_data)?, norm: norm("model.norm.weight")?, rope, layers, lm_head, config, backend })
+        Ok(Self { embed: b.upload_f32(&embed_data)?, norm: norm("model.norm.weight")?, rope, layers, lm_head, config, backend, kept: Mutex::new(Vec::new()) })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -115,11 +130,28 @@ impl<B: Backend> Model<B> {
     /// of the requested rows, `[num_logit_rows, vocab_size]`. `cache` is the whole page pool:
     /// KV blocks and, for `lora`, the adapters' rows.
     pub fn forward(&self, batch: &ForwardBatch<B>, lora: Option<&LoraBatch<B>>, cache: &mut B::Buffer, layout: &KvLayout) -> Result<B::Buffer, KernelError> {
+        let mut a = self.activations((batch.meta.num_tokens, batch.num_logit_rows))?;
+        let logits = self.forward_with(batch, lora, cache, layout, &mut a);
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.len() >= KEPT_ACTIVATIONS {
+            kept.remove(0);
+        }
+        kept.push(a);
+        logits
+    }
+
+    /// A kept activation set for `t` tokens and `r` logit rows, or a new one.
+    fn activations(&self, (t, r): (usize, usize)) -> Result<Activations<B>, KernelError> {
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = kept.iter().position(|a| a.shape == (t, r)) {
+            return Ok(kept.remove(i));
+        }
+        drop(kept);
         let b = self.backend.as_ref();
         let c = &self.config;
-        let t = batch.meta.num_tokens;
         let (h, hd) = (c.hidden_size, c.head_dim);
-        let mut a = Activations::<B> {
+        Ok(Activations {
+            shape: (t, r),
             x: b.zeros(t * h)?,
             normed: b.zeros(t * h)?,
             q: b.zeros(t * c.num_heads * hd)?,
@@ -130,7 +162,22 @@ impl<B: Backend> Model<B> {
             gate: b.zeros(t * c.intermediate_size)?,
             up: b.zeros(t * c.intermediate_size)?,
             act: b.zeros(t * c.intermediate_size)?,
-        };
+            last: b.zeros(r * h)?,
+            last_normed: b.zeros(r * h)?,
+        })
+    }
+
+    fn forward_with(
+        &self,
+        batch: &ForwardBatch<B>,
+        lora: Option<&LoraBatch<B>>,
+        cache: &mut B::Buffer,
+        layout: &KvLayout,
+        a: &mut Activations<B>,
+    ) -> Result<B::Buffer, KernelError> {
+        let b = self.backend.as_ref();
+        let c = &self.config;
+        let h = c.hidden_size;
         b.embedding(&self.embed, &batch.token_ids, &mut a.x, h)?;
         // Each layer starts from its input norm already in `normed`: a layer's last residual
         // add and the next layer's input norm are one op.
@@ -138,15 +185,13 @@ impl<B: Backend> Model<B> {
             b.rms_norm(&a.x, &first.input_norm, &mut a.normed, c.rms_norm_eps)?;
         }
         for (l, layer) in self.layers.iter().enumerate() {
-            self.layer_forward((l, layer), self.layers.get(l + 1), batch, lora, cache, layout, &mut a)?;
+            self.layer_forward((l, layer), self.layers.get(l + 1), batch, lora, cache, layout, a)?;
         }
         let r = batch.num_logit_rows;
-        let mut last = b.zeros(r * h)?;
-        b.gather_rows(&a.x, &batch.logit_rows, &mut last, h)?;
-        let mut normed = b.zeros(r * h)?;
-        b.rms_norm(&last, &self.norm, &mut normed, c.rms_norm_eps)?;
+        b.gather_rows(&a.x, &batch.logit_rows, &mut a.last, h)?;
+        b.rms_norm(&a.last, &self.norm, &mut a.last_normed, c.rms_norm_eps)?;
         let mut logits = b.zeros_f32(r * c.vocab_size)?;
-        self.lm_head.forward(b, &normed, &mut logits, r, None)?;
+        self.lm_head.forward(b, &a.last_normed, &mut logits, r, None)?;
         Ok(logits)
     }
 
