@@ -1,5 +1,5 @@
 //! `loraplex bench kernels` (needs a CUDA GPU): the batched LoRA kernels at decode (BGMV) and
-//! prefill (SGMV) shapes and paged decode attention, each as achieved bandwidth against the
+//! prefill (SGMV) shapes, paged decode attention, and cuBLAS at decode-sized matmuls, each as achieved bandwidth against the
 //! device-to-device copy bandwidth this run measures, and the LoRA kernels against two PyTorch
 //! baselines run on the same machine (a per-adapter loop of matmuls, and a gather + bmm).
 //!
@@ -13,7 +13,8 @@ use std::process::{Command, Stdio};
 use anyhow::{Context, bail};
 use loraplex_kernels::cuda::{CudaBackend, CudaBuffer};
 use loraplex_kernels::{
-    AttentionOps, AttentionParams, BatchMeta, DType, KvLayout, LORA_ROW_ALIGN, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory, NUM_MODULES, RowDType,
+    AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KvLayout, LORA_ROW_ALIGN, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory, NUM_MODULES,
+    RowDType,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
@@ -216,6 +217,26 @@ fn attention_row(g: &CudaBackend, rng: &mut StdRng, batch: usize, context: usize
     Ok(Row { tokens: batch, ..measured("attention", &format!("decode b{batch} ctx{context}"), secs, bytes, copy_gbs) })
 }
 
+/// cuBLAS at decode-sized matmuls (1 and 8 rows) on a 7b's projection shapes in bf16, the
+/// part of a decode step that is not loraplex's kernels; weights rotate among `SETS` copies so
+/// the L2 does not hold them.
+fn matmul_rows(g: &CudaBackend, rng: &mut StdRng, copy_gbs: f64) -> anyhow::Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for (what, n, k) in [("qkvo", 4096, 4096), ("gate/up", 11008, 4096), ("down", 4096, 11008), ("lm_head", 32000, 4096)] {
+        let weights = (0..SETS)
+            .map(|_| g.load_weight_as(&(0..n * k).map(|_| rng.random::<f32>() - 0.5).collect::<Vec<_>>(), n, k, DType::Bf16))
+            .collect::<Result<Vec<_>, _>>()?;
+        for tokens in [1, 8] {
+            let x = g.upload_as(&(0..tokens * k).map(|_| rng.random::<f32>() - 0.5).collect::<Vec<_>>(), DType::Bf16)?;
+            let mut out = g.zeros_as(tokens * n, DType::Bf16)?;
+            let secs = g.time_runs(WARMUP, ITERS, |i| g.matmul(&x, &weights[i % SETS], None, &mut out, tokens))?;
+            let bytes = ((n * k + tokens * k + tokens * n) * 2) as u64;
+            rows.push(Row { tokens, ..measured("cublas", &format!("{what} b{tokens} {n}x{k}"), secs, bytes, copy_gbs) });
+        }
+    }
+    Ok(rows)
+}
+
 /// Runs the PyTorch baselines with `python` for `shapes`.
 fn torch_baselines(python: &str, shapes: &[Shape]) -> anyhow::Result<Vec<TorchRow>> {
     let script = std::env::temp_dir().join(format!("loraplex-torch-lora-{}.py", std::process::id()));
@@ -263,6 +284,7 @@ pub fn run(args: &BenchKernelsArgs) -> anyhow::Result<()> {
             rows.push(attention_row(&g, &mut rng, batch, context, copy_gbs)?);
         }
     }
+    rows.extend(matmul_rows(&g, &mut rng, copy_gbs)?);
     println!("{:<10} {:<22} {:>10} {:>9} {:>8} {:>11} {:>11} {:>8}", "kernel", "shape", "us", "GB/s", "of copy", "torch loop", "torch bmm", "speedup");
     for r in &rows {
         let opt = |v: Option<f64>, unit: &str| v.map_or("-".to_string(), |v| format!("{v:.1}{unit}"));
