@@ -8,8 +8,8 @@
 //
 // Two attention kernels:
 // - decode: one block per (token, head, partition of the keys); each warp runs an online softmax
-//   over its share of the partition's keys with the query held in registers, then the warps merge
-//   in shared memory. With several partitions (long contexts, few tokens), each writes its
+//   over tiles of 32 keys of the partition, one key a lane against the query in shared memory,
+//   then the warps merge in shared memory. With several partitions (long contexts, few tokens), each writes its
 //   running max, sum and unnormalised output, and `attn_combine` merges them.
 // - prefill: one block per (tile of up to PREFILL_Q query tokens of one sequence, head); the
 //   block walks the keys in tiles of 32 staged in shared memory, one warp per query row with one
@@ -47,7 +47,35 @@ __device__ __forceinline__ const T* key_row(const T* cache, const u32* table, u3
     return cache + (u64)page * page_elems + head_off + (u64)(key % block_size) * head_dim;
 }
 
-// grid (tokens, heads, parts), block (warps * 32), dynamic shared memory (2 + head_dim) * warps floats.
+// q . (the key row at kp), q in shared memory (scaled), the row read in 16-byte loads when
+// `vec` (rows and pages 16-byte aligned), else element by element.
+template <typename T>
+__device__ __forceinline__ float key_dot(const float* __restrict__ s_q, const T* kp, u32 head_dim, bool vec) {
+    float dot = 0.0f;
+    if (vec) {
+        constexpr u32 V = 16 / sizeof(T);
+        const vec16_t* kv = (const vec16_t*)kp;
+        const u32 chunks = head_dim / V;
+#pragma unroll 4
+        for (u32 c = 0; c < chunks; ++c) {
+            float f[V];
+            unpack16<T>(kv[c], f);
+#pragma unroll
+            for (u32 e = 0; e < V; ++e) dot += s_q[c * V + e] * f[e];
+        }
+    } else {
+        for (u32 d = 0; d < head_dim; ++d) dot += s_q[d] * to_f32(kp[d]);
+    }
+    return dot;
+}
+
+// grid (tokens, heads, parts), block (warps * 32), dynamic shared memory
+// (2 + head_dim) * warps + head_dim floats.
+//
+// Each warp takes tiles of 32 consecutive keys of the partition, one key a lane: the lane reads
+// its whole key row (16-byte loads where aligned) and dots it with the query in shared memory, so
+// a tile costs one max and one sum across the warp rather than one reduction per key. The value
+// rows are then summed lane-per-dimension, the tile's 32 rows loaded independently of each other.
 template <typename T>
 __device__ void attn_decode_impl(const T* __restrict__ q, const T* __restrict__ cache, T* __restrict__ out, float* __restrict__ part_acc,
                                  float* __restrict__ part_ml, const u32* __restrict__ token_seq, const u32* __restrict__ positions,
@@ -64,34 +92,42 @@ __device__ void attn_decode_impl(const T* __restrict__ q, const T* __restrict__ 
     const u32* table = block_tables + (u64)token_seq[t] * max_blocks;
     const u64 per_kv = (u64)kv_heads * block_size * head_dim;
     const u64 head_off = (u64)layer * 2 * per_kv + (u64)kvh * block_size * head_dim;
+    // Key rows start 16-byte aligned when the pool does and every offset to them is a whole
+    // number of 16-byte chunks.
+    constexpr u32 V = 16 / sizeof(T);
+    const bool vec = head_dim % V == 0 && page_elems % V == 0 && (((u64)cache) & 15u) == 0;
 
-    float qr[MAX_LANE_DIMS], acc[MAX_LANE_DIMS];
+    float* s_q = smem + (2 + head_dim) * warps;
     const T* qp = q + ((u64)t * heads + h) * head_dim;
+    for (u32 d = threadIdx.x; d < head_dim; d += blockDim.x) s_q[d] = to_f32(qp[d]) * scale;
+    __syncthreads();
+
+    float acc[MAX_LANE_DIMS];
 #pragma unroll
-    for (int i = 0; i < MAX_LANE_DIMS; ++i) {
-        const u32 d = lane + 32u * i;
-        qr[i] = d < head_dim ? to_f32(qp[d]) * scale : 0.0f;
-        acc[i] = 0.0f;
-    }
+    for (int i = 0; i < MAX_LANE_DIMS; ++i) acc[i] = 0.0f;
     float m = neg_inf(), l = 0.0f;
-    for (u32 key = k0 + warp; key < k1; key += warps) {
-        const T* kp = key_row(cache, table, key, block_size, page_elems, head_off, head_dim);
-        const T* vp = kp + per_kv;
-        float dot = 0.0f;
-#pragma unroll
-        for (int i = 0; i < MAX_LANE_DIMS; ++i) {
-            const u32 d = lane + 32u * i;
-            if (d < head_dim) dot += qr[i] * to_f32(kp[d]);
-        }
-        dot = warp_sum(dot);
-        const float m_new = fmaxf(m, dot);
+    for (u32 kt = k0 + warp * 32u; kt < k1; kt += warps * 32u) {
+        const u32 key = kt + lane;
+        const bool valid = key < k1;
+        const float s = valid ? key_dot(s_q, key_row(cache, table, key, block_size, page_elems, head_off, head_dim), head_dim, vec) : neg_inf();
+        const float m_new = fmaxf(m, warp_max(s));  // the tile's first key is valid
         const float corr = expf(m - m_new);
-        const float p = expf(dot - m_new);
-        l = l * corr + p;
+        const float p = valid ? expf(s - m_new) : 0.0f;
+        l = l * corr + warp_sum(p);
 #pragma unroll
-        for (int i = 0; i < MAX_LANE_DIMS; ++i) {
-            const u32 d = lane + 32u * i;
-            if (d < head_dim) acc[i] = acc[i] * corr + p * to_f32(vp[d]);
+        for (int i = 0; i < MAX_LANE_DIMS; ++i) acc[i] *= corr;
+        const u32 n = min(32u, k1 - kt);
+#pragma unroll 8
+        for (u32 j = 0; j < 32u; ++j) {
+            const float pj = __shfl_sync(0xffffffffu, p, j);
+            if (j < n) {
+                const T* vp = key_row(cache, table, kt + j, block_size, page_elems, head_off, head_dim) + per_kv;
+#pragma unroll
+                for (int i = 0; i < MAX_LANE_DIMS; ++i) {
+                    const u32 d = lane + 32u * i;
+                    if (d < head_dim) acc[i] += pj * to_f32(vp[d]);
+                }
+            }
         }
         m = m_new;
     }

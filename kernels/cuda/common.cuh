@@ -89,6 +89,39 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(v);
 }
 
+// 16 bytes, for vector loads of 16-byte aligned data.
+struct __align__(16) vec16_t {
+    u32 a, b, c, d;
+};
+
+// The 4 (f32) or 8 (f16, bf16) values of 16 loaded bytes, as f32.
+template <typename T> __device__ __forceinline__ void unpack16(const vec16_t& v, float* f);
+template <> __device__ __forceinline__ void unpack16<float>(const vec16_t& v, float* f) {
+    f[0] = __uint_as_float(v.a);
+    f[1] = __uint_as_float(v.b);
+    f[2] = __uint_as_float(v.c);
+    f[3] = __uint_as_float(v.d);
+}
+template <> __device__ __forceinline__ void unpack16<bf16_t>(const vec16_t& v, float* f) {
+    const u32 w[4] = {v.a, v.b, v.c, v.d};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+template <> __device__ __forceinline__ void unpack16<f16_t>(const vec16_t& v, float* f) {
+    const u32 w[4] = {v.a, v.b, v.c, v.d};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f16_t lo, hi;
+        lo.bits = (u16)(w[i] & 0xffffu);
+        hi.bits = (u16)(w[i] >> 16);
+        f[2 * i] = to_f32(lo);
+        f[2 * i + 1] = to_f32(hi);
+    }
+}
+
 // The block's dynamic shared memory, as an array of T.
 #ifndef LORAPLEX_SIM
 #define DYNAMIC_SHARED(T, name) extern __shared__ T name[]

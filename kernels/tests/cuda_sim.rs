@@ -357,6 +357,8 @@ fn attention_kernels_match_the_cpu() {
         attention_case(&c, &mut r, dtype, Case { what: "decode gqa", heads: 4, kv_heads: 2, hd: 64, seqs: &[(40, 1), (0, 1), (70, 1)], window: None });
         attention_case(&c, &mut r, dtype, Case { what: "decode partitions", heads: 2, kv_heads: 1, hd: 40, seqs: &[(600, 1)], window: None });
         attention_case(&c, &mut r, dtype, Case { what: "decode window", heads: 2, kv_heads: 2, hd: 32, seqs: &[(100, 1), (5, 1)], window: Some(24) });
+        // Rows of 72 bytes in 16-bit types: the element-by-element key loads.
+        attention_case(&c, &mut r, dtype, Case { what: "decode head_dim 36", heads: 3, kv_heads: 1, hd: 36, seqs: &[(50, 1), (33, 1)], window: None });
         attention_case(
             &c,
             &mut r,

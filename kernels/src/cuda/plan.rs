@@ -125,8 +125,11 @@ pub fn attention(
             if blocks >= want || max_keys <= DECODE_MIN_PART { 1 } else { want.div_ceil(blocks).min(max_keys.div_ceil(DECODE_MIN_PART)).clamp(1, MAX_GRID_YZ) };
         let part_size = max_keys.div_ceil(parts).next_multiple_of(32);
         let parts = max_keys.div_ceil(part_size);
-        let launch =
-            Launch { grid: (tokens as u32, heads_dim, parts as u32), block: (DECODE_WARPS * 32) as u32, smem: ((2 + head_dim) * DECODE_WARPS * 4) as u32 };
+        let launch = Launch {
+            grid: (tokens as u32, heads_dim, parts as u32),
+            block: (DECODE_WARPS * 32) as u32,
+            smem: (((2 + head_dim) * DECODE_WARPS + head_dim) * 4) as u32,
+        };
         let combine = (parts > 1).then(|| Launch { grid: (tokens as u32, heads_dim, 1), block: row_threads(head_dim, 256), smem: 0 });
         return Ok(AttentionPlan::Decode { launch, part_size: part_size as u32, parts: parts as u32, combine });
     }
@@ -243,7 +246,7 @@ mod tests {
         assert!(parts > 1 && parts as usize * part_size as usize >= 4096 && (parts as usize - 1) * (part_size as usize) < 4096);
         assert_eq!(part_size % 32, 0);
         assert_eq!(launch.grid, (1, 8, parts));
-        assert_eq!(launch.smem as usize, (2 + 128) * DECODE_WARPS * 4);
+        assert_eq!(launch.smem as usize, ((2 + 128) * DECODE_WARPS + 128) * 4);
         assert!(combine.is_some());
         // Many sequences fill the device: no split.
         let starts: Vec<u32> = (0..=64).collect();
