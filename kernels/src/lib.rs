@@ -265,6 +265,11 @@ pub trait SamplingOps: Memory {
     /// largest threshold whose kept weight reaches `top_p` times the weight top-k kept; the token
     /// is the first index whose running sum of kept weights exceeds `uniform` times their total.
     fn sample_rows(&self, logits: &Self::Buffer, vocab: usize, params: &[SampleParams]) -> Result<Vec<u32>>;
+    /// Whether drawing tokens with [`SamplingOps::sample_rows`] spares copying logit rows to the
+    /// host (a device backend). The CPU backend's logits are on the host already.
+    fn draws_on_device(&self) -> bool {
+        false
+    }
 }
 
 /// Batched LoRA over adapters whose rank rows live in the pool (see [`LoraRows`]), many adapters

@@ -494,6 +494,10 @@ impl AttentionOps for CudaBackend {
 }
 
 impl SamplingOps for CudaBackend {
+    fn draws_on_device(&self) -> bool {
+        true
+    }
+
     fn argmax_rows(&self, logits: &CudaBuffer, vocab: usize) -> Result<Vec<u32>> {
         const OP: &str = "argmax_rows";
         logits.expect(OP, DType::F32)?;

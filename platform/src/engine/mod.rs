@@ -169,6 +169,8 @@ pub struct Engine<B: Backend> {
     preemptions: u64,
     grammar_time: GrammarTime,
     step_time: StepTime,
+    /// Draw plain sampled rows with the backend's `sample_rows` (see [`Engine::set_device_sampling`]).
+    device_sampling: bool,
 }
 
 /// Where the host time of the engine's steps went, since it started (steps that ran a forward).
@@ -184,6 +186,10 @@ pub struct StepTime {
     /// From the forward's return until the sampled tokens (or logits) were on the host: on a
     /// device, the wait for queued kernels plus sampling.
     pub finish_ns: u64,
+    /// Logits rows whose token the backend drew (only the ids left it).
+    pub drawn_rows: u64,
+    /// Logits rows copied to the host to be sampled there.
+    pub copied_rows: u64,
 }
 
 /// What structured output has cost the engine's steps, since it started.
@@ -210,6 +216,14 @@ impl<B: Backend> Engine<B> {
         self.step_time
     }
 
+    /// Whether rows with a plain draw (temperature, top-k, top-p; no seed, penalties, min-p,
+    /// logprobs or grammar) are drawn by the backend's `sample_rows`, so that only their token
+    /// ids reach the host. On by default where that spares copying logits (a GPU), off on the
+    /// CPU, where the host's sampler runs either way.
+    pub fn set_device_sampling(&mut self, on: bool) {
+        self.device_sampling = on;
+    }
+
     pub fn new(model: Arc<Model<B>>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Result<Self, EngineError> {
         Self::with_host_tier(model, tokenizer, config, None)
     }
@@ -233,6 +247,7 @@ impl<B: Backend> Engine<B> {
         let attention_cost =
             config.attention_cost.unwrap_or_else(|| model.config().attention_flops_per_key() / model.backend().attention_efficiency().max(1e-3));
         let adapters = AdapterResidency::new(loader, model.config().num_layers, pinnable);
+        let device_sampling = model.backend().draws_on_device();
         Ok(Self {
             model,
             tokenizer,
@@ -254,6 +269,7 @@ impl<B: Backend> Engine<B> {
             residency_events: Vec::new(),
             preemptions: 0,
             grammar_time: GrammarTime::default(),
+            device_sampling,
             step_time: StepTime::default(),
         })
     }
@@ -474,14 +490,26 @@ impl<B: Backend> Engine<B> {
 
         let logits = logits?;
         let vocab = self.model.config().vocab_size;
-        // When every sequence wants the plain argmax, only the chosen ids leave the device.
-        let argmax_only = plan.iter().all(|&(id, n)| self.sched.get(id).is_none_or(|s| s.computed + n < s.tokens.len() || s.wants_argmax_only()));
-        let chosen = if argmax_only { backend.argmax_rows(&logits, vocab)? } else { Vec::new() };
-        if argmax_only && chosen.len() != host.logit_rows.len() {
-            return Err(EngineError::DeviceOutput { expected: host.logit_rows.len(), got: chosen.len() });
+        // How each logits row (one per sequence whose tokens are all computed, in plan order)
+        // becomes a token: only chosen ids leave the device for argmax and device-drawn rows.
+        let mut ways = Vec::with_capacity(host.logit_rows.len());
+        for &(id, n) in &plan {
+            let Some(s) = self.sched.get_mut(id) else { continue };
+            if s.computed + n < s.tokens.len() {
+                continue;
+            }
+            ways.push(if s.wants_argmax_only() {
+                Way::Argmax
+            } else if self.device_sampling && s.forks.is_empty() {
+                s.device_draw().map_or(Way::Host, Way::Device)
+            } else {
+                Way::Host
+            });
         }
-        let mut chosen = chosen.into_iter();
-        let host_logits = if argmax_only { Vec::new() } else { backend.download_f32(&logits)? };
+        if ways.len() != host.logit_rows.len() {
+            return Err(EngineError::DeviceOutput { expected: host.logit_rows.len(), got: ways.len() });
+        }
+        let (picked, copied) = pick_rows(backend.as_ref(), &logits, vocab, &ways)?;
         // The step's results are on the host: it has run.
         self.sched.observe_step(cost, began.elapsed().as_secs_f64());
         let ns = |d: std::time::Duration| d.as_nanos() as u64;
@@ -491,7 +519,9 @@ impl<B: Backend> Engine<B> {
         t.prepare_ns += ns(forward_began.saturating_duration_since(began));
         t.forward_ns += ns(forward_done.saturating_duration_since(forward_began));
         t.finish_ns += ns(forward_done.elapsed());
-        let mut rows = host_logits.chunks_exact(vocab);
+        t.drawn_rows += ways.iter().filter(|w| matches!(w, Way::Device(_))).count() as u64;
+        t.copied_rows += ways.iter().filter(|w| matches!(w, Way::Host)).count() as u64;
+        let mut picked = picked.iter();
         let mut events = Vec::with_capacity(host.logit_rows.len());
         for &(id, n) in &plan {
             let Some(s) = self.sched.get_mut(id) else { continue };
@@ -504,10 +534,12 @@ impl<B: Backend> Engine<B> {
             }
             let prefix = self.config.prefix_cache.then_some(&mut self.prefix);
             let mut samples = if s.forks.is_empty() { Vec::new() } else { split_samples(s, &mut self.mem, backend.as_ref(), prefix)? };
-            let pick = if argmax_only { Pick::Argmax(chosen.next().unwrap_or_default()) } else { Pick::Logits(rows.next().unwrap_or_default()) };
+            let Some(pick) = picked.next() else {
+                return Err(EngineError::DeviceOutput { expected: host.logit_rows.len(), got: events.len() });
+            };
             // A sequence that fails here (its output cannot be detokenized) ends alone: its
             // samples are dropped with it and the rest of the batch goes on.
-            let sample_events = match take_tokens(s, &mut samples, pick, &self.tokenizer) {
+            let sample_events = match take_tokens(s, &mut samples, pick.as_pick(&copied, vocab), &self.tokenizer) {
                 Ok(out) => out,
                 Err(e) => {
                     let error = match e {
@@ -655,8 +687,94 @@ pub fn end_tokens(tokenizer: &Tokenizer, config: &crate::model::ModelConfig) -> 
 enum Pick<'a> {
     /// The device's argmax of its logits row.
     Argmax(u32),
+    /// A token the device drew from its logits row.
+    Drawn(u32),
     /// Its logits row, sampled on the host.
     Logits(&'a [f32]),
+}
+
+/// How one logits row becomes a token.
+enum Way {
+    Argmax,
+    /// Drawn on the device with these settings.
+    Device(loraplex_kernels::SampleParams),
+    /// The row copied to the host and sampled there.
+    Host,
+}
+
+/// What a row's [`Way`] gave.
+enum Picked {
+    Argmax(u32),
+    Drawn(u32),
+    /// The index of its row among the rows copied to the host.
+    Row(usize),
+}
+
+impl Picked {
+    /// `copied`: the host rows, `vocab` values each.
+    fn as_pick<'a>(&self, copied: &'a [f32], vocab: usize) -> Pick<'a> {
+        match *self {
+            Picked::Argmax(t) => Pick::Argmax(t),
+            Picked::Drawn(t) => Pick::Drawn(t),
+            Picked::Row(r) => Pick::Logits(copied.get(r * vocab..(r + 1) * vocab).unwrap_or_default()),
+        }
+    }
+}
+
+/// Each row's token or host copy, by its way: the argmax rows' ids from one device argmax, the
+/// device-drawn rows' ids from one `sample_rows` over those rows gathered, the host rows' logits
+/// in one copy (of those rows gathered, unless every row is one), returned beside.
+fn pick_rows<B: Backend>(backend: &B, logits: &B::Buffer, vocab: usize, ways: &[Way]) -> Result<(Vec<Picked>, Vec<f32>), EngineError> {
+    let n = ways.len();
+    let of = |keep: fn(&Way) -> bool| -> Vec<u32> { ways.iter().enumerate().filter(|(_, w)| keep(w)).map(|(i, _)| i as u32).collect() };
+    let (argmax_rows, device_rows, host_rows) = (of(|w| matches!(w, Way::Argmax)), of(|w| matches!(w, Way::Device(_))), of(|w| matches!(w, Way::Host)));
+    let check = |got: usize, expected: usize| if got == expected { Ok(()) } else { Err(EngineError::DeviceOutput { expected, got }) };
+    // The rows `rows` of `logits` (all of it when they are every row).
+    let gather = |rows: &[u32]| -> Result<Option<B::Buffer>, EngineError> {
+        if rows.len() == n {
+            return Ok(None);
+        }
+        let idx = backend.upload_u32(rows)?;
+        let mut out = backend.zeros_f32(rows.len() * vocab)?;
+        backend.gather_rows(logits, &idx, &mut out, vocab)?;
+        Ok(Some(out))
+    };
+    let argmax = if argmax_rows.is_empty() {
+        Vec::new()
+    } else {
+        // One argmax over every row costs next to nothing beside gathering the few.
+        let all = backend.argmax_rows(logits, vocab)?;
+        check(all.len(), n)?;
+        all
+    };
+    let drawn = if device_rows.is_empty() {
+        Vec::new()
+    } else {
+        let params: Vec<_> = ways.iter().filter_map(|w| if let Way::Device(p) = w { Some(*p) } else { None }).collect();
+        let some = gather(&device_rows)?;
+        let drawn = backend.sample_rows(some.as_ref().unwrap_or(logits), vocab, &params)?;
+        check(drawn.len(), device_rows.len())?;
+        drawn
+    };
+    let copied = if host_rows.is_empty() {
+        Vec::new()
+    } else {
+        let some = gather(&host_rows)?;
+        let copied = backend.download_f32(some.as_ref().unwrap_or(logits))?;
+        check(copied.len(), host_rows.len() * vocab)?;
+        copied
+    };
+    let (mut drawn, mut row) = (drawn.into_iter(), 0..);
+    let picked = ways
+        .iter()
+        .enumerate()
+        .map(|(i, w)| match w {
+            Way::Argmax => Picked::Argmax(argmax[i]),
+            Way::Device(_) => Picked::Drawn(drawn.next().unwrap_or_default()),
+            Way::Host => Picked::Row(row.next().unwrap_or_default()),
+        })
+        .collect();
+    Ok((picked, copied))
 }
 
 /// The next token of `s` and of each of its samples whose prompt is computed; the first event
@@ -664,6 +782,8 @@ enum Pick<'a> {
 fn take_tokens(s: &mut Sequence, samples: &mut [Sequence], pick: Pick<'_>, tokenizer: &Tokenizer) -> Result<Vec<TokenEvent>, SampleError> {
     let take = |seq: &mut Sequence| match pick {
         Pick::Argmax(token) => seq.take_argmax(token, tokenizer).map_err(SampleError::from),
+        // Only a sequence without samples is drawn on the device (each sample draws its own).
+        Pick::Drawn(token) => seq.take_device_draw(token, tokenizer).map_err(SampleError::from),
         Pick::Logits(row) => seq.sample(&mut row.to_vec(), tokenizer),
     };
     let mut out = vec![take(s)?];

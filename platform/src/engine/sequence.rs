@@ -212,6 +212,22 @@ impl Sequence {
         Ok(self.accept(token, Some(logprob), top_logprobs, tokenizer)?)
     }
 
+    /// The settings for drawing this sequence's next token on the device
+    /// ([`crate::sampling::Sampler::device_draw`]), when it has no grammar and the draw is one
+    /// the device makes; takes one number from its random stream.
+    pub fn device_draw(&mut self) -> Option<loraplex_kernels::SampleParams> {
+        if self.grammar.is_some() {
+            return None;
+        }
+        self.sampler.device_draw()
+    }
+
+    /// Takes a token drawn on the device with [`Sequence::device_draw`]'s settings.
+    pub fn take_device_draw(&mut self, token: u32, tokenizer: &Tokenizer) -> Result<TokenEvent, TokenizerError> {
+        self.sampler.record_device_draw(token);
+        self.accept(token, None, Vec::new(), tokenizer)
+    }
+
     /// Takes a token a device argmax chose (only when [`Sequence::wants_argmax_only`]).
     pub fn take_argmax(&mut self, token: u32, tokenizer: &Tokenizer) -> Result<TokenEvent, TokenizerError> {
         self.sampler.record_argmax(token);

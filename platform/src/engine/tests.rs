@@ -211,3 +211,106 @@ mod structured {
         }
     }
 }
+
+mod device_sampling {
+    //! Rows drawn by the backend's `sample_rows` beside argmax rows and rows sampled on the host,
+    //! in one batch (the CPU backend standing in for a device).
+
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn tiny() -> (tempfile::TempDir, Arc<Model<CpuBackend>>, Arc<Tokenizer>) {
+        let dir = tempfile::tempdir().unwrap();
+        let m = dir.path().join("m");
+        crate::synth::synthesize_model(&SynthOptions { out: m.clone(), preset: Preset::Tiny, seed: 0, dtype: crate::synth::FileDType::F32, kv_heads: None })
+            .unwrap();
+        let model = Arc::new(crate::model::load(Arc::new(CpuBackend::new()), &m).unwrap());
+        let tokenizer = Arc::new(Tokenizer::from_dir(&m).unwrap());
+        (dir, model, tokenizer)
+    }
+
+    fn engine(model: &Arc<Model<CpuBackend>>, tokenizer: &Arc<Tokenizer>, device: bool) -> Engine<CpuBackend> {
+        let mut e = Engine::new(model.clone(), tokenizer.clone(), EngineConfig { pool_bytes: 16 << 20, ..EngineConfig::default() }).unwrap();
+        e.set_device_sampling(device);
+        e
+    }
+
+    fn sampled(model: &Model<CpuBackend>, first: u32, max_new_tokens: u32, sampling: SamplingParams) -> ValidRequest {
+        let stop = StopConditions { max_new_tokens, ignore_eos: true, ..Default::default() };
+        GenerationRequest { prompt: vec![first, 11, 5, first + 1], sampling, stop, adapter: None, n: 1, grammar: None }.validate(model.config()).unwrap()
+    }
+
+    /// Every sequence's tokens, stepping until the engine is idle.
+    fn run(e: &mut Engine<CpuBackend>) -> HashMap<SeqId, Vec<u32>> {
+        let mut out: HashMap<SeqId, Vec<u32>> = HashMap::new();
+        while e.has_work() {
+            for ev in e.step().unwrap() {
+                out.entry(ev.seq).or_default().push(ev.token);
+            }
+        }
+        assert!(e.take_failures().is_empty());
+        out
+    }
+
+    /// With top-k 1 a draw can only be the row's argmax, so each sequence of a batch mixing
+    /// greedy rows, device draws and host-sampled rows (seeded, or asking for logprobs) must
+    /// continue exactly as it does alone and greedily: a row handed another row's logits or
+    /// token would not.
+    #[test]
+    fn device_draws_sit_beside_argmax_and_host_rows() {
+        let (_dir, model, tokenizer) = tiny();
+        let top1 = SamplingParams { temperature: 0.7, top_k: 1, ..SamplingParams::default() };
+        let kinds = [
+            SamplingParams::greedy(),
+            top1.clone(),
+            SamplingParams { seed: Some(5), ..top1.clone() },
+            SamplingParams { logprobs: Some(2), ..top1.clone() },
+            top1.clone(),
+        ];
+        let firsts: Vec<u32> = (0..10).map(|i| 20 + 7 * i).collect();
+        let alone: Vec<Vec<u32>> = firsts
+            .iter()
+            .map(|&f| {
+                let mut e = engine(&model, &tokenizer, false);
+                let id = e.add(sampled(&model, f, 6, SamplingParams::greedy())).unwrap();
+                run(&mut e).remove(&id).unwrap()
+            })
+            .collect();
+        for device in [true, false] {
+            let mut e = engine(&model, &tokenizer, device);
+            let ids: Vec<SeqId> = firsts.iter().zip(kinds.iter().cycle()).map(|(&f, k)| e.add(sampled(&model, f, 6, k.clone())).unwrap()).collect();
+            let got = run(&mut e);
+            for (i, id) in ids.iter().enumerate() {
+                assert_eq!(got[id], alone[i], "sequence {i} ({:?}), device sampling {device}", kinds[i % kinds.len()]);
+            }
+            let t = e.step_time();
+            // Per token: 4 of 10 rows are plain draws, 4 seeded or with logprobs, 2 greedy.
+            if device {
+                assert_eq!((t.drawn_rows, t.copied_rows), (4 * 6, 4 * 6), "{t:?}");
+            } else {
+                assert_eq!((t.drawn_rows, t.copied_rows), (0, 8 * 6), "{t:?}");
+            }
+        }
+    }
+
+    /// Device draws honour their settings: with top-k 3 and a high temperature every first
+    /// token is one of the row's 3 most likely, and they are not all the same.
+    #[test]
+    fn device_draws_keep_to_top_k() {
+        let (_dir, model, tokenizer) = tiny();
+        let mut e = engine(&model, &tokenizer, false);
+        let probe = e.add(sampled(&model, 33, 1, SamplingParams { logprobs: Some(3), ..SamplingParams::greedy() })).unwrap();
+        let events = e.step().unwrap();
+        let top3: Vec<u32> = events.iter().find(|ev| ev.seq == probe).unwrap().top_logprobs.iter().map(|&(id, _)| id).collect();
+        assert_eq!(top3.len(), 3);
+        let mut e = engine(&model, &tokenizer, true);
+        let ids: Vec<SeqId> =
+            (0..24).map(|_| e.add(sampled(&model, 33, 1, SamplingParams { temperature: 50.0, top_k: 3, ..SamplingParams::default() })).unwrap()).collect();
+        let got = run(&mut e);
+        let firsts: Vec<u32> = ids.iter().map(|id| got[id][0]).collect();
+        assert!(firsts.iter().all(|t| top3.contains(t)), "{firsts:?} outside {top3:?}");
+        assert!(firsts.iter().any(|&t| t != firsts[0]), "24 draws at temperature 50 all gave {}", firsts[0]);
+        assert_eq!(e.step_time().drawn_rows, 24);
+    }
+}

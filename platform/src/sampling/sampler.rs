@@ -3,6 +3,8 @@
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap, HashSet};
 
+use loraplex_kernels::SampleParams;
+
 use super::{SamplingParams, Xoshiro256, math};
 
 /// One sampled token with its logprobs under the model's raw distribution.
@@ -132,6 +134,34 @@ impl Sampler {
 
     /// Records a token chosen outside [`Sampler::sample`] (see [`Sampler::is_plain_argmax`]).
     pub fn record_argmax(&mut self, token: u32) {
+        self.record(token);
+    }
+
+    /// The settings of this row's next draw on the device, taking its uniform from this
+    /// sampler's stream, when the device's draw is the one asked for: temperature, top-k and
+    /// top-p only (no min-p, penalties or logprobs), for a request without a seed. A seeded
+    /// request is drawn here on the host, where the same seed gives the same tokens for the same
+    /// logits on every machine.
+    pub fn device_draw(&mut self) -> Option<SampleParams> {
+        let p = &self.params;
+        let plain = !p.is_greedy()
+            && p.seed.is_none()
+            && p.logprobs.is_none()
+            && p.min_p == 0.0
+            && p.repetition_penalty == 1.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0;
+        let top_k = u32::try_from(p.top_k).ok()?;
+        if !(plain && p.temperature.is_finite() && p.top_p > 0.0 && p.top_p <= 1.0) {
+            return None;
+        }
+        // [0, 1) in f32: a draw that rounds up to 1 takes the largest f32 below it.
+        let uniform = (self.rng.next_f64() as f32).min(1.0 - f32::EPSILON / 2.0);
+        Some(SampleParams { temperature: p.temperature, top_k, top_p: p.top_p, uniform })
+    }
+
+    /// Records a token drawn on the device with [`Sampler::device_draw`]'s settings.
+    pub fn record_device_draw(&mut self, token: u32) {
         self.record(token);
     }
 
