@@ -11,7 +11,8 @@ waiting request's adapter is activated and every waiting request of that adapter
 largest batch) is generated together, left-padded, greedily, for the batch's longest output
 (end-of-sequence ignored). A request completes when its batch does; what completes within the
 duration counts, and so does every useful token generated within it (a batch still running at
-its end is stopped there). Writes the phase as OUT.json in the bench's format.
+its end is stopped there). Writes the phase as OUT.json in the bench's format, and a line per
+batch on stderr (its size, the adapter load, the tokens asked and counted, the time a step).
 """
 
 import dataclasses
@@ -71,7 +72,7 @@ class Counter(BaseStreamer):
     output length are the batch's padding), within the duration."""
 
     def __init__(self, lengths):
-        self.lengths, self.step, self.first = lengths, 0, True
+        self.lengths, self.step, self.first, self.counted = lengths, 0, True, 0
 
     def put(self, value):
         global streamed
@@ -79,7 +80,9 @@ class Counter(BaseStreamer):
             self.first = False
             return
         if time.perf_counter() - start <= duration:
-            streamed += sum(1 for n in self.lengths if n > self.step)
+            useful = sum(1 for n in self.lengths if n > self.step)
+            streamed += useful
+            self.counted += useful
         self.step += 1
 
     def end(self):
@@ -113,11 +116,16 @@ while True:
     head = pending[0]["adapter"]
     batch = [r for r in pending if r["adapter"] == head][:max_batch]
     pending = [r for r in pending if not any(r is b for b in batch)]
+    began = time.perf_counter()
     activate(head)
+    sync()
+    load_s = time.perf_counter() - began
     width = max(len(r["prompt_ids"]) for r in batch)
     ids = torch.tensor([[0] * (width - len(r["prompt_ids"])) + r["prompt_ids"] for r in batch], device=device)
     mask = torch.tensor([[0] * (width - len(r["prompt_ids"])) + [1] * len(r["prompt_ids"]) for r in batch], device=device)
     new = max(r["output_len"] for r in batch)
+    counter = Counter([r["output_len"] for r in batch])
+    generating = time.perf_counter()
     with torch.no_grad():
         model.generate(
             input_ids=ids,
@@ -126,11 +134,18 @@ while True:
             min_new_tokens=new,
             do_sample=False,
             pad_token_id=0,
-            streamer=Counter([r["output_len"] for r in batch]),
+            streamer=counter,
             stopping_criteria=StoppingCriteriaList([Deadline()]),
         )
     sync()
     batches += 1
+    took = time.perf_counter() - generating
+    print(
+        f"peft batch {batches} at {began - start:.2f} s: {len(batch)} request(s) of adapter {head}, prompts up to {width} tokens, "
+        f"activate {load_s:.2f} s, {counter.step} of {new} steps in {took:.2f} s ({1e3 * took / max(1, counter.step):.1f} ms a step), "
+        f"{counter.counted} tokens counted",
+        file=sys.stderr,
+    )
     done = time.perf_counter() - start
     if done > duration:
         break
