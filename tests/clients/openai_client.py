@@ -53,6 +53,16 @@ count(s.usage)
 assert sorted(ch.index for ch in s.choices) == [0, 1, 2, 3], s.choices
 assert len(s.choices[0].logprobs.tokens) == 3 and len(s.choices[0].logprobs.top_logprobs[0]) == 2
 
+# Unseeded plain draws (on a GPU, drawn on the device): with top_k 1 the draw is the argmax, so
+# the text is the greedy one; with top_p the batch of n draws gives n completions of full length.
+one = client.completions.create(model=base, prompt="Hello there", max_tokens=5, temperature=0.8, extra_body={"top_k": 1, "ignore_eos": True})
+count(one.usage)
+assert one.choices[0].text == c.choices[0].text, (one.choices[0].text, c.choices[0].text)
+drawn = client.completions.create(model="support", prompt="Hello there", max_tokens=6, n=3, temperature=0.8, top_p=0.9,
+                                  extra_body={"ignore_eos": True})
+count(drawn.usage)
+assert len(drawn.choices) == 3 and drawn.usage.completion_tokens == 18, drawn
+
 # A completion stream with usage at the end.
 chunks = list(client.completions.create(model=base, prompt="Hello there", max_tokens=5, temperature=0, stream=True,
                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
