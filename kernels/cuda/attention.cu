@@ -170,6 +170,157 @@ __device__ void attn_decode_impl(const T* __restrict__ q, const T* __restrict__ 
     }
 }
 
+// The grouped decode kernel: one block per (token, KV head, partition) for the G query heads
+// that share the KV head (grouped-query attention), so each key and value row is read once for
+// the G of them rather than once per query head. As attn_decode otherwise: tiles of 32 keys, one
+// key a lane, its row dotted with the G queries in shared memory; the value row loaded once and
+// added into the G heads' sums. LD: the most dims a lane keeps per head (head_dim <= 32 * LD).
+// grid (tokens, kv_heads, parts), block (warps * 32), dynamic shared memory
+// (G * head_dim + 2 * warps * G + warps * G * head_dim) floats.
+template <typename T, int G, int LD>
+__device__ void attn_decode_group_impl(const T* __restrict__ q, const T* __restrict__ cache, T* __restrict__ out,
+                                       float* __restrict__ part_acc, float* __restrict__ part_ml, const u32* __restrict__ token_seq,
+                                       const u32* __restrict__ positions, const u32* __restrict__ block_tables, u32 max_blocks,
+                                       u32 heads, u32 kv_heads, u32 head_dim, u32 block_size, u64 page_elems, u32 layer, float scale,
+                                       u32 window, u32 part_size) {
+    DYNAMIC_SHARED(float, smem);
+    const u32 t = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z, parts = gridDim.z;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const u32 pos = positions[t];
+    const u32 first = (window != 0 && pos + 1 > window) ? pos + 1 - window : 0;
+    const u32 k0 = first + part * part_size;
+    const u32 k1 = min(k0 + part_size, pos + 1);
+    const u32 h0 = kvh * G;  // the group's first query head
+    const u32* table = block_tables + (u64)token_seq[t] * max_blocks;
+    const u64 per_kv = (u64)kv_heads * block_size * head_dim;
+    const u64 head_off = (u64)layer * 2 * per_kv + (u64)kvh * block_size * head_dim;
+    constexpr u32 V = 16 / sizeof(T);
+    const bool vec = head_dim % V == 0 && page_elems % V == 0 && (((u64)cache) & 15u) == 0;
+
+    // smem: [G][head_dim] queries, then [warps][G] maxima, [warps][G] sums, [warps][G][head_dim] sums.
+    float* s_q = smem;
+    float* s_m = s_q + G * head_dim;
+    float* s_l = s_m + warps * G;
+    float* s_acc = s_l + warps * G;
+    for (u32 i = threadIdx.x; i < G * head_dim; i += blockDim.x) {
+        const u32 g = i / head_dim, d = i - g * head_dim;
+        s_q[i] = to_f32(q[((u64)t * heads + h0 + g) * head_dim + d]) * scale;
+    }
+    __syncthreads();
+
+    float acc[G][LD], m[G], l[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        m[g] = neg_inf();
+        l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < LD; ++i) acc[g][i] = 0.0f;
+    }
+    for (u32 kt = k0 + warp * 32u; kt < k1; kt += warps * 32u) {
+        const u32 key = kt + lane;
+        const bool valid = key < k1;
+        float s[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) s[g] = 0.0f;
+        if (valid) {
+            const T* kp = key_row(cache, table, key, block_size, page_elems, head_off, head_dim);
+            if (vec) {
+                const vec16_t* kv = (const vec16_t*)kp;
+                for (u32 c = 0; c < head_dim / V; ++c) {
+                    float f[V];
+                    unpack16<T>(kv[c], f);
+#pragma unroll
+                    for (int g = 0; g < G; ++g) {
+                        const float* qg = s_q + g * head_dim + c * V;
+#pragma unroll
+                        for (u32 e = 0; e < V; ++e) s[g] += qg[e] * f[e];
+                    }
+                }
+            } else {
+                for (u32 d = 0; d < head_dim; ++d) {
+                    const float f = to_f32(kp[d]);
+#pragma unroll
+                    for (int g = 0; g < G; ++g) s[g] += s_q[g * head_dim + d] * f;
+                }
+            }
+        }
+        float p[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const float sg = valid ? s[g] : neg_inf();
+            const float m_new = fmaxf(m[g], warp_max(sg));  // the tile's first key is valid
+            const float corr = expf(m[g] - m_new);
+            p[g] = valid ? expf(sg - m_new) : 0.0f;
+            l[g] = l[g] * corr + warp_sum(p[g]);
+#pragma unroll
+            for (int i = 0; i < LD; ++i) acc[g][i] *= corr;
+            m[g] = m_new;
+        }
+        const u32 n = min(32u, k1 - kt);
+#pragma unroll 4
+        for (u32 j = 0; j < 32u; ++j) {
+            float pj[G];
+#pragma unroll
+            for (int g = 0; g < G; ++g) pj[g] = __shfl_sync(0xffffffffu, p[g], j);
+            if (j < n) {
+                const T* vp = key_row(cache, table, kt + j, block_size, page_elems, head_off, head_dim) + per_kv;
+#pragma unroll
+                for (int i = 0; i < LD; ++i) {
+                    const u32 d = lane + 32u * i;
+                    if (d < head_dim) {
+                        const float v = to_f32(vp[d]);
+#pragma unroll
+                        for (int g = 0; g < G; ++g) acc[g][i] += pj[g] * v;
+                    }
+                }
+            }
+        }
+    }
+
+    // Merge the warps, per query head of the group.
+    if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            s_m[warp * G + g] = m[g];
+            s_l[warp * G + g] = l[g];
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int i = 0; i < LD; ++i) {
+            const u32 d = lane + 32u * i;
+            if (d < head_dim) s_acc[(warp * G + g) * head_dim + d] = acc[g][i];
+        }
+    }
+    __syncthreads();
+    for (u32 idx = threadIdx.x; idx < G * head_dim; idx += blockDim.x) {
+        const u32 g = idx / head_dim, d = idx - g * head_dim;
+        float mx = neg_inf();
+        for (u32 w = 0; w < warps; ++w) mx = fmaxf(mx, s_m[w * G + g]);
+        float sum = 0.0f, a = 0.0f;
+        for (u32 w = 0; w < warps; ++w) {
+            const float mw = s_m[w * G + g];
+            if (mw != neg_inf()) {
+                const float f = expf(mw - mx);
+                sum += s_l[w * G + g] * f;
+                a += s_acc[(w * G + g) * head_dim + d] * f;
+            }
+        }
+        const u32 h = h0 + g;
+        const u64 row = ((u64)t * heads + h) * parts + part;
+        if (parts == 1) {
+            out[((u64)t * heads + h) * head_dim + d] = from_f32<T>(a / sum);
+        } else {
+            part_acc[row * head_dim + d] = a;
+            if (d == 0) {
+                part_ml[row * 2] = mx;
+                part_ml[row * 2 + 1] = sum;
+            }
+        }
+    }
+}
+
 // grid (tokens, heads), block (threads): merges the partitions of attn_decode.
 template <typename T>
 __device__ void attn_combine_impl(const float* __restrict__ part_acc, const float* __restrict__ part_ml, T* __restrict__ out, u32 heads,
@@ -305,6 +456,17 @@ __device__ void attn_prefill_impl(const T* __restrict__ q, const T* __restrict__
     }
 }
 
+// attn_decode_g{G}_d{LD}_{type}: the grouped decode kernel for G query heads a KV head and
+// head_dim up to 32 * LD.
+#define ATTN_DECODE_GROUP(name, T, G, LD)                                                                                  \
+    extern "C" __global__ void attn_decode_g##G##_d##LD##_##name(                                                           \
+        const T* q, const T* cache, T* out, float* part_acc, float* part_ml, const u32* token_seq, const u32* positions,    \
+        const u32* block_tables, u32 max_blocks, u32 heads, u32 kv_heads, u32 hd, u32 block_size, u64 page_elems,           \
+        u32 layer, float scale, u32 window, u32 part_size) {                                                                \
+        attn_decode_group_impl<T, G, LD>(q, cache, out, part_acc, part_ml, token_seq, positions, block_tables, max_blocks,  \
+                                         heads, kv_heads, hd, block_size, page_elems, layer, scale, window, part_size);     \
+    }
+
 #define ATTENTION_KERNELS(name, T)                                                                                          \
     extern "C" __global__ void write_kv_##name(const T* k, const T* v, T* cache, const u32* slots, u32 kv_heads, u32 hd,    \
                                                u32 block_size, u64 page_elems, u32 layer) {                                 \
@@ -317,6 +479,8 @@ __device__ void attn_prefill_impl(const T* __restrict__ q, const T* __restrict__
         attn_decode_impl<T>(q, cache, out, part_acc, part_ml, token_seq, positions, block_tables, max_blocks, heads,        \
                             kv_heads, hd, block_size, page_elems, layer, scale, window, part_size);                         \
     }                                                                                                                       \
+    ATTN_DECODE_GROUP(name, T, 2, 4) ATTN_DECODE_GROUP(name, T, 2, 8) ATTN_DECODE_GROUP(name, T, 4, 4)                     \
+    ATTN_DECODE_GROUP(name, T, 4, 8) ATTN_DECODE_GROUP(name, T, 8, 4) ATTN_DECODE_GROUP(name, T, 8, 8)                     \
     extern "C" __global__ void attn_combine_##name(const float* part_acc, const float* part_ml, T* out, u32 heads, u32 hd, \
                                                    u32 parts) {                                                             \
         attn_combine_impl<T>(part_acc, part_ml, out, heads, hd, parts);                                                     \

@@ -271,6 +271,15 @@ fn dense_kernels_match_the_cpu() {
 }
 
 fn attention_case(c: &CpuBackend, r: &mut StdRng, dtype: DType, case: Case<'_>) {
+    // Decode both ways where the heads' grouping has a grouped kernel.
+    let group = case.heads / case.kv_heads;
+    attention_case_with(c, r, dtype, case, false);
+    if case.seqs.iter().all(|&(_, new)| new == 1) && plan::grouped_decode_kernel(group, case.hd).is_some() {
+        attention_case_with(c, r, dtype, case, true);
+    }
+}
+
+fn attention_case_with(c: &CpuBackend, r: &mut StdRng, dtype: DType, case: Case<'_>, grouped_decode: bool) {
     let Case { what, heads, kv_heads, hd, seqs, window } = case;
     let layout = KvLayout { num_layers: 2, num_kv_heads: kv_heads, head_dim: hd, block_size: 16, dtype: RowDType::F32 };
     let p = paged(r, 16, seqs);
@@ -292,7 +301,7 @@ fn attention_case(c: &CpuBackend, r: &mut StdRng, dtype: DType, case: Case<'_>) 
         &plan::per_row("t", t, kv_heads * hd).unwrap(),
         &[sk, sv, scache, sslots, Arg::U32(kv_heads as u32), Arg::U32(hd as u32), bs, pe, layer],
     );
-    let limits = Limits { sm_count: 132, max_smem: 227 * 1024 };
+    let limits = Limits { sm_count: 132, max_smem: 227 * 1024, grouped_decode };
     let common = [
         Arg::U32(p.max_blocks as u32),
         Arg::U32(heads as u32),
@@ -304,13 +313,13 @@ fn attention_case(c: &CpuBackend, r: &mut StdRng, dtype: DType, case: Case<'_>) 
         Arg::F32(params.scale),
         Arg::U32(window.unwrap_or(0) as u32),
     ];
-    let attn = plan::attention("t", &p.seq_starts, &p.positions, heads, hd, window, limits).unwrap();
+    let attn = plan::attention("t", &p.seq_starts, &p.positions, heads, kv_heads, hd, window, limits).unwrap();
     let kind = match &attn {
-        AttentionPlan::Decode { parts, .. } => format!("decode, {parts} part(s)"),
+        AttentionPlan::Decode { parts, kernel, .. } => format!("{kernel}, {parts} part(s)"),
         AttentionPlan::Prefill { tiles, .. } => format!("prefill, {} tile(s)", tiles.len() / 3),
     };
     match attn {
-        AttentionPlan::Decode { launch, part_size, parts, combine } => {
+        AttentionPlan::Decode { launch, part_size, parts, combine, kernel } => {
             let token_seq: Vec<u32> = (0..t as u32).collect();
             let sts = sim.u32s(&token_seq);
             let rows = t * heads * parts as usize;
@@ -318,7 +327,7 @@ fn attention_case(c: &CpuBackend, r: &mut StdRng, dtype: DType, case: Case<'_>) 
             let mut args = vec![sq, scache, out, acc, ml, sts, spos, stables];
             args.extend(common);
             args.push(Arg::U32(part_size));
-            sim.launch(&format!("attn_decode_{s}"), &launch, &args);
+            sim.launch(&format!("{kernel}_{s}"), &launch, &args);
             if let Some(cl) = combine {
                 sim.launch(&format!("attn_combine_{s}"), &cl, &[acc, ml, out, Arg::U32(heads as u32), Arg::U32(hd as u32), Arg::U32(parts)]);
             }
@@ -359,6 +368,10 @@ fn attention_kernels_match_the_cpu() {
         attention_case(&c, &mut r, dtype, Case { what: "decode window", heads: 2, kv_heads: 2, hd: 32, seqs: &[(100, 1), (5, 1)], window: Some(24) });
         // Rows of 72 bytes in 16-bit types: the element-by-element key loads.
         attention_case(&c, &mut r, dtype, Case { what: "decode head_dim 36", heads: 3, kv_heads: 1, hd: 36, seqs: &[(50, 1), (33, 1)], window: None });
+        // Grouped decode: 4 and 8 query heads a KV head, head_dim over 128, a window, partitions.
+        attention_case(&c, &mut r, dtype, Case { what: "decode groups of 4", heads: 8, kv_heads: 2, hd: 128, seqs: &[(600, 1), (17, 1)], window: None });
+        attention_case(&c, &mut r, dtype, Case { what: "decode groups of 8", heads: 8, kv_heads: 1, hd: 200, seqs: &[(70, 1), (40, 1)], window: Some(50) });
+        attention_case(&c, &mut r, dtype, Case { what: "decode groups of 2, head_dim 36", heads: 4, kv_heads: 2, hd: 36, seqs: &[(45, 1)], window: None });
         attention_case(
             &c,
             &mut r,

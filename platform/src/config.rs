@@ -990,6 +990,10 @@ pub struct BenchEngineArgs {
     /// Prompt tokens per prefill measurement.
     #[arg(long, default_value_t = 512)]
     pub prefill_tokens: usize,
+    /// CUDA: decode attention through the grouped kernels (a block per KV head for the query
+    /// heads that share it) where the model's grouping has one; off by default until measured.
+    #[arg(long)]
+    pub grouped_decode: bool,
     /// Where the JSON report goes.
     #[arg(long, default_value = "bench-engine.json")]
     pub out: PathBuf,

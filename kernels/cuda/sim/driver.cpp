@@ -22,7 +22,9 @@ std::function<void(void**)> sim_entry(void (*f)(A...)) {
     REG(rms_norm_##suffix) REG(rope_##suffix) REG(silu_mul_##suffix)                      \
     REG(add_assign_##suffix) REG(gather_rows_##suffix) REG(add_bias_##suffix) REG(write_kv_##suffix)              \
     REG(attn_decode_##suffix) REG(attn_combine_##suffix) REG(attn_prefill_##suffix) REG(lora_shrink_##suffix)     \
-    REG(lora_expand_##suffix)
+    REG(lora_expand_##suffix) REG(attn_decode_g2_d4_##suffix) REG(attn_decode_g2_d8_##suffix)                     \
+    REG(attn_decode_g4_d4_##suffix) REG(attn_decode_g4_d8_##suffix) REG(attn_decode_g8_d4_##suffix)               \
+    REG(attn_decode_g8_d8_##suffix)
 
 static bool read_exact(void* p, size_t n) { return fread(p, 1, n, stdin) == n; }
 

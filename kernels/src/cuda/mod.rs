@@ -26,6 +26,7 @@ pub mod plan;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
@@ -186,6 +187,10 @@ pub struct CudaBackend {
     attn_scratch: Mutex<Option<CudaSlice<f32>>>,
     /// The type of activations and weights (f32 or bf16).
     compute: DType,
+    /// Decode attention with the grouped kernels (a block per KV head for its query heads) where
+    /// the model's grouping has one; off by default until measured to pay (see
+    /// [`CudaBackend::set_grouped_decode`]).
+    grouped_decode: AtomicBool,
 }
 
 /// An uploaded index list and its host copy.
@@ -246,6 +251,7 @@ impl CudaBackend {
             lora_scratch: Mutex::new(None),
             attn_scratch: Mutex::new(None),
             compute: DType::F32,
+            grouped_decode: AtomicBool::new(false),
         })
     }
 
@@ -267,6 +273,17 @@ impl CudaBackend {
             }
             other => Err(KernelError::Device { op: "cuda", detail: format!("cannot compute in {other}: f32 or bf16") }),
         }
+    }
+
+    /// Whether decode attention uses the grouped kernels (one block per KV head reading each
+    /// key and value row once for the query heads that share it) where the heads' grouping has
+    /// one (groups of 2, 4 and 8); otherwise one block per query head.
+    pub fn set_grouped_decode(&self, on: bool) {
+        self.grouped_decode.store(on, Ordering::Relaxed);
+    }
+
+    pub fn grouped_decode(&self) -> bool {
+        self.grouped_decode.load(Ordering::Relaxed)
     }
 
     pub fn info(&self) -> &DeviceInfo {
@@ -580,7 +597,7 @@ pub fn kernel_names() -> Vec<(&'static str, String)> {
         for k in ["rms_norm", "rope", "silu_mul", "add_assign", "gather_rows", "add_bias"] {
             names.push((compile::SOURCES[DENSE].0, format!("{k}_{s}")));
         }
-        for k in ["write_kv", "attn_decode", "attn_combine", "attn_prefill"] {
+        for k in ["write_kv", "attn_decode", "attn_combine", "attn_prefill"].into_iter().chain(plan::GROUPED_DECODE_KERNELS) {
             names.push((compile::SOURCES[ATTENTION].0, format!("{k}_{s}")));
         }
         for k in ["lora_shrink", "lora_expand"] {

@@ -429,18 +429,19 @@ impl AttentionOps for CudaBackend {
             m.seq_starts,
             m.positions,
             heads,
+            p.num_kv_heads,
             hd,
             p.sliding_window,
-            plan::Limits { sm_count: self.info.sm_count, max_smem: self.info.max_smem_optin },
+            plan::Limits { sm_count: self.info.sm_count, max_smem: self.info.max_smem_optin, grouped_decode: self.grouped_decode() },
         )?;
         let (mb, nh, nkv, hd32, bs) = (m.max_blocks as u32, heads as u32, p.num_kv_heads as u32, hd as u32, layout.block_size as u32);
         let (layer, scale) = (p.layer as u32, p.scale);
         let window = p.sliding_window.map_or(0u32, |w| w.min(u32::MAX as usize) as u32);
         let s = suffix(dtype);
         match attn_plan {
-            AttentionPlan::Decode { launch, part_size, parts, combine } => {
+            AttentionPlan::Decode { launch, part_size, parts, combine, kernel } => {
                 let token_seq = self.upload_meta(OP, &token_seq)?;
-                let name = format!("attn_decode_{s}");
+                let name = format!("{kernel}_{s}");
                 let f = self.function(ATTENTION, &name)?;
                 // The partials' device addresses (null when one partition covers the keys).
                 let decode = |(acc, ml): &(u64, u64)| {

@@ -79,7 +79,10 @@ pub fn rope(op: &'static str, tokens: usize, heads: usize, head_dim: usize) -> R
 pub enum AttentionPlan {
     /// One query token per sequence: `attn_decode`, split over `parts` partitions of
     /// `part_size` keys; with more than one part, `combine` merges them.
-    Decode { launch: Launch, part_size: u32, parts: u32, combine: Option<Launch> },
+    /// `kernel` is the kernel's name without its type suffix: `attn_decode`, one block per query
+    /// head, or a grouped one (`attn_decode_g{G}_d{LD}`), one block per KV head for its G query
+    /// heads.
+    Decode { launch: Launch, part_size: u32, parts: u32, combine: Option<Launch>, kernel: &'static str },
     /// Any batch: `attn_prefill` over tiles of (sequence, first token, token count).
     Prefill { launch: Launch, tiles: Vec<u32> },
 }
@@ -91,20 +94,45 @@ pub struct Limits {
     pub sm_count: usize,
     /// Shared memory a block may use after opting in.
     pub max_smem: usize,
+    /// Decode with the grouped kernels where the heads' grouping has one (see
+    /// [`grouped_decode_kernel`]).
+    pub grouped_decode: bool,
 }
 
+/// The grouped decode kernel for `group` query heads a KV head and `head_dim`, if there is one:
+/// groups of 2, 4 and 8, head_dim up to 256.
+pub fn grouped_decode_kernel(group: usize, head_dim: usize) -> Option<&'static str> {
+    let wide = head_dim > 128;
+    Some(match (group, wide) {
+        (2, false) => "attn_decode_g2_d4",
+        (2, true) => "attn_decode_g2_d8",
+        (4, false) => "attn_decode_g4_d4",
+        (4, true) => "attn_decode_g4_d8",
+        (8, false) => "attn_decode_g8_d4",
+        (8, true) => "attn_decode_g8_d8",
+        _ => return None,
+    })
+    .filter(|_| head_dim <= MAX_HEAD_DIM)
+}
+
+/// Every grouped decode kernel's name (without its type suffix).
+pub const GROUPED_DECODE_KERNELS: [&str; 6] =
+    ["attn_decode_g2_d4", "attn_decode_g2_d8", "attn_decode_g4_d4", "attn_decode_g4_d8", "attn_decode_g8_d4", "attn_decode_g8_d8"];
+
 /// The attention plan for a checked batch: `seq_starts` (`[seqs + 1]`), each token's position
-/// and key window.
+/// and key window; `heads` query heads over `kv_heads` KV heads.
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     op: &'static str,
     seq_starts: &[u32],
     positions: &[u32],
     heads: usize,
+    kv_heads: usize,
     head_dim: usize,
     window: Option<usize>,
     limits: Limits,
 ) -> Result<AttentionPlan> {
-    let Limits { sm_count, max_smem } = limits;
+    let Limits { sm_count, max_smem, grouped_decode } = limits;
     if head_dim == 0 || head_dim > MAX_HEAD_DIM {
         return Err(KernelError::Shape { op, detail: format!("head_dim {head_dim} is outside 1..={MAX_HEAD_DIM}") });
     }
@@ -119,19 +147,29 @@ pub fn attention(
             window.map_or(p, |w| p.min(w))
         };
         let max_keys = positions.iter().map(|&p| keys(p)).max().unwrap_or(1);
-        let blocks = tokens * heads;
+        let group = if kv_heads > 0 && heads.is_multiple_of(kv_heads) { heads / kv_heads } else { 1 };
+        let grouped = grouped_decode.then(|| grouped_decode_kernel(group, head_dim)).flatten();
+        // A block per query head, or per KV head for the grouped kernels.
+        let (kernel, block_heads) = match grouped {
+            Some(name) => (name, dim(op, "KV heads", kv_heads, MAX_GRID_YZ)?),
+            None => ("attn_decode", heads_dim),
+        };
+        let blocks = tokens * block_heads as usize;
         let want = 2 * sm_count.max(1);
         let parts =
             if blocks >= want || max_keys <= DECODE_MIN_PART { 1 } else { want.div_ceil(blocks).min(max_keys.div_ceil(DECODE_MIN_PART)).clamp(1, MAX_GRID_YZ) };
         let part_size = max_keys.div_ceil(parts).next_multiple_of(32);
         let parts = max_keys.div_ceil(part_size);
-        let launch = Launch {
-            grid: (tokens as u32, heads_dim, parts as u32),
-            block: (DECODE_WARPS * 32) as u32,
-            smem: (((2 + head_dim) * DECODE_WARPS + head_dim) * 4) as u32,
+        let smem = match grouped {
+            Some(_) => (group * head_dim + 2 * DECODE_WARPS * group + DECODE_WARPS * group * head_dim) * 4,
+            None => ((2 + head_dim) * DECODE_WARPS + head_dim) * 4,
         };
+        if smem > max_smem {
+            return Err(KernelError::Shape { op, detail: format!("decode needs {smem} bytes of shared memory, the device allows {max_smem}") });
+        }
+        let launch = Launch { grid: (tokens as u32, block_heads, parts as u32), block: (DECODE_WARPS * 32) as u32, smem: smem as u32 };
         let combine = (parts > 1).then(|| Launch { grid: (tokens as u32, heads_dim, 1), block: row_threads(head_dim, 256), smem: 0 });
-        return Ok(AttentionPlan::Decode { launch, part_size: part_size as u32, parts: parts as u32, combine });
+        return Ok(AttentionPlan::Decode { launch, part_size: part_size as u32, parts: parts as u32, combine, kernel });
     }
     let smem = prefill_smem(head_dim);
     if smem > max_smem {
@@ -212,7 +250,7 @@ mod tests {
     use crate::NO_ADAPTER;
 
     fn lim(sm_count: usize, max_smem: usize) -> Limits {
-        Limits { sm_count, max_smem }
+        Limits { sm_count, max_smem, grouped_decode: false }
     }
 
     #[test]
@@ -241,8 +279,9 @@ mod tests {
     #[test]
     fn decode_batches_split_long_contexts_only_when_the_grid_is_small() {
         // One sequence, 4096 keys, 8 heads, 132 SMs: 8 blocks want splitting.
-        let p = attention("t", &[0, 1], &[4095], 8, 128, None, lim(132, 227 * 1024)).unwrap();
-        let AttentionPlan::Decode { launch, part_size, parts, combine } = p else { panic!("{p:?}") };
+        let p = attention("t", &[0, 1], &[4095], 8, 8, 128, None, lim(132, 227 * 1024)).unwrap();
+        let AttentionPlan::Decode { launch, part_size, parts, combine, kernel } = p else { panic!("{p:?}") };
+        assert_eq!(kernel, "attn_decode");
         assert!(parts > 1 && parts as usize * part_size as usize >= 4096 && (parts as usize - 1) * (part_size as usize) < 4096);
         assert_eq!(part_size % 32, 0);
         assert_eq!(launch.grid, (1, 8, parts));
@@ -251,18 +290,43 @@ mod tests {
         // Many sequences fill the device: no split.
         let starts: Vec<u32> = (0..=64).collect();
         let positions = vec![4095u32; 64];
-        let p = attention("t", &starts, &positions, 32, 128, None, lim(132, 227 * 1024)).unwrap();
+        let p = attention("t", &starts, &positions, 32, 32, 128, None, lim(132, 227 * 1024)).unwrap();
         assert!(matches!(p, AttentionPlan::Decode { parts: 1, combine: None, .. }), "{p:?}");
         // A sliding window bounds the keys.
-        let p = attention("t", &[0, 1], &[100_000], 8, 128, Some(128), lim(132, 227 * 1024)).unwrap();
+        let p = attention("t", &[0, 1], &[100_000], 8, 8, 128, Some(128), lim(132, 227 * 1024)).unwrap();
         assert!(matches!(p, AttentionPlan::Decode { parts: 1, .. }), "{p:?}");
+    }
+
+    #[test]
+    fn grouped_decode_takes_a_block_per_kv_head_where_a_kernel_fits_the_group() {
+        let grouped = Limits { grouped_decode: true, ..lim(132, 227 * 1024) };
+        let starts: Vec<u32> = (0..=16).collect();
+        let positions = vec![1023u32; 16];
+        // 32 heads over 8 KV heads: groups of 4, a block per KV head.
+        let p = attention("t", &starts, &positions, 32, 8, 128, None, grouped).unwrap();
+        let AttentionPlan::Decode { launch, kernel, .. } = p else { panic!("{p:?}") };
+        assert_eq!((kernel, launch.grid.1), ("attn_decode_g4_d4", 8));
+        assert_eq!(launch.smem as usize, (4 * 128 + 2 * DECODE_WARPS * 4 + DECODE_WARPS * 4 * 128) * 4);
+        // head_dim 256 takes the wide variant; groups without a kernel (3) and plain multi-head
+        // attention keep a block per query head, as does a backend that does not group.
+        let wide = attention("t", &starts, &positions, 16, 2, 256, None, grouped).unwrap();
+        assert!(matches!(wide, AttentionPlan::Decode { kernel: "attn_decode_g8_d8", .. }), "{wide:?}");
+        for (heads, kv, limits) in [(24, 8, grouped), (32, 32, grouped), (32, 8, lim(132, 227 * 1024))] {
+            let p = attention("t", &starts, &positions, heads, kv, 128, None, limits).unwrap();
+            assert!(matches!(p, AttentionPlan::Decode { kernel: "attn_decode", launch: Launch { grid: (16, h, _), .. }, .. } if h as usize == heads), "{p:?}");
+        }
+        assert!(
+            GROUPED_DECODE_KERNELS
+                .iter()
+                .all(|k| (1..=3).any(|g| grouped_decode_kernel(1 << g, 64) == Some(*k) || grouped_decode_kernel(1 << g, 200) == Some(*k)))
+        );
     }
 
     #[test]
     fn prefill_tiles_cover_every_token_once_within_its_sequence() {
         let starts = [0u32, 5, 5, 40];
         let positions: Vec<u32> = (0..40).collect();
-        let p = attention("t", &starts, &positions, 4, 64, None, lim(132, DEFAULT_SMEM)).unwrap();
+        let p = attention("t", &starts, &positions, 4, 4, 64, None, lim(132, DEFAULT_SMEM)).unwrap();
         let AttentionPlan::Prefill { launch, tiles } = p else { panic!() };
         let mut seen = [0; 40];
         for t in tiles.chunks_exact(3) {
@@ -280,10 +344,10 @@ mod tests {
 
     #[test]
     fn attention_rejects_head_dims_it_cannot_hold() {
-        assert!(attention("t", &[0, 1], &[0], 1, 512, None, lim(1, 1 << 20)).is_err());
+        assert!(attention("t", &[0, 1], &[0], 1, 1, 512, None, lim(1, 1 << 20)).is_err());
         // 256 needs more than the default shared memory for prefill.
-        assert!(attention("t", &[0, 2], &[0, 1], 1, 256, None, lim(1, DEFAULT_SMEM)).is_err());
-        assert!(attention("t", &[0, 2], &[0, 1], 1, 256, None, lim(1, 227 * 1024)).is_ok());
+        assert!(attention("t", &[0, 2], &[0, 1], 1, 1, 256, None, lim(1, DEFAULT_SMEM)).is_err());
+        assert!(attention("t", &[0, 2], &[0, 1], 1, 1, 256, None, lim(1, 227 * 1024)).is_ok());
     }
 
     #[test]

@@ -84,6 +84,7 @@ pub fn paged(r: &mut StdRng, block: usize, seqs: &[(usize, usize)]) -> Paged {
 }
 
 /// One attention check: heads, kv heads, head_dim, sequences as (cached, new), sliding window.
+#[derive(Clone, Copy)]
 pub struct Case<'a> {
     pub what: &'a str,
     pub heads: usize,

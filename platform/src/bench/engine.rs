@@ -117,6 +117,8 @@ struct Report {
     host: super::Machine,
     model: ModelInfo,
     rows: Vec<Row>,
+    /// CUDA: decode attention through the grouped kernels.
+    grouped_decode: bool,
     mfu_target_at_largest_batch: f64,
     mbu_target_at_batch_1: f64,
 }
@@ -171,6 +173,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<()> {
             crate::config::check_cuda_dtypes(args.matmul_dtype, args.kv_dtype).map_err(anyhow::Error::msg)?;
             let compute = args.matmul_dtype.cuda_compute();
             let g = Arc::new(super::open_cuda(n.unwrap_or(0), compute, &format!("bench engine --device {}", args.device))?);
+            g.set_grouped_decode(args.grouped_decode);
             // The CUDA backend stores every weight in the type it computes in.
             measure(g, Machine::measure_cuda, super::Machine::here(), &dir, source, compute.size(), args)
         }
@@ -207,7 +210,8 @@ fn measure<B: Backend>(
     }
     eprintln!("prefill, {} tokens ...", args.prefill_tokens);
     rows.push(prefill_row(&model, &tokenizer, &costs, limits(&backend)?, args)?);
-    let report = Report { host, model: info, rows, mfu_target_at_largest_batch: MFU_TARGET, mbu_target_at_batch_1: MBU_TARGET };
+    let grouped_decode = args.grouped_decode && matches!(args.device, Device::Cuda(_));
+    let report = Report { host, model: info, rows, grouped_decode, mfu_target_at_largest_batch: MFU_TARGET, mbu_target_at_batch_1: MBU_TARGET };
     print_table(&report);
     std::fs::write(&args.out, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", args.out.display()))?;
     println!("report written to {}", args.out.display());
@@ -348,6 +352,9 @@ impl Measured {
 
 fn print_table(r: &Report) {
     println!("machine: {}", r.host);
+    if r.grouped_decode {
+        println!("decode attention: the grouped kernels");
+    }
     println!(
         "model: {} ({:.1} M parameters, {:.0} MB of weights read per step), KV pool in {:?}",
         r.model.source,

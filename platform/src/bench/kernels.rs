@@ -1,5 +1,6 @@
 //! `loraplex bench kernels` (needs a CUDA GPU): the batched LoRA kernels at decode (BGMV) and
-//! prefill (SGMV) shapes, paged decode attention, and cuBLAS at decode-sized matmuls, each as achieved bandwidth against the
+//! prefill (SGMV) shapes, paged decode attention (a block per query head, and the grouped
+//! kernel: a block per KV head), and cuBLAS at decode-sized matmuls, each as achieved bandwidth against the
 //! device-to-device copy bandwidth this run measures, and the LoRA kernels against two PyTorch
 //! baselines run on the same machine (a per-adapter loop of matmuls, and a gather + bmm).
 //!
@@ -185,8 +186,9 @@ fn measured(kernel: &'static str, name: &str, secs: f64, bytes: u64, copy_gbs: f
     }
 }
 
-/// Decode attention: `batch` sequences of `context` tokens, 32 heads over 8 KV heads of 128, bf16.
-fn attention_row(g: &CudaBackend, rng: &mut StdRng, batch: usize, context: usize, copy_gbs: f64) -> anyhow::Result<Row> {
+/// Decode attention: `batch` sequences of `context` tokens, 32 heads over 8 KV heads of 128, bf16;
+/// with `grouped`, through the grouped kernel (a block per KV head for its 4 query heads).
+fn attention_row(g: &CudaBackend, rng: &mut StdRng, batch: usize, context: usize, grouped: bool, copy_gbs: f64) -> anyhow::Result<Row> {
     let (heads, kv_heads, hd, block) = (32, 8, 128, 16);
     let layout = KvLayout { num_layers: 1, num_kv_heads: kv_heads, head_dim: hd, block_size: block, dtype: RowDType::F32 };
     let blocks = context.div_ceil(block);
@@ -212,9 +214,13 @@ fn attention_row(g: &CudaBackend, rng: &mut StdRng, batch: usize, context: usize
     let q = g.upload_as(&(0..batch * heads * hd).map(|_| rng.random::<f32>() - 0.5).collect::<Vec<_>>(), DType::Bf16)?;
     let mut out = g.zeros_as(batch * heads * hd, DType::Bf16)?;
     let params = AttentionParams { layer: 0, num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), sliding_window: None };
-    let secs = g.time_runs(WARMUP, ITERS, |_| g.attention(&q, &cache, &mut out, &meta, &layout, &params))?;
+    let before = g.grouped_decode();
+    g.set_grouped_decode(grouped);
+    let secs = g.time_runs(WARMUP, ITERS, |_| g.attention(&q, &cache, &mut out, &meta, &layout, &params));
+    g.set_grouped_decode(before);
     let bytes = (batch * context * kv_heads * hd * 2 * 2 + batch * heads * hd * 2 * 2) as u64;
-    Ok(Row { tokens: batch, ..measured("attention", &format!("decode b{batch} ctx{context}"), secs, bytes, copy_gbs) })
+    let kernel = if grouped { "attn group" } else { "attention" };
+    Ok(Row { tokens: batch, ..measured(kernel, &format!("decode b{batch} ctx{context}"), secs?, bytes, copy_gbs) })
 }
 
 /// cuBLAS at decode-sized matmuls (1 and 8 rows) on a 7b's projection shapes in bf16, the
@@ -281,7 +287,9 @@ pub fn run(args: &BenchKernelsArgs) -> anyhow::Result<()> {
     }
     for batch in [1, 16, 64, 256] {
         for context in [1024, 4096] {
-            rows.push(attention_row(&g, &mut rng, batch, context, copy_gbs)?);
+            for grouped in [false, true] {
+                rows.push(attention_row(&g, &mut rng, batch, context, grouped, copy_gbs)?);
+            }
         }
     }
     rows.extend(matmul_rows(&g, &mut rng, copy_gbs)?);
