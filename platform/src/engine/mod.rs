@@ -509,7 +509,7 @@ impl<B: Backend> Engine<B> {
         if ways.len() != host.logit_rows.len() {
             return Err(EngineError::DeviceOutput { expected: host.logit_rows.len(), got: ways.len() });
         }
-        let (picked, copied) = pick_rows(backend.as_ref(), &logits, vocab, &ways)?;
+        let fetched = fetch_rows(backend.as_ref(), &logits, vocab, &ways)?;
         // The step's results are on the host: it has run.
         self.sched.observe_step(cost, began.elapsed().as_secs_f64());
         let ns = |d: std::time::Duration| d.as_nanos() as u64;
@@ -521,7 +521,7 @@ impl<B: Backend> Engine<B> {
         t.finish_ns += ns(forward_done.elapsed());
         t.drawn_rows += ways.iter().filter(|w| matches!(w, Way::Device(_))).count() as u64;
         t.copied_rows += ways.iter().filter(|w| matches!(w, Way::Host)).count() as u64;
-        let mut picked = picked.iter();
+        let mut picks = fetched.picks(&ways, vocab).into_iter();
         let mut events = Vec::with_capacity(host.logit_rows.len());
         for &(id, n) in &plan {
             let Some(s) = self.sched.get_mut(id) else { continue };
@@ -534,12 +534,12 @@ impl<B: Backend> Engine<B> {
             }
             let prefix = self.config.prefix_cache.then_some(&mut self.prefix);
             let mut samples = if s.forks.is_empty() { Vec::new() } else { split_samples(s, &mut self.mem, backend.as_ref(), prefix)? };
-            let Some(pick) = picked.next() else {
+            let Some(pick) = picks.next() else {
                 return Err(EngineError::DeviceOutput { expected: host.logit_rows.len(), got: events.len() });
             };
             // A sequence that fails here (its output cannot be detokenized) ends alone: its
             // samples are dropped with it and the rest of the batch goes on.
-            let sample_events = match take_tokens(s, &mut samples, pick.as_pick(&copied, vocab), &self.tokenizer) {
+            let sample_events = match take_tokens(s, &mut samples, pick, &self.tokenizer) {
                 Ok(out) => out,
                 Err(e) => {
                     let error = match e {
@@ -702,29 +702,35 @@ enum Way {
     Host,
 }
 
-/// What a row's [`Way`] gave.
-enum Picked {
-    Argmax(u32),
-    Drawn(u32),
-    /// The index of its row among the rows copied to the host.
-    Row(usize),
+/// What the rows' [`Way`]s fetched from the device.
+struct Fetched {
+    /// Every row's argmax (empty when no row wants one).
+    argmax: Vec<u32>,
+    /// The device-drawn rows' tokens, in row order.
+    drawn: Vec<u32>,
+    /// The host rows' logits, `vocab` values each, in row order.
+    copied: Vec<f32>,
 }
 
-impl Picked {
-    /// `copied`: the host rows, `vocab` values each.
-    fn as_pick<'a>(&self, copied: &'a [f32], vocab: usize) -> Pick<'a> {
-        match *self {
-            Picked::Argmax(t) => Pick::Argmax(t),
-            Picked::Drawn(t) => Pick::Drawn(t),
-            Picked::Row(r) => Pick::Logits(copied.get(r * vocab..(r + 1) * vocab).unwrap_or_default()),
-        }
+impl Fetched {
+    /// Each row's [`Pick`], in row order.
+    fn picks<'a>(&'a self, ways: &[Way], vocab: usize) -> Vec<Pick<'a>> {
+        let (mut drawn, mut copied) = (self.drawn.iter(), self.copied.chunks_exact(vocab.max(1)));
+        ways.iter()
+            .enumerate()
+            .map(|(i, w)| match w {
+                Way::Argmax => Pick::Argmax(self.argmax[i]),
+                Way::Device(_) => Pick::Drawn(drawn.next().copied().unwrap_or_default()),
+                Way::Host => Pick::Logits(copied.next().unwrap_or_default()),
+            })
+            .collect()
     }
 }
 
-/// Each row's token or host copy, by its way: the argmax rows' ids from one device argmax, the
+/// What each row's way needs from the device: the argmax rows' ids from one device argmax, the
 /// device-drawn rows' ids from one `sample_rows` over those rows gathered, the host rows' logits
-/// in one copy (of those rows gathered, unless every row is one), returned beside.
-fn pick_rows<B: Backend>(backend: &B, logits: &B::Buffer, vocab: usize, ways: &[Way]) -> Result<(Vec<Picked>, Vec<f32>), EngineError> {
+/// in one copy (of those rows gathered, unless every row is one).
+fn fetch_rows<B: Backend>(backend: &B, logits: &B::Buffer, vocab: usize, ways: &[Way]) -> Result<Fetched, EngineError> {
     let n = ways.len();
     let of = |keep: fn(&Way) -> bool| -> Vec<u32> { ways.iter().enumerate().filter(|(_, w)| keep(w)).map(|(i, _)| i as u32).collect() };
     let (argmax_rows, device_rows, host_rows) = (of(|w| matches!(w, Way::Argmax)), of(|w| matches!(w, Way::Device(_))), of(|w| matches!(w, Way::Host)));
@@ -764,17 +770,7 @@ fn pick_rows<B: Backend>(backend: &B, logits: &B::Buffer, vocab: usize, ways: &[
         check(copied.len(), host_rows.len() * vocab)?;
         copied
     };
-    let (mut drawn, mut row) = (drawn.into_iter(), 0..);
-    let picked = ways
-        .iter()
-        .enumerate()
-        .map(|(i, w)| match w {
-            Way::Argmax => Picked::Argmax(argmax[i]),
-            Way::Device(_) => Picked::Drawn(drawn.next().unwrap_or_default()),
-            Way::Host => Picked::Row(row.next().unwrap_or_default()),
-        })
-        .collect();
-    Ok((picked, copied))
+    Ok(Fetched { argmax, drawn, copied })
 }
 
 /// The next token of `s` and of each of its samples whose prompt is computed; the first event

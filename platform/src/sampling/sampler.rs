@@ -129,7 +129,13 @@ impl Sampler {
     /// followed by [`Sampler::record_argmax`]; both pick the first maximum and ignore NaN.
     pub fn is_plain_argmax(&self) -> bool {
         let p = &self.params;
-        p.is_greedy() && p.logprobs.is_none() && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+        p.is_greedy() && p.logprobs.is_none() && !self.penalized()
+    }
+
+    /// Whether a penalty (repetition, presence, frequency) changes the logits.
+    fn penalized(&self) -> bool {
+        let p = &self.params;
+        p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0
     }
 
     /// Records a token chosen outside [`Sampler::sample`] (see [`Sampler::is_plain_argmax`]).
@@ -144,13 +150,7 @@ impl Sampler {
     /// logits on every machine.
     pub fn device_draw(&mut self) -> Option<SampleParams> {
         let p = &self.params;
-        let plain = !p.is_greedy()
-            && p.seed.is_none()
-            && p.logprobs.is_none()
-            && p.min_p == 0.0
-            && p.repetition_penalty == 1.0
-            && p.presence_penalty == 0.0
-            && p.frequency_penalty == 0.0;
+        let plain = !p.is_greedy() && p.seed.is_none() && p.logprobs.is_none() && p.min_p == 0.0 && !self.penalized();
         let top_k = u32::try_from(p.top_k).ok()?;
         if !(plain && p.temperature.is_finite() && p.top_p > 0.0 && p.top_p <= 1.0) {
             return None;
