@@ -54,6 +54,35 @@ __device__ void silu_mul_impl(const T* gate, const T* up, T* out, u64 n) {
     }
 }
 
+// grid-stride over rows * width: out[r, c] = silu(x[r, c]) * x[r, width + c] (a fused gate/up
+// projection's output, rows of 2 * width)
+template <typename T>
+__device__ void silu_mul_fused_impl(const T* __restrict__ x, T* __restrict__ out, u64 total, u32 width) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / width, c = i % width;
+        const float g = to_f32(x[r * 2 * width + c]);
+        out[i] = from_f32<T>(g / (1.0f + expf(-g)) * to_f32(x[r * 2 * width + width + c]));
+    }
+}
+
+// grid (rows), block (threads): the columns of src's row, [wa | wb | wc], copied to the same row
+// of a, b and c (wb and wc may be 0, and then b or c is not touched: the caller may pass a there)
+template <typename T>
+__device__ void split_columns_impl(const T* __restrict__ src, T* a, T* b, T* c, u32 wa, u32 wb, u32 wc) {
+    const u64 r = blockIdx.x;
+    const u32 total = wa + wb + wc;
+    const T* row = src + r * total;
+    for (u32 i = threadIdx.x; i < total; i += blockDim.x) {
+        if (i < wa) {
+            a[r * wa + i] = row[i];
+        } else if (i < wa + wb) {
+            b[r * wb + (i - wa)] = row[i];
+        } else {
+            c[r * wc + (i - wa - wb)] = row[i];
+        }
+    }
+}
+
 // grid-stride over n: acc += x
 template <typename T>
 __device__ void add_assign_impl(T* acc, const T* x, u64 n) {
@@ -89,6 +118,12 @@ __device__ void add_bias_impl(T* y, const T* __restrict__ bias, u64 total, u32 n
         silu_mul_impl<T>(gate, up, out, n);                                                                        \
     }                                                                                                              \
     extern "C" __global__ void add_assign_##name(T* acc, const T* x, u64 n) { add_assign_impl<T>(acc, x, n); }     \
+    extern "C" __global__ void silu_mul_fused_##name(const T* x, T* out, u64 total, u32 width) {                 \
+        silu_mul_fused_impl<T>(x, out, total, width);                                                              \
+    }                                                                                                              \
+    extern "C" __global__ void split_columns_##name(const T* src, T* a, T* b, T* c, u32 wa, u32 wb, u32 wc) {       \
+        split_columns_impl<T>(src, a, b, c, wa, wb, wc);                                                           \
+    }                                                                                                              \
     extern "C" __global__ void gather_rows_##name(const T* x, const u32* rows, T* out, u32 dim) {                  \
         gather_rows_impl<T>(x, rows, out, dim);                                                                    \
     }                                                                                                              \

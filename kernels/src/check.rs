@@ -32,6 +32,28 @@ pub(crate) fn ensure_rows(op: &'static str, what: &str, len: usize, rows: usize,
     ensure_len(op, what, len, need)
 }
 
+/// The most parts [`crate::DenseOps::split_columns`] takes (a fused q/k/v projection's).
+pub(crate) const MAX_SPLIT_PARTS: usize = 3;
+
+/// Checks a column split of `[rows, Σ widths]` from a buffer of `src_len` elements into parts of
+/// `part_lens` elements: one to three parts, no empty width, every buffer long enough. Returns
+/// the source's row length.
+pub(crate) fn split_columns(op: &'static str, src_len: usize, rows: usize, parts: &[(usize, usize)]) -> Result<usize> {
+    if parts.is_empty() || parts.len() > MAX_SPLIT_PARTS {
+        return Err(KernelError::Shape { op, detail: format!("{} parts; one to {MAX_SPLIT_PARTS} are taken", parts.len()) });
+    }
+    let mut total = 0usize;
+    for (i, &(len, width)) in parts.iter().enumerate() {
+        if width == 0 {
+            return Err(KernelError::Shape { op, detail: format!("part {i} has no columns") });
+        }
+        ensure_rows(op, "a part", len, rows, width)?;
+        total = total.checked_add(width).ok_or_else(|| KernelError::Shape { op, detail: "the widths overflow".into() })?;
+    }
+    ensure_rows(op, "the source", src_len, rows, total)?;
+    Ok(total)
+}
+
 /// The batch layout read back as host slices, checked once for consistency.
 pub(crate) struct Batch<'a> {
     pub positions: &'a [u32],

@@ -185,6 +185,13 @@ pub trait DenseOps: Memory {
     fn matmul(&self, x: &Self::Buffer, w: &Self::Weight, bias: Option<&Self::Buffer>, out: &mut Self::Buffer, rows: usize) -> Result<()>;
     /// `out = silu(gate) * up`, elementwise.
     fn silu_mul(&self, gate: &Self::Buffer, up: &Self::Buffer, out: &mut Self::Buffer) -> Result<()>;
+    /// `out[r, c] = silu(x[r, c]) * x[r, width + c]` over rows of `2 * width`: [`DenseOps::silu_mul`]
+    /// on the output of a fused gate/up projection, with no copy of its halves.
+    fn silu_mul_fused(&self, x: &Self::Buffer, out: &mut Self::Buffer, width: usize) -> Result<()>;
+    /// Copies the column ranges of `src` (`[rows, Σ widths]`) into `parts` (each `[rows, width]`),
+    /// in order: a fused projection's output handed to the ops that read each part. One, two or
+    /// three parts.
+    fn split_columns(&self, src: &Self::Buffer, rows: usize, parts: &mut [(&mut Self::Buffer, usize)]) -> Result<()>;
     /// `acc += x`, elementwise.
     fn add_assign(&self, acc: &mut Self::Buffer, x: &Self::Buffer) -> Result<()>;
     /// The residual add and the next norm: `residual += x`, then `out = rms_norm(residual)`

@@ -224,6 +224,14 @@ fn dense_kernels_match_the_cpu() {
         let bias = round_to(&randn(&mut r, 40, 1.0), dtype);
         let (biased, sbias) = (sim.floats(&a, dtype), sim.floats(&bias, dtype));
         sim.launch(&format!("add_bias_{s}"), &le, &[biased, sbias, Arg::U64(n2 as u64), Arg::U32(40)]);
+        // silu_mul_fused over 5 rows of 2 x 100; split_columns into three parts and into two
+        let fused = sim.nans(n2 / 2, dtype);
+        sim.launch(&format!("silu_mul_fused_{s}"), &plan::elementwise("t", n2 / 2).unwrap(), &[sa, fused, Arg::U64(n2 as u64 / 2), Arg::U32(100)]);
+        let l8 = plan::per_row("t", 8, 125).unwrap();
+        let (p0, p1, p2) = (sim.nans(8 * 60, dtype), sim.nans(8 * 40, dtype), sim.nans(8 * 25, dtype));
+        sim.launch(&format!("split_columns_{s}"), &l8, &[sa, p0, p1, p2, Arg::U32(60), Arg::U32(40), Arg::U32(25)]);
+        let (q0, q1) = (sim.nans(8 * 100, dtype), sim.nans(8 * 25, dtype));
+        sim.launch(&format!("split_columns_{s}"), &l8, &[sa, q0, q1, q0, Arg::U32(100), Arg::U32(25), Arg::U32(0)]);
         // gather_rows
         let picks: Vec<u32> = (0..7).map(|_| r.random_range(0..25u32)).collect();
         let (sp, gathered) = (sim.u32s(&picks), sim.nans(7 * 40, dtype));
@@ -256,6 +264,18 @@ fn dense_kernels_match_the_cpu() {
         let mut co = c.zeros(n2).unwrap();
         c.silu_mul(&ca, &cb, &mut co).unwrap();
         check("silu_mul", dtype, &got(silu), &c.download_f32(&co).unwrap());
+        let mut co = c.zeros(n2 / 2).unwrap();
+        c.silu_mul_fused(&ca, &mut co, 100).unwrap();
+        check("silu_mul_fused", dtype, &got(fused), &c.download_f32(&co).unwrap());
+        for widths in [&[60, 40, 25][..], &[100, 25]] {
+            let mut parts: Vec<_> = widths.iter().map(|&w| (c.zeros(8 * w).unwrap(), w)).collect();
+            let mut refs: Vec<_> = parts.iter_mut().map(|(b, w)| (b, *w)).collect();
+            c.split_columns(&ca, 8, &mut refs).unwrap();
+            let sims = if widths.len() == 3 { vec![p0, p1, p2] } else { vec![q0, q1] };
+            for ((b, w), sp) in parts.iter().zip(sims) {
+                check(&format!("split_columns {widths:?} width {w}"), dtype, &got(sp), &c.download_f32(b).unwrap());
+            }
+        }
         let mut cacc = c.upload_f32(&a).unwrap();
         c.add_assign(&mut cacc, &cb).unwrap();
         check("add_assign", dtype, &got(acc), &c.download_f32(&cacc).unwrap());

@@ -91,6 +91,23 @@ fn dense_ops_match_the_cpu() {
         let mut cacc = c.upload_f32(&a).unwrap();
         c.add_assign(&mut cacc, &cb).unwrap();
         check("add_assign", dtype, &g.download_f32(&gacc).unwrap(), &c.download_f32(&cacc).unwrap());
+        // silu_mul_fused and split_columns over 1,000 rows of 100 (the first 100,000 values)
+        let head = c.upload_f32(&a[..100_000]).unwrap();
+        let ghead = g.upload_as(&a[..100_000], dtype).unwrap();
+        let mut go = poisoned(&g, 50_000, dtype);
+        g.silu_mul_fused(&ghead, &mut go, 50).unwrap();
+        let mut co = c.zeros(50_000).unwrap();
+        c.silu_mul_fused(&head, &mut co, 50).unwrap();
+        check("silu_mul_fused", dtype, &g.download_f32(&go).unwrap(), &c.download_f32(&co).unwrap());
+        for widths in [&[64, 20, 16][..], &[50, 50], &[100]] {
+            let mut gp: Vec<_> = widths.iter().map(|&w| (poisoned(&g, 1000 * w, dtype), w)).collect();
+            g.split_columns(&ghead, 1000, &mut gp.iter_mut().map(|(b, w)| (b, *w)).collect::<Vec<_>>()).unwrap();
+            let mut cp: Vec<_> = widths.iter().map(|&w| (c.zeros(1000 * w).unwrap(), w)).collect();
+            c.split_columns(&head, 1000, &mut cp.iter_mut().map(|(b, w)| (b, *w)).collect::<Vec<_>>()).unwrap();
+            for ((gb, w), (cb, _)) in gp.iter().zip(&cp) {
+                check(&format!("split_columns {widths:?} width {w}"), dtype, &g.download_f32(gb).unwrap(), &c.download_f32(cb).unwrap());
+            }
+        }
         let (dim, rows) = (77, 1000);
         let picks: Vec<u32> = (0..33).map(|_| r.random_range(0..rows as u32)).collect();
         let mut go = poisoned(&g, picks.len() * dim, dtype);

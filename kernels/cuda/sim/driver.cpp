@@ -19,7 +19,7 @@ std::function<void(void**)> sim_entry(void (*f)(A...)) {
 
 #define REG(name) table[#name] = sim_entry(&name);
 #define REG_TYPED(suffix, T)                                                                                      \
-    REG(rms_norm_##suffix) REG(rope_##suffix) REG(silu_mul_##suffix)                      \
+    REG(rms_norm_##suffix) REG(rope_##suffix) REG(silu_mul_##suffix) REG(silu_mul_fused_##suffix) REG(split_columns_##suffix) \
     REG(add_assign_##suffix) REG(gather_rows_##suffix) REG(add_bias_##suffix) REG(write_kv_##suffix)              \
     REG(attn_decode_##suffix) REG(attn_combine_##suffix) REG(attn_prefill_##suffix) REG(lora_shrink_##suffix)     \
     REG(lora_expand_##suffix) REG(attn_decode_g2_d4_##suffix) REG(attn_decode_g2_d8_##suffix)                     \

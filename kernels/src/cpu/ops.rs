@@ -4,6 +4,7 @@ use rayon::prelude::*;
 
 use super::isa::{Isa, Kernel};
 use super::{CpuBackend, CpuBuffer, CpuWeight, ensure_len, rows_of, simd};
+use crate::check::ensure_rows;
 use crate::{DenseOps, KernelError, Result, SampleParams, SamplingOps};
 
 /// Below this many elements an elementwise op runs on the calling thread.
@@ -57,6 +58,54 @@ impl DenseOps for CpuBackend {
             out[..n].par_iter_mut().zip(gate.par_iter().zip(up.par_iter())).for_each(f);
         } else {
             out[..n].iter_mut().zip(gate.iter().zip(up.iter())).for_each(f);
+        }
+        Ok(())
+    }
+
+    fn silu_mul_fused(&self, x: &CpuBuffer, out: &mut CpuBuffer, width: usize) -> Result<()> {
+        const OP: &str = "silu_mul_fused";
+        let x = x.f32(OP)?;
+        let row = width.checked_mul(2).ok_or_else(|| KernelError::Shape { op: OP, detail: format!("width {width} overflows") })?;
+        let rows = rows_of(OP, "x", x.len(), row)?;
+        let out = out.f32_mut(OP)?;
+        ensure_rows(OP, "out", out.len(), rows, width)?;
+        let f = |(o, x): (&mut [f32], &[f32])| {
+            let (gate, up) = x.split_at(width);
+            for (o, (&g, &u)) in o.iter_mut().zip(gate.iter().zip(up)) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
+        };
+        if rows * width >= PAR_MIN_ELEMS {
+            out[..rows * width].par_chunks_mut(width).zip(x.par_chunks(row)).for_each(f);
+        } else {
+            out[..rows * width].chunks_mut(width).zip(x.chunks(row)).for_each(f);
+        }
+        Ok(())
+    }
+
+    fn split_columns(&self, src: &CpuBuffer, rows: usize, parts: &mut [(&mut CpuBuffer, usize)]) -> Result<()> {
+        const OP: &str = "split_columns";
+        let src = src.f32(OP)?;
+        let mut outs = Vec::with_capacity(parts.len());
+        let mut shape = Vec::with_capacity(parts.len());
+        for (buf, width) in parts.iter_mut() {
+            let out = buf.f32_mut(OP)?;
+            shape.push((out.len(), *width));
+            outs.push((out, *width));
+        }
+        let total = crate::check::split_columns(OP, src.len(), rows, &shape)?;
+        let src = &src[..rows * total];
+        let par = rows * total >= PAR_MIN_ELEMS;
+        let mut offset = 0;
+        for (out, width) in outs {
+            let copy = |(o, s): (&mut [f32], &[f32])| o.copy_from_slice(&s[offset..offset + width]);
+            let out = &mut out[..rows * width];
+            if par {
+                out.par_chunks_exact_mut(width).zip(src.par_chunks_exact(total)).for_each(copy);
+            } else {
+                out.chunks_exact_mut(width).zip(src.chunks_exact(total)).for_each(copy);
+            }
+            offset += width;
         }
         Ok(())
     }
@@ -261,6 +310,49 @@ mod tests {
 
         let logits = cpu.upload_f32(&[0.5, 2.0, 2.0, f32::NAN, -1.0, f32::NAN]).unwrap();
         assert_eq!(cpu.argmax_rows(&logits, 3).unwrap(), vec![1, 1]);
+    }
+
+    /// A fused projection's output, split: each part gets its columns of every row; the fused
+    /// SiLU·mul equals `silu_mul` on the halves. Small shapes run on the calling thread, large
+    /// ones in the pool; both are checked.
+    #[test]
+    fn split_columns_and_fused_silu_mul() {
+        let cpu = CpuBackend::new();
+        for (rows, widths) in [(3, vec![2, 1, 3]), (2, vec![4, 4]), (1, vec![5]), (700, vec![40, 8, 8])] {
+            let total: usize = widths.iter().sum();
+            let src: Vec<f32> = (0..rows * total).map(|i| i as f32).collect();
+            let mut parts: Vec<(CpuBuffer, usize)> = widths.iter().map(|&w| (cpu.upload_f32(&vec![f32::NAN; rows * w]).unwrap(), w)).collect();
+            let mut refs: Vec<(&mut CpuBuffer, usize)> = parts.iter_mut().map(|(b, w)| (b, *w)).collect();
+            cpu.split_columns(&cpu.upload_f32(&src).unwrap(), rows, &mut refs).unwrap();
+            let mut offset = 0;
+            for (b, w) in &parts {
+                let want: Vec<f32> = (0..rows).flat_map(|r| src[r * total + offset..r * total + offset + w].to_vec()).collect();
+                assert_eq!(cpu.download_f32(b).unwrap(), want, "rows {rows} widths {widths:?}, part at {offset}");
+                offset += w;
+            }
+        }
+        let src = cpu.upload_f32(&[0.0; 12]).unwrap();
+        let (mut a, mut b) = (cpu.zeros(8).unwrap(), cpu.zeros(4).unwrap());
+        let err = cpu.split_columns(&src, 2, &mut [(&mut a, 4), (&mut b, 4)]).unwrap_err();
+        assert!(err.to_string().contains("needed"), "a short part: {err}");
+        let err = cpu.split_columns(&src, 3, &mut [(&mut a, 2), (&mut b, 0)]).unwrap_err();
+        assert!(err.to_string().contains("no columns"), "{err}");
+        let (mut c, mut d) = (cpu.zeros(3).unwrap(), cpu.zeros(3).unwrap());
+        let err = cpu.split_columns(&src, 3, &mut [(&mut a, 1), (&mut b, 1), (&mut c, 1), (&mut d, 1)]).unwrap_err();
+        assert!(err.to_string().contains("4 parts"), "{err}");
+
+        for (rows, width) in [(3, 5), (20, 1000)] {
+            let x: Vec<f32> = (0..rows * 2 * width).map(|i| ((i * 37 % 101) as f32 - 50.0) / 10.0).collect();
+            let (gate, up): (Vec<f32>, Vec<f32>) =
+                (x.chunks(2 * width).flat_map(|r| r[..width].to_vec()).collect(), x.chunks(2 * width).flat_map(|r| r[width..].to_vec()).collect());
+            let mut want = cpu.zeros(rows * width).unwrap();
+            cpu.silu_mul(&cpu.upload_f32(&gate).unwrap(), &cpu.upload_f32(&up).unwrap(), &mut want).unwrap();
+            let mut got = cpu.zeros(rows * width).unwrap();
+            cpu.silu_mul_fused(&cpu.upload_f32(&x).unwrap(), &mut got, width).unwrap();
+            assert_eq!(cpu.download_f32(&got).unwrap(), cpu.download_f32(&want).unwrap(), "rows {rows} width {width}");
+        }
+        let mut out = cpu.zeros(2).unwrap();
+        assert!(cpu.silu_mul_fused(&cpu.upload_f32(&[0.0; 5]).unwrap(), &mut out, 1).is_err(), "5 is not rows of 2");
     }
 
     #[test]

@@ -594,7 +594,7 @@ pub fn kernel_names() -> Vec<(&'static str, String)> {
     let mut names = Vec::new();
     for dt in [DType::F32, DType::F16, DType::Bf16] {
         let s = suffix(dt);
-        for k in ["rms_norm", "rope", "silu_mul", "add_assign", "gather_rows", "add_bias"] {
+        for k in ["rms_norm", "rope", "silu_mul", "silu_mul_fused", "split_columns", "add_assign", "gather_rows", "add_bias"] {
             names.push((compile::SOURCES[DENSE].0, format!("{k}_{s}")));
         }
         for k in ["write_kv", "attn_decode", "attn_combine", "attn_prefill"].into_iter().chain(plan::GROUPED_DECODE_KERNELS) {

@@ -14,6 +14,11 @@ use crate::{
 };
 
 /// Fails unless every buffer holds the same float type; returns it.
+/// A size passed to a kernel as `u32`, refused when it does not fit.
+fn u32_arg(op: &'static str, what: &str, n: usize) -> Result<u32> {
+    u32::try_from(n).map_err(|_| KernelError::Shape { op, detail: format!("{what} of {n} does not fit a u32") })
+}
+
 fn same_float(op: &'static str, bufs: &[&CudaBuffer]) -> Result<DType> {
     let dtype = bufs[0].float(op)?;
     for b in &bufs[1..] {
@@ -322,6 +327,55 @@ impl DenseOps for CudaBackend {
             up.push(b);
             out.push(b);
             b.arg(&n);
+        })
+    }
+
+    fn silu_mul_fused(&self, x: &CudaBuffer, out: &mut CudaBuffer, width: usize) -> Result<()> {
+        const OP: &str = "silu_mul_fused";
+        let dtype = same_float(OP, &[x, out])?;
+        let row = width.checked_mul(2).ok_or_else(|| KernelError::Shape { op: OP, detail: format!("width {width} overflows") })?;
+        let rows = rows_of(OP, "x", x.len, row)?;
+        ensure_rows(OP, "out", out.len, rows, width)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let name = format!("silu_mul_fused_{}", suffix(dtype));
+        let f = self.function(DENSE, &name)?;
+        let total = rows * width;
+        let l = plan::elementwise(OP, total)?;
+        let (total, width) = (total as u64, u32_arg(OP, "width", width)?);
+        self.launch(OP, &name, &f, &l, |b| {
+            x.push(b);
+            out.push(b);
+            b.arg(&total).arg(&width);
+        })
+    }
+
+    fn split_columns(&self, src: &CudaBuffer, rows: usize, parts: &mut [(&mut CudaBuffer, usize)]) -> Result<()> {
+        const OP: &str = "split_columns";
+        let dtype = src.float(OP)?;
+        for (p, _) in parts.iter() {
+            p.expect(OP, dtype)?;
+        }
+        let shape: Vec<(usize, usize)> = parts.iter().map(|(p, w)| (p.len, *w)).collect();
+        let total = crate::check::split_columns(OP, src.len, rows, &shape)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let name = format!("split_columns_{}", suffix(dtype));
+        let f = self.function(DENSE, &name)?;
+        let l = plan::per_row(OP, rows, total)?;
+        let width = |i: usize| shape.get(i).map_or(Ok(0), |&(_, w)| u32_arg(OP, "a width", w));
+        let (wa, wb, wc) = (width(0)?, width(1)?, width(2)?);
+        let bufs: Vec<&CudaBuffer> = parts.iter().map(|(p, _)| &**p).collect();
+        // An absent part is never written (its width is 0); the first stands in for it.
+        let pick = |i: usize| bufs.get(i).copied().unwrap_or(bufs[0]);
+        self.launch(OP, &name, &f, &l, |b| {
+            src.push(b);
+            pick(0).push(b);
+            pick(1).push(b);
+            pick(2).push(b);
+            b.arg(&wa).arg(&wb).arg(&wc);
         })
     }
 

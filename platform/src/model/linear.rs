@@ -5,7 +5,7 @@ use loraplex_kernels::{Backend, KernelError};
 
 use super::ModelError;
 use super::lora::{LoraContext, LoraSite};
-use super::weights::Checkpoint;
+use super::weights::{Checkpoint, TensorData};
 
 /// One linear projection of the model.
 ///
@@ -61,4 +61,110 @@ impl<B: Backend> Linear<B> {
             _ => Ok(()),
         }
     }
+}
+
+/// Several projections of the same input in one weight, their rows concatenated at load
+/// (`[Σ out, in]`): one matmul instead of several (q/k/v, gate/up). Each part keeps its module,
+/// so LoRA deltas are added per part, as on separate layers.
+pub struct FusedLinear<B: Backend> {
+    pub in_features: usize,
+    /// Each part's module and width, in the order of the output's columns.
+    pub parts: Vec<(TargetModule, usize)>,
+    weight: B::Weight,
+    bias: Option<B::Buffer>,
+}
+
+impl<B: Backend> FusedLinear<B> {
+    /// Loads `{prefix}.weight` of each part (`[out, in]`) and, when `with_bias`, its bias, and
+    /// concatenates them. Parts stored in one element type stay in it; parts of mixed types are
+    /// widened to f32 (exact).
+    pub fn load(backend: &B, checkpoint: &Checkpoint, parts: &[(&str, usize, TargetModule)], in_features: usize, with_bias: bool) -> Result<Self, ModelError> {
+        let mut data = Vec::with_capacity(parts.len());
+        for &(prefix, out, _) in parts {
+            data.push(checkpoint.tensor_data(&format!("{prefix}.weight"), &[out, in_features])?);
+        }
+        let out_features: usize = parts.iter().map(|p| p.1).sum();
+        let weight = backend.load_weight_data(concat(data).as_weight(), out_features, in_features)?;
+        let bias = if with_bias {
+            let mut b = Vec::with_capacity(out_features);
+            for &(prefix, out, _) in parts {
+                b.extend(checkpoint.tensor_f32(&format!("{prefix}.bias"), &[out])?);
+            }
+            Some(backend.upload_f32(&b)?)
+        } else {
+            None
+        };
+        Ok(Self { in_features, parts: parts.iter().map(|&(_, out, m)| (m, out)).collect(), weight, bias })
+    }
+
+    /// The fused output's row length.
+    pub fn out_features(&self) -> usize {
+        self.parts.iter().map(|p| p.1).sum()
+    }
+
+    /// `fused[rows, Σ out] = x · Wᵀ (+ b)`, with no LoRA: for a caller that reads the parts from
+    /// the fused output itself.
+    pub fn matmul(&self, backend: &B, x: &B::Buffer, fused: &mut B::Buffer, rows: usize) -> Result<(), KernelError> {
+        backend.matmul(x, &self.weight, self.bias.as_ref(), fused, rows)
+    }
+
+    /// Whether some adapter of the batch adds a delta to one of the parts at this layer.
+    pub fn has_lora(&self, lora: Option<&LoraContext<'_, B>>) -> bool {
+        lora.is_some_and(|l| self.parts.iter().any(|&(m, _)| l.batch.targets(l.layer, m)))
+    }
+
+    /// The fused matmul into `fused`, its columns split into `outs` (one per part, `[rows, out]`),
+    /// then each part's LoRA delta added: the same values as one [`Linear`] per part.
+    pub fn forward_split(
+        &self,
+        backend: &B,
+        x: &B::Buffer,
+        fused: &mut B::Buffer,
+        outs: &mut [&mut B::Buffer],
+        rows: usize,
+        lora: Option<&LoraContext<'_, B>>,
+    ) -> Result<(), KernelError> {
+        if outs.len() != self.parts.len() {
+            return Err(KernelError::Shape { op: "fused_linear", detail: format!("{} outputs for {} parts", outs.len(), self.parts.len()) });
+        }
+        self.matmul(backend, x, fused, rows)?;
+        let mut split: Vec<(&mut B::Buffer, usize)> = outs.iter_mut().zip(&self.parts).map(|(o, &(_, w))| (&mut **o, w)).collect();
+        backend.split_columns(fused, rows, &mut split)?;
+        if let Some(l) = lora {
+            for (out, &(module, out_features)) in outs.iter_mut().zip(&self.parts) {
+                let site = LoraSite { layer: l.layer, module, in_features: self.in_features, out_features, tokens: rows };
+                l.batch.apply(backend, l.pool, &site, x, out)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The parts' values one after the other, in their shared element type, or widened to f32 when
+/// their types differ.
+fn concat(mut parts: Vec<TensorData>) -> TensorData {
+    if parts.len() == 1 {
+        return parts.remove(0);
+    }
+    let mut all = parts.into_iter();
+    let first = all.next().unwrap_or(TensorData::F32(Vec::new()));
+    all.fold(first, |acc, p| match (acc, p) {
+        (TensorData::Bf16(mut a), TensorData::Bf16(b)) => {
+            a.extend(b);
+            TensorData::Bf16(a)
+        }
+        (TensorData::F16(mut a), TensorData::F16(b)) => {
+            a.extend(b);
+            TensorData::F16(a)
+        }
+        (TensorData::F32(mut a), TensorData::F32(b)) => {
+            a.extend(b);
+            TensorData::F32(a)
+        }
+        (a, b) => {
+            let mut wide = a.as_weight().to_f32();
+            wide.extend(b.as_weight().to_f32());
+            TensorData::F32(wide)
+        }
+    })
 }

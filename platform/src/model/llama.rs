@@ -6,17 +6,16 @@ use loraplex_adapters::{BaseShape, TargetModule};
 use loraplex_kernels::{AttentionParams, Backend, BatchMeta, KernelError, KvLayout, RowDType};
 
 use super::weights::Checkpoint;
-use super::{Linear, LoraBatch, LoraContext, ModelConfig, ModelError, SharedBackend, rope};
+use super::{FusedLinear, Linear, LoraBatch, LoraContext, ModelConfig, ModelError, SharedBackend, rope};
 
 struct Layer<B: Backend> {
     input_norm: B::Buffer,
-    q: Linear<B>,
-    k: Linear<B>,
-    v: Linear<B>,
+    /// q, k and v in one weight.
+    qkv: FusedLinear<B>,
     o: Linear<B>,
     post_norm: B::Buffer,
-    gate: Linear<B>,
-    up: Linear<B>,
+    /// gate and up in one weight.
+    gate_up: FusedLinear<B>,
     down: Linear<B>,
     sliding_window: Option<usize>,
 }
@@ -57,13 +56,18 @@ struct Activations<B: Backend> {
     shape: (usize, usize),
     x: B::Buffer,
     normed: B::Buffer,
+    /// The fused q/k/v projection, `[tokens, q + k + v]`, split into `q`, `k` and `v`.
+    qkv: B::Buffer,
     q: B::Buffer,
     k: B::Buffer,
     v: B::Buffer,
     attn: B::Buffer,
     proj: B::Buffer,
-    gate: B::Buffer,
-    up: B::Buffer,
+    /// The fused gate/up projection, `[tokens, 2 · intermediate]`.
+    gate_up: B::Buffer,
+    /// Gate and up apart, made the first time an adapter adds deltas to them (the SiLU·mul
+    /// reads `gate_up` directly otherwise).
+    split: Option<(B::Buffer, B::Buffer)>,
     act: B::Buffer,
     /// The logit rows' hidden states, before and after the final norm.
     last: B::Buffer,
@@ -84,13 +88,26 @@ impl<B: Backend> Model<B> {
             let lin = |name: &str, inf: usize, outf: usize, bias: bool, m: TargetModule| Linear::load(b, ck, &format!("{p}.{name}"), inf, outf, bias, Some(m));
             layers.push(Layer {
                 input_norm: norm(&format!("{p}.input_layernorm.weight"))?,
-                q: lin("self_attn.q_proj", h, qd, c.biases.qkv, TargetModule::Q)?,
-                k: lin("self_attn.k_proj", h, kvd, c.biases.qkv, TargetModule::K)?,
-                v: lin("self_attn.v_proj", h, kvd, c.biases.qkv, TargetModule::V)?,
+                qkv: FusedLinear::load(
+                    b,
+                    ck,
+                    &[
+                        (&format!("{p}.self_attn.q_proj"), qd, TargetModule::Q),
+                        (&format!("{p}.self_attn.k_proj"), kvd, TargetModule::K),
+                        (&format!("{p}.self_attn.v_proj"), kvd, TargetModule::V),
+                    ],
+                    h,
+                    c.biases.qkv,
+                )?,
                 o: lin("self_attn.o_proj", qd, h, c.biases.o, TargetModule::O)?,
                 post_norm: norm(&format!("{p}.post_attention_layernorm.weight"))?,
-                gate: lin("mlp.gate_proj", h, i, c.biases.mlp, TargetModule::Gate)?,
-                up: lin("mlp.up_proj", h, i, c.biases.mlp, TargetModule::Up)?,
+                gate_up: FusedLinear::load(
+                    b,
+                    ck,
+                    &[(&format!("{p}.mlp.gate_proj"), i, TargetModule::Gate), (&format!("{p}.mlp.up_proj"), i, TargetModule::Up)],
+                    h,
+                    c.biases.mlp,
+                )?,
                 down: lin("mlp.down_proj", i, h, c.biases.mlp, TargetModule::Down)?,
                 sliding_window: c.sliding_windows[l],
             });
@@ -154,13 +171,14 @@ impl<B: Backend> Model<B> {
             shape: (t, r),
             x: b.zeros(t * h)?,
             normed: b.zeros(t * h)?,
+            qkv: b.zeros(t * (c.num_heads + 2 * c.num_kv_heads) * hd)?,
             q: b.zeros(t * c.num_heads * hd)?,
             k: b.zeros(t * c.num_kv_heads * hd)?,
             v: b.zeros(t * c.num_kv_heads * hd)?,
             attn: b.zeros(t * c.num_heads * hd)?,
             proj: b.zeros(t * h)?,
-            gate: b.zeros(t * c.intermediate_size)?,
-            up: b.zeros(t * c.intermediate_size)?,
+            gate_up: b.zeros(t * 2 * c.intermediate_size)?,
+            split: None,
             act: b.zeros(t * c.intermediate_size)?,
             last: b.zeros(r * h)?,
             last_normed: b.zeros(r * h)?,
@@ -211,9 +229,7 @@ impl<B: Backend> Model<B> {
         let t = batch.meta.num_tokens;
         {
             let lc = lora.map(|batch| LoraContext { batch, pool: &*cache, layer: l });
-            layer.q.forward(b, &a.normed, &mut a.q, t, lc.as_ref())?;
-            layer.k.forward(b, &a.normed, &mut a.k, t, lc.as_ref())?;
-            layer.v.forward(b, &a.normed, &mut a.v, t, lc.as_ref())?;
+            layer.qkv.forward_split(b, &a.normed, &mut a.qkv, &mut [&mut a.q, &mut a.k, &mut a.v], t, lc.as_ref())?;
         }
         b.rope(&mut a.q, &batch.meta.positions, &self.rope, c.num_heads, c.head_dim)?;
         b.rope(&mut a.k, &batch.meta.positions, &self.rope, c.num_kv_heads, c.head_dim)?;
@@ -231,9 +247,18 @@ impl<B: Backend> Model<B> {
         let lc = lc.as_ref();
         layer.o.forward(b, &a.attn, &mut a.proj, t, lc)?;
         b.add_rms_norm(&mut a.x, &a.proj, &layer.post_norm, &mut a.normed, c.rms_norm_eps)?;
-        layer.gate.forward(b, &a.normed, &mut a.gate, t, lc)?;
-        layer.up.forward(b, &a.normed, &mut a.up, t, lc)?;
-        b.silu_mul(&a.gate, &a.up, &mut a.act)?;
+        let i = c.intermediate_size;
+        if layer.gate_up.has_lora(lc) {
+            let (gate, up) = match &mut a.split {
+                Some(split) => split,
+                empty => empty.insert((b.zeros(t * i)?, b.zeros(t * i)?)),
+            };
+            layer.gate_up.forward_split(b, &a.normed, &mut a.gate_up, &mut [gate, up], t, lc)?;
+            b.silu_mul(gate, up, &mut a.act)?;
+        } else {
+            layer.gate_up.matmul(b, &a.normed, &mut a.gate_up, t)?;
+            b.silu_mul_fused(&a.gate_up, &mut a.act, i)?;
+        }
         layer.down.forward(b, &a.act, &mut a.proj, t, lc)?;
         match next {
             Some(next) => b.add_rms_norm(&mut a.x, &a.proj, &next.input_norm, &mut a.normed, c.rms_norm_eps),

@@ -99,10 +99,15 @@ impl<B: Backend> LoraBatch<B> {
         Ok(Some(Self { rows, layout, max_rank, targeted }))
     }
 
+    /// Whether some adapter of the batch adds a delta to `module` of `layer`.
+    pub fn targets(&self, layer: usize, module: TargetModule) -> bool {
+        self.max_rank > 0 && self.targeted.get(layer).is_some_and(|t| t[module.index()])
+    }
+
     /// Adds the batch's LoRA deltas at `site` to `y`, the base projection of `x`.
     pub fn apply(&self, backend: &B, pool: &B::Buffer, site: &LoraSite, x: &B::Buffer, y: &mut B::Buffer) -> Result<(), KernelError> {
         let LoraSite { layer, module, in_features, out_features, tokens } = *site;
-        if !self.targeted.get(layer).is_some_and(|t| t[module.index()]) || self.max_rank == 0 {
+        if !self.targets(layer, module) {
             return Ok(());
         }
         let target = LoraTarget { layer, module: module.index(), in_features, out_features, max_rank: self.max_rank };

@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use loraplex_kernels::{Backend, KernelError};
 
 pub use config::{Architecture, ModelConfig, RopeScaling};
-pub use linear::Linear;
+pub use linear::{FusedLinear, Linear};
 pub use llama::{ForwardBatch, Model};
 pub use lora::{LoraBatch, LoraContext};
 
