@@ -121,6 +121,19 @@ pub trait Memory {
     fn download_f32(&self, buf: &Self::Buffer) -> Result<Vec<f32>>;
     /// Overwrites `buf[offset .. offset + data.len()]` with host data (filling pool pages).
     fn write_f32(&self, buf: &mut Self::Buffer, offset: usize, data: &[f32]) -> Result<()>;
+    /// Starts writing host values into `buf`, each `(offset, values)`, beside the compute: on a
+    /// backend with a copy queue (CUDA: a second stream, from page-locked staging memory) the
+    /// call returns once the values are staged, and the copy runs while later steps compute.
+    /// The copy is ordered after every op queued before the call. Until the returned
+    /// [`Upload`] has landed, no op may read the written regions, nor may another write touch
+    /// them. By default the values are written at once ([`Memory::write_f32`]) and the upload
+    /// has landed when this returns.
+    fn start_upload(&self, buf: &mut Self::Buffer, writes: &[(usize, &[f32])]) -> Result<Upload> {
+        for &(offset, data) in writes {
+            self.write_f32(buf, offset, data)?;
+        }
+        Ok(Upload::landed())
+    }
     /// Copies `buf[src .. src + len]` to `buf[dst .. dst + len]`; the ranges must not overlap
     /// (a shared KV page copied before one of its sharers writes to it).
     fn copy_within(&self, buf: &mut Self::Buffer, src: usize, dst: usize, len: usize) -> Result<()>;
@@ -131,6 +144,45 @@ pub trait Memory {
     /// by default they are widened to f32 here, exactly.
     fn load_weight_data(&self, data: WeightData<'_>, out_features: usize, in_features: usize) -> Result<Self::Weight> {
         self.load_weight(&data.to_f32(), out_features, in_features)
+    }
+}
+
+/// A write into device memory started by [`Memory::start_upload`]: landed, or still in flight
+/// on the device's copy queue. Dropping one in flight waits for its copy first (its staging
+/// memory is freed only after the device has read it).
+pub struct Upload(Option<Box<dyn InFlight>>);
+
+/// A copy still in flight, as a backend tracks it.
+pub trait InFlight: Send + Sync {
+    /// Whether the copy has landed; never waits.
+    fn landed(&self) -> Result<bool>;
+}
+
+impl Upload {
+    /// A write already done.
+    pub fn landed() -> Self {
+        Upload(None)
+    }
+
+    pub fn in_flight(copy: impl InFlight + 'static) -> Self {
+        Upload(Some(Box::new(copy)))
+    }
+
+    /// Whether the copy has landed, so that ops queued from now on read its values. Never waits.
+    pub fn is_landed(&mut self) -> Result<bool> {
+        if let Some(copy) = &self.0 {
+            if !copy.landed()? {
+                return Ok(false);
+            }
+            self.0 = None;
+        }
+        Ok(true)
+    }
+}
+
+impl std::fmt::Debug for Upload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "Upload(in flight)" } else { "Upload(landed)" })
     }
 }
 

@@ -285,6 +285,44 @@ fn bf16_matmul_writes_f32_logits() {
     check("matmul bf16 -> f32", DType::Bf16, &g.download_f32(&go).unwrap(), &c.download_f32(&co).unwrap());
 }
 
+/// Uploads on the copy stream land where they were aimed, after compute queued before them
+/// (writes and a copy within the pool queued first), reusing staging buffers; one dropped in flight waits
+/// for its copy; bad ranges are refused before anything is queued.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn uploads_on_the_copy_stream_land_in_order() {
+    let (g, mut r) = (gpu(), rng());
+    let n = 3 << 20;
+    let mut pool = g.zeros_f32(n).unwrap();
+    let mut want = vec![0f32; n];
+    for round in 0..3 {
+        // Queued on the compute stream first: every value of the pool becomes `round`, then
+        // half of it is copied over the other half; the upload must land after both.
+        g.write_f32(&mut pool, 0, &vec![round as f32; n]).unwrap();
+        g.copy_within(&mut pool, 0, n / 2, n / 2).unwrap();
+        want.iter_mut().for_each(|w| *w = round as f32);
+        let pages: Vec<(usize, Vec<f32>)> = (0..5).map(|i| (i * 600_007 + round, randn(&mut r, 100_000 + i * 77, 1.0))).collect();
+        let writes: Vec<(usize, &[f32])> = pages.iter().map(|(o, v)| (*o, v.as_slice())).collect();
+        let mut up = g.start_upload(&mut pool, &writes).unwrap();
+        let mut polls = 0u64;
+        while !up.is_landed().unwrap() {
+            polls += 1;
+            std::thread::yield_now();
+        }
+        for (o, v) in &pages {
+            want[*o..*o + v.len()].copy_from_slice(v);
+        }
+        assert_eq!(g.download_f32(&pool).unwrap(), want, "round {round} ({polls} polls before it landed)");
+    }
+    let big = randn(&mut r, n, 1.0);
+    let up = g.start_upload(&mut pool, &[(0, &big)]).unwrap();
+    drop(up);
+    assert_eq!(g.download_f32(&pool).unwrap(), big, "a dropped upload still lands");
+    assert!(g.start_upload(&mut pool, &[(n - 1, &[1.0, 2.0])]).is_err(), "past the end");
+    let mut half = g.upload_as(&[0.0; 8], DType::Bf16).unwrap();
+    assert!(g.start_upload(&mut half, &[(0, &[1.0])]).is_err(), "only f32 buffers");
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn sampling_helpers_match_the_cpu() {

@@ -21,8 +21,12 @@ const ARCHS: [&str; 2] = ["llama", "qwen2"];
 const ADAPTERS: [&str; 3] = ["a1_r8_qv", "a2_r16_all", "a3_r4_rslora"];
 
 fn load(arch: &str) -> (Arc<Model<CpuBackend>>, Arc<Tokenizer>) {
+    load_on(arch, CpuBackend::new())
+}
+
+fn load_on(arch: &str, backend: CpuBackend) -> (Arc<Model<CpuBackend>>, Arc<Tokenizer>) {
     let dir = common::fixtures().join(arch).join("model-f32");
-    let model = model::load(Arc::new(CpuBackend::new()), &dir).unwrap();
+    let model = model::load(Arc::new(backend), &dir).unwrap();
     (Arc::new(model), Arc::new(Tokenizer::from_dir(&dir).unwrap()))
 }
 
@@ -151,6 +155,47 @@ fn adapters_swapped_under_pressure_give_the_same_tokens() {
     for c in &done {
         let (name, i, round) = want[&c.seq];
         assert_eq!(c.tokens, expected(&reference, name, i), "{name} prompt {i} round {round}");
+    }
+    assert!(engine.pool_stats().evictions > 0, "the pool was meant to be under pressure");
+}
+
+/// With adapter copies that stay in flight for several polls (as on a device's copy queue),
+/// requests on the base model decode while their neighbours' adapters travel, no request uses
+/// an adapter before its copy lands, and every request still gets PEFT's tokens, under a pool
+/// small enough that adapters are evicted and copied again.
+#[test]
+fn adapter_copies_in_flight_do_not_hold_up_steps_or_change_tokens() {
+    let arch = "llama";
+    let (model, tok) = load_on(arch, CpuBackend::new().with_upload_polls(3));
+    let reference = common::reference(arch);
+    let page_bytes = model.kv_layout(16, RowDType::F32).page_bytes();
+    let config = EngineConfig { pool_bytes: 48 * page_bytes, max_running: 4, ..EngineConfig::default() };
+    let mut engine = Engine::new(model.clone(), tok, config).unwrap();
+    let mut want = HashMap::new();
+    for (i, prompt) in prompts(&reference).into_iter().enumerate().take(3) {
+        for variant in ["base", ADAPTERS[0], ADAPTERS[1], ADAPTERS[2]] {
+            let adapter = (variant != "base").then(|| adapter_ref(arch, variant));
+            let id = engine.add(request(&model, prompt.clone(), adapter)).unwrap();
+            want.insert(id, (variant, i));
+        }
+    }
+    let mut tokens: HashMap<_, Vec<u32>> = HashMap::new();
+    let mut base_while_copying = 0;
+    while engine.has_work() {
+        let copying = engine.adapters().is_copying();
+        for e in engine.step().unwrap() {
+            if copying && want[&e.seq].0 == "base" {
+                base_while_copying += 1;
+            }
+            tokens.entry(e.seq).or_default().push(e.token);
+        }
+        assert!(engine.take_failures().is_empty());
+    }
+    assert!(base_while_copying > 0, "base requests decode while adapters are copied");
+    assert_eq!(tokens.len(), want.len());
+    for (id, got) in &tokens {
+        let (variant, i) = want[id];
+        assert_eq!(got, &expected(&reference, variant, i), "{variant} prompt {i}");
     }
     assert!(engine.pool_stats().evictions > 0, "the pool was meant to be under pressure");
 }

@@ -12,7 +12,9 @@ mod packed;
 pub mod probe;
 mod simd;
 
-use crate::{DType, KernelError, Memory, Result, RowDType, WeightData};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use crate::{DType, InFlight, KernelError, Memory, Result, RowDType, Upload, WeightData};
 
 pub use isa::Path;
 
@@ -24,6 +26,8 @@ pub use matmul::CpuWeight;
 pub struct CpuBackend {
     path: Path,
     inputs: MatmulInputs,
+    /// Checks an upload reports in flight before it lands (see [`CpuBackend::with_upload_polls`]).
+    upload_polls: u32,
 }
 
 /// What the activations enter a matmul with bf16 weights as.
@@ -42,17 +46,24 @@ pub enum MatmulInputs {
 impl CpuBackend {
     /// A backend on the widest instruction set of this CPU (or the one [`isa::ISA_ENV`] names).
     pub fn new() -> Self {
-        Self { path: Path::detect(), inputs: MatmulInputs::F32 }
+        Self { path: Path::detect(), inputs: MatmulInputs::F32, upload_polls: 0 }
     }
 
     /// A backend on one instruction set (from [`Path::available`]): to test or measure each.
     pub fn with_path(path: Path) -> Self {
-        Self { path, inputs: MatmulInputs::F32 }
+        Self { path, inputs: MatmulInputs::F32, upload_polls: 0 }
     }
 
     /// This backend with bf16 weights multiplied by `inputs` (weights loaded afterwards).
     pub fn with_matmul_inputs(self, inputs: MatmulInputs) -> Self {
         Self { inputs, ..self }
+    }
+
+    /// This backend with uploads ([`Memory::start_upload`]) that report themselves in flight for
+    /// their first `polls` checks, as a device's copy queue would, though the values are written
+    /// at once: for tests of code that must not use an upload before it lands.
+    pub fn with_upload_polls(self, polls: u32) -> Self {
+        Self { upload_polls: polls, ..self }
     }
 
     /// The instruction set this backend's kernels run with.
@@ -72,6 +83,15 @@ impl CpuBackend {
             MatmulInputs::Bf16 if packed::bf16_dot(self.path) => format!("{}, bf16 matmul inputs on AVX-512 BF16 dot products", self.path.name()),
             MatmulInputs::Bf16 => format!("{}, bf16 matmul inputs rounded and widened (no bf16 dot product on this path)", self.path.name()),
         }
+    }
+}
+
+/// An upload that lands after a number of checks ([`CpuBackend::with_upload_polls`]).
+struct Countdown(AtomicU32);
+
+impl InFlight for Countdown {
+    fn landed(&self) -> Result<bool> {
+        Ok(self.0.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_err())
     }
 }
 
@@ -164,6 +184,16 @@ impl Memory for CpuBackend {
         advise_huge_pages(v.spare_capacity_mut());
         v.resize(len, 0.0);
         Ok(CpuBuffer::F32(v))
+    }
+
+    fn start_upload(&self, buf: &mut CpuBuffer, writes: &[(usize, &[f32])]) -> Result<Upload> {
+        for &(offset, data) in writes {
+            self.write_f32(buf, offset, data)?;
+        }
+        Ok(match self.upload_polls {
+            0 => Upload::landed(),
+            n => Upload::in_flight(Countdown(AtomicU32::new(n))),
+        })
     }
 
     fn upload_f32(&self, data: &[f32]) -> Result<CpuBuffer> {

@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUfunction_attribute};
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchArgs, LaunchConfig, PinnedHostSlice, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
 use crate::{DType, KernelError, Result};
@@ -191,6 +191,49 @@ pub struct CudaBackend {
     /// the model's grouping has one; off by default until measured to pay (see
     /// [`CudaBackend::set_grouped_decode`]).
     grouped_decode: AtomicBool,
+    /// The copy queue for [`crate::Memory::start_upload`]: a second, non-blocking stream, made
+    /// at the first upload.
+    copy_stream: OnceLock<Arc<CudaStream>>,
+    /// Page-locked staging buffers of landed uploads, kept for the next ones.
+    staging: Arc<Mutex<Vec<PinnedHostSlice<f32>>>>,
+}
+
+/// Staging buffers kept for reuse.
+const STAGING_KEPT: usize = 4;
+
+/// Smallest staging buffer, in f32s (4 MiB).
+const STAGING_MIN: usize = 1 << 20;
+
+/// An upload in flight on the copy stream: the event recorded after its copies, and the staging
+/// buffer they read, returned to the backend's list once they have landed.
+struct CudaUpload {
+    event: CudaEvent,
+    staging: Option<PinnedHostSlice<f32>>,
+    kept: Arc<Mutex<Vec<PinnedHostSlice<f32>>>>,
+}
+
+impl crate::InFlight for CudaUpload {
+    fn landed(&self) -> Result<bool> {
+        self.event.try_is_complete().map_err(|e| dev_err("upload", e))
+    }
+}
+
+impl Drop for CudaUpload {
+    fn drop(&mut self) {
+        // The device may still be reading the staging buffer: it is reused or freed only after.
+        if self.event.synchronize().is_err() {
+            // The context is broken; freeing the page-locked memory would be as unsafe as the
+            // copy's state is unknown, so it is leaked.
+            std::mem::forget(self.staging.take());
+            return;
+        }
+        if let Some(staging) = self.staging.take() {
+            let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+            if kept.len() < STAGING_KEPT {
+                kept.push(staging);
+            }
+        }
+    }
 }
 
 /// An uploaded index list and its host copy.
@@ -252,7 +295,66 @@ impl CudaBackend {
             attn_scratch: Mutex::new(None),
             compute: DType::F32,
             grouped_decode: AtomicBool::new(false),
+            copy_stream: OnceLock::new(),
+            staging: Arc::new(Mutex::new(Vec::new())),
         })
+    }
+
+    /// Starts `writes` into the f32 buffer `buf` on the copy stream (see
+    /// [`crate::Memory::start_upload`]): the values are staged in page-locked memory, the copy
+    /// stream waits for what the compute stream has queued so far, copies, and records an event.
+    pub(crate) fn upload_on_copy_stream(&self, buf: &mut CudaBuffer, writes: &[(usize, &[f32])]) -> Result<crate::Upload> {
+        const OP: &str = "start_upload";
+        let Data::F32(dst) = &mut buf.data else {
+            return Err(KernelError::DType { op: OP, expected: DType::F32, actual: buf.dtype() });
+        };
+        let mut total = 0usize;
+        for &(offset, data) in writes {
+            match offset.checked_add(data.len()) {
+                Some(end) if end <= buf.len => {}
+                _ => return Err(KernelError::Index { op: OP, index: offset.saturating_add(data.len()), limit: buf.len }),
+            }
+            total = total.checked_add(data.len()).ok_or_else(|| KernelError::Shape { op: OP, detail: "the writes' lengths overflow".into() })?;
+        }
+        if total == 0 {
+            return Ok(crate::Upload::landed());
+        }
+        let copy = match self.copy_stream.get() {
+            Some(s) => s.clone(),
+            None => {
+                let made = self.ctx.new_stream().map_err(|e| dev_err(OP, e))?;
+                self.copy_stream.get_or_init(|| made).clone()
+            }
+        };
+        let reused = {
+            let mut kept = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+            kept.iter().position(|b| b.len() >= total).map(|i| kept.swap_remove(i))
+        };
+        let mut staging = match reused {
+            Some(b) => b,
+            // SAFETY: the buffer's values are all written below before the device reads them.
+            None => unsafe { self.ctx.alloc_pinned::<f32>(total.next_power_of_two().max(STAGING_MIN)) }.map_err(|e| dev_err(OP, e))?,
+        };
+        let host = staging.as_mut_slice().map_err(|e| dev_err(OP, e))?;
+        let mut at = 0;
+        for &(_, data) in writes {
+            host[at..at + data.len()].copy_from_slice(data);
+            at += data.len();
+        }
+        // Ordered after every op queued so far on the compute stream (they may read the pages
+        // these values replace).
+        copy.join(&self.stream).map_err(|e| dev_err(OP, e))?;
+        let host = staging.as_slice().map_err(|e| dev_err(OP, e))?;
+        let mut at = 0;
+        for &(offset, data) in writes {
+            if data.is_empty() {
+                continue;
+            }
+            copy.memcpy_htod(&host[at..at + data.len()], &mut dst.slice_mut(offset..offset + data.len())).map_err(|e| dev_err(OP, e))?;
+            at += data.len();
+        }
+        let event = copy.record_event(None).map_err(|e| dev_err(OP, e))?;
+        Ok(crate::Upload::in_flight(CudaUpload { event, staging: Some(staging), kept: self.staging.clone() }))
     }
 
     /// Device `ordinal` computing in `compute`, its kernels compiled (or read from the default

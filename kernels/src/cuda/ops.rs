@@ -91,6 +91,10 @@ impl Memory for CudaBackend {
         .map_err(|e| dev_err(OP, e))
     }
 
+    fn start_upload(&self, buf: &mut CudaBuffer, writes: &[(usize, &[f32])]) -> Result<crate::Upload> {
+        self.upload_on_copy_stream(buf, writes)
+    }
+
     fn copy_within(&self, buf: &mut CudaBuffer, src: usize, dst: usize, len: usize) -> Result<()> {
         const OP: &str = "copy_within";
         for start in [src, dst] {

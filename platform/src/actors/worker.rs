@@ -185,8 +185,9 @@ impl<B: Backend> Worker<B> {
             engine.poll_adapters_now().map_err(|e| Arc::<str>::from(e.to_string()))?;
             let placed = self.adapters.count(engine.take_residency_events());
             // Staged adapters are retried only while others are still being placed: with
-            // nothing running, no pages free up by themselves.
-            let loading = engine.adapters().is_loading() || (placed && engine.adapters().has_staged());
+            // nothing running, no pages free up by themselves. Copies in flight are watched
+            // until they land.
+            let loading = engine.adapters().is_loading() || engine.adapters().is_copying() || (placed && engine.adapters().has_staged());
             if placed {
                 self.report(true);
             }

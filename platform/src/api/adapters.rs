@@ -557,6 +557,7 @@ fn residency_name(r: &Residency) -> String {
         Residency::Absent => "absent".into(),
         Residency::Loading => "loading".into(),
         Residency::Staged => "staged".into(),
+        Residency::Copying => "copying".into(),
         Residency::Resident => "resident".into(),
         Residency::Failed(e) => format!("failed: {e}"),
     }

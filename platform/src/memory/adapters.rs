@@ -3,15 +3,18 @@
 //!
 //! An adapter's path through the tiers:
 //! `request` -> loading (disk -> host, on the loader threads) -> staged (in host memory, waiting
-//! for pages) -> resident (its page images copied into pool pages, its row table built). A
+//! for pages) -> copying (pages taken, the page images on the device's copy queue) -> resident
+//! (the copy landed; its row table built). A
 //! resident adapter is an unpinned cache entry of the pool: requests pin it while they run, and
 //! the pool may evict it when nothing does. A request for an evicted adapter starts again from
 //! host memory when it is still cached there, else from disk.
 //!
 //! Nothing here blocks: [`AdapterResidency::poll`] takes finished loads and places staged
-//! adapters whose pages can be found now; the rest waits for a later poll. On the CPU backend the
-//! final placement is a copy of the page images between steps (about a millisecond per 10 MB);
-//! reading, validating and packing happen on the loader threads.
+//! adapters whose pages can be found now; the rest waits for a later poll. On CUDA the page
+//! images go through page-locked staging memory on a second stream while steps compute, and a
+//! later poll sees the copy landed; on the CPU backend the copy is done between steps (about a
+//! millisecond per 10 MB) and has landed at once. Reading, validating and packing happen on the
+//! loader threads.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::Path;
@@ -19,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use loraplex_adapters::{PackedAdapter, RowStorage};
-use loraplex_kernels::{Backend, KernelError, LORA_ROW_ALIGN, NUM_MODULES, RowDType};
+use loraplex_kernels::{Backend, KernelError, LORA_ROW_ALIGN, NUM_MODULES, RowDType, Upload};
 
 use super::host::{AdapterLoader, HostAdapter};
 use super::{CachedPages, DevicePool, EntryKind, PagePin};
@@ -64,6 +67,9 @@ pub enum Residency {
     Loading,
     /// In host memory, waiting for pool pages.
     Staged,
+    /// Given pool pages, its rows on their way there (the device's copy queue); usable once
+    /// the copy lands.
+    Copying,
     /// In pool pages, usable by a batch.
     Resident,
     /// Refused; the message names the file and tensor or key at fault.
@@ -197,8 +203,22 @@ struct Held {
 }
 
 enum State {
-    Loading { since: Instant },
-    Staged { since: Instant, from: Tier, host: Arc<HostAdapter> },
+    Loading {
+        since: Instant,
+    },
+    Staged {
+        since: Instant,
+        from: Tier,
+        host: Arc<HostAdapter>,
+    },
+    /// Its pages taken and its copy started; the pin keeps the pages until the copy lands.
+    Copying {
+        since: Instant,
+        from: Tier,
+        upload: Upload,
+        resident: Arc<ResidentAdapter>,
+        _pin: PagePin,
+    },
     Resident(Arc<ResidentAdapter>),
     Failed(Arc<str>),
 }
@@ -230,6 +250,7 @@ impl AdapterResidency {
             None => Residency::Absent,
             Some(State::Loading { .. }) => Residency::Loading,
             Some(State::Staged { .. }) => Residency::Staged,
+            Some(State::Copying { .. }) => Residency::Copying,
             Some(State::Resident(r)) if r.pages.is_resident() => Residency::Resident,
             Some(State::Resident(_)) => Residency::Absent,
             Some(State::Failed(e)) => Residency::Failed(e.clone()),
@@ -241,7 +262,7 @@ impl AdapterResidency {
     pub fn locate(&self, key: &str) -> AdapterLocation {
         let location = match self.status(key) {
             Residency::Resident => Location::Pool,
-            Residency::Staged => Location::Host,
+            Residency::Staged | Residency::Copying => Location::Host,
             Residency::Loading => Location::Loading,
             Residency::Failed(e) => Location::Failed(e),
             Residency::Absent if self.loader.cached(key).is_some() => Location::Host,
@@ -301,6 +322,11 @@ impl AdapterResidency {
     /// Whether any disk load is in flight.
     pub fn is_loading(&self) -> bool {
         self.states.values().any(|s| matches!(s, State::Loading { .. }))
+    }
+
+    /// Whether an adapter's copy into the pool is in flight.
+    pub fn is_copying(&self) -> bool {
+        self.states.values().any(|s| matches!(s, State::Copying { .. }))
     }
 
     /// Pins a resident adapter for a running sequence.
@@ -380,13 +406,34 @@ impl AdapterResidency {
         &self.loader
     }
 
-    /// Takes finished loads and places staged adapters into free (or reclaimable) pages.
-    /// Never waits: what cannot be placed now stays staged.
+    /// Takes finished loads and copies, and starts placing staged adapters into free (or
+    /// reclaimable) pages. Never waits: what cannot be placed now stays staged, and a copy still
+    /// in flight is looked at again by the next poll.
     pub fn poll<B: Backend>(&mut self, backend: &B, mem: &mut DevicePool<B>) -> Result<(), KernelError> {
         for done in self.loader.completed() {
             self.finish_load(done.key, done.result);
         }
-        self.place(backend, mem)
+        self.place(backend, mem)?;
+        self.finish_copies()
+    }
+
+    /// Adapters whose copy has landed become resident.
+    fn finish_copies(&mut self) -> Result<(), KernelError> {
+        let mut landed = Vec::new();
+        for (key, state) in &mut self.states {
+            if let State::Copying { upload, .. } = state
+                && upload.is_landed()?
+            {
+                landed.push(key.clone());
+            }
+        }
+        for key in landed {
+            let Some(State::Copying { since, from, resident, .. }) = self.states.remove(&key) else { continue };
+            // The pin taken at insertion is released: the adapter is now an idle cache entry.
+            self.states.insert(key.clone(), State::Resident(resident));
+            self.events.push(ResidencyEvent::Resident { key, from, waited: since.elapsed() });
+        }
+        Ok(())
     }
 
     /// Like [`Self::poll`], but first waits up to `timeout` for a load to finish when one is in
@@ -437,10 +484,6 @@ impl AdapterResidency {
             let Some((entry, pin)) = mem.pages.insert(EntryKind::Adapter, n) else { break };
             self.staged.pop_front();
             let pages = entry.pages();
-            let pe = mem.page_elems();
-            for (i, &p) in pages.iter().enumerate() {
-                backend.write_f32(&mut mem.buffer, p as usize * pe, host.packed.page(i))?;
-            }
             let rows = match ResidentRows::place(&host.packed, &pages, self.num_layers) {
                 Ok(rows) => rows,
                 Err(error) => {
@@ -449,11 +492,13 @@ impl AdapterResidency {
                     continue;
                 }
             };
+            let pe = mem.page_elems();
+            let writes: Vec<(usize, &[f32])> = pages.iter().enumerate().map(|(i, &p)| (p as usize * pe, host.packed.page(i))).collect();
+            // On a device with a copy queue the rows travel while steps run; the adapter is used
+            // only once they have landed.
+            let upload = backend.start_upload(&mut mem.buffer, &writes)?;
             let resident = Arc::new(ResidentAdapter { key: key.clone(), content_hash: host.content_hash.clone(), rows, pages: entry });
-            self.states.insert(key.clone(), State::Resident(resident));
-            // The pin taken at insertion is released: the adapter is now an idle cache entry.
-            drop(pin);
-            self.events.push(ResidencyEvent::Resident { key, from, waited: since.elapsed() });
+            self.states.insert(key, State::Copying { since, from, upload, resident, _pin: pin });
         }
         Ok(())
     }

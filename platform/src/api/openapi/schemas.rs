@@ -923,7 +923,7 @@ pub fn schemas() -> Value {
             record(json!({
                 "name": string(),
                 "version": count(),
-                "workers": described(array(string()), "Per worker: absent, loading, staged, resident or failed: why."),
+                "workers": described(array(string()), "Per worker: absent, loading, staged, copying (into the pool, usable once landed), resident or failed: why."),
                 "held": boolean(),
             })),
         ),

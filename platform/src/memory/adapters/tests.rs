@@ -219,3 +219,54 @@ fn the_host_tier_is_bounded_by_bytes() {
     }
     assert!(res.loader().host_bytes() <= 200 * 1024, "{}", res.loader().host_bytes());
 }
+
+/// On a device whose uploads take a while (the backend stands in for a copy queue), an adapter
+/// with pages is `copying` until a poll sees its copy landed: not pinnable, not counted as
+/// resident, its pages kept from eviction; then resident with one event. Forgetting one mid-copy
+/// frees its pages.
+#[test]
+fn an_adapter_is_used_only_once_its_copy_has_landed() {
+    let (_, mut mem, mut res) = setup(64, 1 << 30);
+    let backend = CpuBackend::new().with_upload_polls(2);
+    let a = reference("a2_r16_all");
+    res.request(&a);
+    for _ in 0..500 {
+        res.poll_wait(&backend, &mut mem, Duration::from_millis(10)).unwrap();
+        if res.status("a2_r16_all") != Residency::Loading {
+            break;
+        }
+    }
+    // The load finished and placement started in that poll; the copy's first check said "in flight".
+    assert_eq!(res.status("a2_r16_all"), Residency::Copying);
+    assert!(res.is_copying());
+    assert!(res.pin("a2_r16_all").is_none(), "not usable before the copy lands");
+    assert!(res.resident_keys().is_empty());
+    assert_eq!(res.locate("a2_r16_all").location, Location::Host);
+    assert!(res.take_events().is_empty());
+    let pages = mem.pages.stats().adapter;
+    assert!(pages > 0);
+    assert!(mem.pages.lease(64).is_none(), "the copy's pages are not reclaimable");
+    res.poll(&backend, &mut mem).unwrap();
+    assert_eq!(res.status("a2_r16_all"), Residency::Copying, "second check: still in flight");
+    res.poll(&backend, &mut mem).unwrap();
+    assert_eq!(res.status("a2_r16_all"), Residency::Resident);
+    assert!(!res.is_copying());
+    let events = res.take_events();
+    assert!(matches!(&events[..], [ResidencyEvent::Resident { from: Tier::Disk, .. }]), "{events:?}");
+    assert!(res.pin("a2_r16_all").is_some());
+    assert_eq!(mem.pages.stats().reclaimable, pages, "idle once resident");
+
+    let b = reference("a1_r8_qv");
+    res.request(&b);
+    for _ in 0..500 {
+        res.poll_wait(&backend, &mut mem, Duration::from_millis(10)).unwrap();
+        if res.status("a1_r8_qv") != Residency::Loading {
+            break;
+        }
+    }
+    assert_eq!(res.status("a1_r8_qv"), Residency::Copying);
+    let before = mem.pages.stats().adapter;
+    res.forget("a1_r8_qv");
+    assert_eq!(res.status("a1_r8_qv"), Residency::Absent);
+    assert!(mem.pages.stats().adapter < before, "a forgotten copy gives its pages back");
+}
