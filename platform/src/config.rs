@@ -59,12 +59,15 @@ pub struct EngineArgs {
     /// Element type of keys and values in the page pool. bf16 halves the bytes per cached
     /// token (twice the tokens in `--pool-mb`, half the bytes attention reads), rounding each
     /// key and value once when it is written; f32 is exact. On CUDA, bf16 pages go with
-    /// `--matmul-dtype bf16` (and f32 pages with f32).
-    #[arg(long, env = "LORAPLEX_KV_DTYPE", value_enum, default_value_t = KvDType::F32)]
-    pub kv_dtype: KvDType,
-    /// What activations enter the matmuls of bf16 weights as (see [`MatmulDType`]).
-    #[arg(long, env = "LORAPLEX_MATMUL_DTYPE", value_enum, default_value_t = MatmulDType::F32)]
-    pub matmul_dtype: MatmulDType,
+    /// `--matmul-dtype bf16` (and f32 pages with f32). Default: f32 on the CPU; on CUDA, the
+    /// type of `--matmul-dtype` (bf16 unless that says f32).
+    #[arg(long, env = "LORAPLEX_KV_DTYPE", value_enum)]
+    pub kv_dtype: Option<KvDType>,
+    /// What activations enter the matmuls of bf16 weights as (see [`MatmulDType`]). Default:
+    /// f32 on the CPU (exact); on CUDA bf16, the whole forward in bf16 as deployments run it,
+    /// unless `--kv-dtype f32` asks for the f32 model.
+    #[arg(long, env = "LORAPLEX_MATMUL_DTYPE", value_enum)]
+    pub matmul_dtype: Option<MatmulDType>,
     /// Most tokens in one forward step (prompt chunks plus decodes).
     #[arg(long, env = "LORAPLEX_MAX_BATCH_TOKENS", default_value_t = 2048)]
     pub max_batch_tokens: usize,
@@ -110,6 +113,14 @@ pub enum KvDType {
 }
 
 impl KvDType {
+    /// The matmul type the CUDA backend pairs with these pages.
+    pub fn cuda_matmul(self) -> MatmulDType {
+        match self {
+            KvDType::F32 => MatmulDType::F32,
+            KvDType::Bf16 => MatmulDType::Bf16,
+        }
+    }
+
     pub fn row_dtype(self) -> RowDType {
         match self {
             KvDType::F32 => RowDType::F32,
@@ -146,6 +157,15 @@ pub fn check_cuda_dtypes(matmul: MatmulDType, kv: KvDType) -> Result<(), String>
 }
 
 impl MatmulDType {
+    /// The KV pages the CUDA backend pairs with this choice (its attention reads pages of the
+    /// type it computes in).
+    pub fn cuda_kv(self) -> KvDType {
+        match self {
+            MatmulDType::F32 => KvDType::F32,
+            MatmulDType::Bf16 => KvDType::Bf16,
+        }
+    }
+
     /// The element type the CUDA backend computes in with this choice.
     pub fn cuda_compute(self) -> DType {
         match self {
@@ -177,10 +197,28 @@ fn non_negative(s: &str) -> Result<f64, String> {
 }
 
 impl EngineArgs {
-    pub fn engine_config(&self) -> EngineConfig {
+    /// The matmul and KV types on the CPU (`cuda` false) or on CUDA, from the flags given and
+    /// the defaults of each device: f32 and f32 on the CPU; bf16 and bf16 on CUDA, where the two
+    /// go together, so that naming one picks the other.
+    pub fn dtypes(&self, cuda: bool) -> Result<(MatmulDType, KvDType), String> {
+        if !cuda {
+            return Ok((self.matmul_dtype.unwrap_or(MatmulDType::F32), self.kv_dtype.unwrap_or(KvDType::F32)));
+        }
+        let (matmul, kv) = match (self.matmul_dtype, self.kv_dtype) {
+            (None, None) => (MatmulDType::Bf16, KvDType::Bf16),
+            (Some(m), None) => (m, m.cuda_kv()),
+            (None, Some(k)) => (k.cuda_matmul(), k),
+            (Some(m), Some(k)) => (m, k),
+        };
+        check_cuda_dtypes(matmul, kv)?;
+        Ok((matmul, kv))
+    }
+
+    /// The engine's settings, its KV pages stored as `kv` (from [`EngineArgs::dtypes`]).
+    pub fn engine_config(&self, kv: KvDType) -> EngineConfig {
         EngineConfig {
             block_size: self.block_size,
-            kv_dtype: self.kv_dtype.row_dtype(),
+            kv_dtype: kv.row_dtype(),
             pool_bytes: self.pool_mb.saturating_mul(1 << 20),
             max_batch_tokens: self.max_batch_tokens,
             max_running: self.max_running,
@@ -1010,4 +1048,38 @@ pub fn init_threads(threads: Option<usize>) -> anyhow::Result<()> {
         rayon::ThreadPoolBuilder::new().num_threads(n).build_global()?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        engine: EngineArgs,
+    }
+
+    fn dtypes(flags: &[&str], cuda: bool) -> Result<(MatmulDType, KvDType), String> {
+        Flags::try_parse_from(std::iter::once("t").chain(flags.iter().copied())).unwrap().engine.dtypes(cuda)
+    }
+
+    /// The CPU stays exact by default; CUDA runs the bf16 model unless told otherwise, and one
+    /// flag there picks its partner; a pair CUDA cannot run is refused with what to add.
+    #[test]
+    fn each_device_has_its_default_types_and_cuda_pairs_them() {
+        use KvDType as K;
+        use MatmulDType as M;
+        assert_eq!(dtypes(&[], false), Ok((M::F32, K::F32)));
+        assert_eq!(dtypes(&["--kv-dtype", "bf16"], false), Ok((M::F32, K::Bf16)));
+        assert_eq!(dtypes(&["--matmul-dtype", "bf16"], false), Ok((M::Bf16, K::F32)));
+        assert_eq!(dtypes(&[], true), Ok((M::Bf16, K::Bf16)));
+        assert_eq!(dtypes(&["--kv-dtype", "f32"], true), Ok((M::F32, K::F32)));
+        assert_eq!(dtypes(&["--matmul-dtype", "f32"], true), Ok((M::F32, K::F32)));
+        assert_eq!(dtypes(&["--matmul-dtype", "bf16", "--kv-dtype", "bf16"], true), Ok((M::Bf16, K::Bf16)));
+        let err = dtypes(&["--matmul-dtype", "bf16", "--kv-dtype", "f32"], true).unwrap_err();
+        assert!(err.contains("add --kv-dtype bf16"), "{err}");
+    }
 }

@@ -51,15 +51,22 @@ pub fn adapter_ref(dir: &Path) -> anyhow::Result<AdapterRef> {
     Ok(AdapterRef::new(canonical.display().to_string(), canonical))
 }
 
+/// The engine's settings on the CPU, the only device `generate` runs on.
+fn engine_config(args: &GenerateArgs) -> anyhow::Result<crate::engine::EngineConfig> {
+    let (_, kv) = args.engine.dtypes(false).map_err(anyhow::Error::msg)?;
+    Ok(args.engine.engine_config(kv))
+}
+
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     crate::config::init_threads(args.engine.threads)?;
-    let backend = Arc::new(args.engine.matmul_dtype.cpu_backend());
+    let (matmul, _) = args.engine.dtypes(false).map_err(anyhow::Error::msg)?;
+    let backend = Arc::new(matmul.cpu_backend());
     let model = Arc::new(model::load(backend, &args.model)?);
     let tokenizer = Arc::new(Tokenizer::from_dir(&args.model)?);
     if let Some(path) = &args.input.batch {
         return run_batch(args, path, model, tokenizer);
     }
-    let mut engine = Engine::new(model.clone(), tokenizer.clone(), args.engine.engine_config())?;
+    let mut engine = Engine::new(model.clone(), tokenizer.clone(), engine_config(args)?)?;
     let adapter = args.adapter.as_deref().map(adapter_ref).transpose()?;
     if let Some(a) = &adapter {
         engine.load_adapter(a)?;
@@ -135,7 +142,7 @@ struct BatchError<'a> {
 /// model) before anything runs, so a bad line fails the command with its line number and
 /// nothing half-done.
 fn parse_batch(args: &GenerateArgs, path: &Path, model: &Model<CpuBackend>, tokenizer: &Tokenizer) -> anyhow::Result<Vec<(serde_json::Value, ValidRequest)>> {
-    let limits = args.engine.engine_config().adapters.limits;
+    let limits = engine_config(args)?.adapters.limits;
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let mut requests = Vec::new();
     for (n, line) in text.lines().enumerate() {
@@ -182,7 +189,7 @@ fn parse_batch(args: &GenerateArgs, path: &Path, model: &Model<CpuBackend>, toke
 /// command fail once all lines are out.
 fn run_batch(args: &GenerateArgs, path: &Path, model: Arc<Model<CpuBackend>>, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
     let requests = parse_batch(args, path, &model, &tokenizer)?;
-    let runtime = Runtime::start(vec![model], tokenizer, args.engine.engine_config())?;
+    let runtime = Runtime::start(vec![model], tokenizer, engine_config(args)?)?;
     let mut handles = Vec::with_capacity(requests.len());
     for (id, request) in requests {
         let handle = futures::executor::block_on(runtime.submit_valid(request, Placement::default()))?;

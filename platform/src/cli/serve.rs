@@ -55,8 +55,8 @@ fn model_dir(args: &ServeArgs) -> anyhow::Result<(PathBuf, String)> {
 }
 
 /// The engine as `serve` runs it: adapter pins may take their share of each pool.
-fn engine_config(args: &ServeArgs) -> crate::engine::EngineConfig {
-    crate::engine::EngineConfig { pinned_percent: args.max_pinned_percent, ..args.engine.engine_config() }
+fn engine_config(args: &ServeArgs, kv: crate::config::KvDType) -> crate::engine::EngineConfig {
+    crate::engine::EngineConfig { pinned_percent: args.max_pinned_percent, ..args.engine.engine_config(kv) }
 }
 
 fn start_runtime(args: &ServeArgs, dir: &Path) -> anyhow::Result<(Arc<dyn Serving>, Arc<Tokenizer>)> {
@@ -75,21 +75,23 @@ fn start_runtime(args: &ServeArgs, dir: &Path) -> anyhow::Result<(Arc<dyn Servin
             if let (Device::Auto, Err(why)) = (args.device, &probe) {
                 println!("--device auto: using the CPU ({why})");
             }
-            let backend = args.engine.matmul_dtype.cpu_backend();
-            println!("CPU kernels: {}", backend.describe());
+            let (matmul, kv) = args.engine.dtypes(false).map_err(anyhow::Error::msg)?;
+            let backend = matmul.cpu_backend();
+            println!("CPU kernels: {}; KV pages in {}", backend.describe(), kv.row_dtype().dtype());
             let model = Arc::new(model::load(Arc::new(backend), dir).with_context(|| load("the CPU"))?);
             let devices = vec![model; args.workers];
-            Arc::new(Runtime::start(devices, tokenizer.clone(), engine_config(args)).context("starting the workers")?)
+            Arc::new(Runtime::start(devices, tokenizer.clone(), engine_config(args, kv)).context("starting the workers")?)
         }
         Resolved::Cuda(ordinals) => {
-            crate::config::check_cuda_dtypes(args.engine.matmul_dtype, args.engine.kv_dtype).map_err(anyhow::Error::msg)?;
-            let compute = args.engine.matmul_dtype.cuda_compute();
+            let (matmul, kv) = args.engine.dtypes(true).map_err(anyhow::Error::msg)?;
+            let compute = matmul.cuda_compute();
+            println!("CUDA: computing in {compute}, KV pages in {}", kv.row_dtype().dtype());
             let mut devices = Vec::new();
             for n in ordinals {
                 let backend = CudaBackend::open(n, compute).with_context(|| format!("opening cuda:{n} and compiling its kernels"))?;
                 devices.push(Arc::new(model::load(Arc::new(backend), dir).with_context(|| load(&format!("cuda:{n}")))?));
             }
-            Arc::new(Runtime::start(devices, tokenizer.clone(), engine_config(args)).context("starting the workers")?)
+            Arc::new(Runtime::start(devices, tokenizer.clone(), engine_config(args, kv)).context("starting the workers")?)
         }
     };
     Ok((serving, tokenizer))
