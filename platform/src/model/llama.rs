@@ -72,6 +72,34 @@ struct Activations<B: Backend> {
     /// The logit rows' hidden states, before and after the final norm.
     last: B::Buffer,
     last_normed: B::Buffer,
+    /// `[logit rows, vocab]` f32.
+    logits: B::Buffer,
+}
+
+/// A forward's logits (`[rows, vocab]` f32), read through `Deref`; dropping them gives their
+/// activation set back to the model.
+pub struct Logits<'m, B: Backend> {
+    model: &'m Model<B>,
+    set: Option<Activations<B>>,
+}
+
+impl<B: Backend> std::ops::Deref for Logits<'_, B> {
+    type Target = B::Buffer;
+
+    fn deref(&self) -> &B::Buffer {
+        match &self.set {
+            Some(a) => &a.logits,
+            None => unreachable!("the set leaves only in drop"),
+        }
+    }
+}
+
+impl<B: Backend> Drop for Logits<'_, B> {
+    fn drop(&mut self) {
+        if let Some(a) = self.set.take() {
+            self.model.keep(a);
+        }
+    }
 }
 
 impl<B: Backend> Model<B> {
@@ -144,17 +172,33 @@ impl<B: Backend> Model<B> {
     }
 
     /// Runs the batch through the model, writing its K/V into `cache`, and returns the logits
-    /// of the requested rows, `[num_logit_rows, vocab_size]`. `cache` is the whole page pool:
-    /// KV blocks and, for `lora`, the adapters' rows.
-    pub fn forward(&self, batch: &ForwardBatch<B>, lora: Option<&LoraBatch<B>>, cache: &mut B::Buffer, layout: &KvLayout) -> Result<B::Buffer, KernelError> {
+    /// of the requested rows, `[num_logit_rows, vocab_size]` f32. `cache` is the whole page
+    /// pool: KV blocks and, for `lora`, the adapters' rows. The logits live in the forward's
+    /// activation set, which goes back to the model for the next forward when they are dropped.
+    pub fn forward(
+        &self,
+        batch: &ForwardBatch<B>,
+        lora: Option<&LoraBatch<B>>,
+        cache: &mut B::Buffer,
+        layout: &KvLayout,
+    ) -> Result<Logits<'_, B>, KernelError> {
         let mut a = self.activations((batch.meta.num_tokens, batch.num_logit_rows))?;
-        let logits = self.forward_with(batch, lora, cache, layout, &mut a);
+        match self.forward_with(batch, lora, cache, layout, &mut a) {
+            Ok(()) => Ok(Logits { model: self, set: Some(a) }),
+            Err(e) => {
+                self.keep(a);
+                Err(e)
+            }
+        }
+    }
+
+    /// Keeps an activation set for a later forward of its shape.
+    fn keep(&self, a: Activations<B>) {
         let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
         if kept.len() >= KEPT_ACTIVATIONS {
             kept.remove(0);
         }
         kept.push(a);
-        logits
     }
 
     /// A kept activation set for `t` tokens and `r` logit rows, or a new one.
@@ -182,6 +226,7 @@ impl<B: Backend> Model<B> {
             act: b.zeros(t * c.intermediate_size)?,
             last: b.zeros(r * h)?,
             last_normed: b.zeros(r * h)?,
+            logits: b.zeros_f32(r * c.vocab_size)?,
         })
     }
 
@@ -192,7 +237,7 @@ impl<B: Backend> Model<B> {
         cache: &mut B::Buffer,
         layout: &KvLayout,
         a: &mut Activations<B>,
-    ) -> Result<B::Buffer, KernelError> {
+    ) -> Result<(), KernelError> {
         let b = self.backend.as_ref();
         let c = &self.config;
         let h = c.hidden_size;
@@ -208,9 +253,7 @@ impl<B: Backend> Model<B> {
         let r = batch.num_logit_rows;
         b.gather_rows(&a.x, &batch.logit_rows, &mut a.last, h)?;
         b.rms_norm(&a.last, &self.norm, &mut a.last_normed, c.rms_norm_eps)?;
-        let mut logits = b.zeros_f32(r * c.vocab_size)?;
-        self.lm_head.forward(b, &a.last_normed, &mut logits, r, None)?;
-        Ok(logits)
+        self.lm_head.forward(b, &a.last_normed, &mut a.logits, r, None)
     }
 
     #[allow(clippy::too_many_arguments)]

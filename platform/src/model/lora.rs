@@ -1,6 +1,8 @@
 //! The LoRA side of one forward batch: which adapters it uses, where their rows are, and which
 //! tokens use which adapter.
 
+use std::sync::Mutex;
+
 use loraplex_adapters::TargetModule;
 use loraplex_kernels::{Backend, KernelError, LoraRows, LoraSegments, LoraTarget, NO_ADAPTER, NUM_MODULES};
 
@@ -22,6 +24,10 @@ pub struct LoraBatch<B: Backend> {
     max_rank: usize,
     /// Per layer and module: whether some adapter of the batch targets it.
     targeted: Vec<[bool; NUM_MODULES]>,
+    /// SGMV's rank buffer (`[tokens, max_rank]` f32), made at the first site and reused by
+    /// every other site of the batch: the shrink writes it whole before the expand reads it.
+    /// Kept with its length in values.
+    scratch: Mutex<Option<(usize, B::Buffer)>>,
 }
 
 /// The host form of a batch's segment layout.
@@ -96,7 +102,7 @@ impl<B: Backend> LoraBatch<B> {
                 seg_slots: backend.upload_u32(&seg.slots)?,
             })
         };
-        Ok(Some(Self { rows, layout, max_rank, targeted }))
+        Ok(Some(Self { rows, layout, max_rank, targeted, scratch: Mutex::new(None) }))
     }
 
     /// Whether some adapter of the batch adds a delta to `module` of `layer`.
@@ -114,9 +120,14 @@ impl<B: Backend> LoraBatch<B> {
         match &self.layout {
             LoraLayout::PerRow(slots) => backend.bgmv(x, pool, &self.rows, slots, &target, y),
             LoraLayout::Segments(segs) => {
-                let mut v = backend.zeros_f32(tokens * self.max_rank)?;
-                backend.sgmv_shrink(x, pool, &self.rows, segs, &target, &mut v)?;
-                backend.sgmv_expand(&v, pool, &self.rows, segs, &target, y)
+                let mut scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+                let need = tokens * self.max_rank;
+                let v = match &mut *scratch {
+                    Some((len, v)) if *len >= need => v,
+                    other => &mut other.insert((need, backend.zeros_f32(need)?)).1,
+                };
+                backend.sgmv_shrink(x, pool, &self.rows, segs, &target, v)?;
+                backend.sgmv_expand(v, pool, &self.rows, segs, &target, y)
             }
         }
     }
