@@ -220,6 +220,16 @@ fn the_host_tier_is_bounded_by_bytes() {
     assert!(res.loader().host_bytes() <= 200 * 1024, "{}", res.loader().host_bytes());
 }
 
+/// Polls until `key` is no longer loading from disk (or a few seconds pass).
+fn past_loading(backend: &CpuBackend, mem: &mut DevicePool<CpuBackend>, res: &mut AdapterResidency, key: &str) {
+    for _ in 0..500 {
+        res.poll_wait(backend, mem, Duration::from_millis(10)).unwrap();
+        if res.status(key) != Residency::Loading {
+            return;
+        }
+    }
+}
+
 /// On a device whose uploads take a while (the backend stands in for a copy queue), an adapter
 /// with pages is `copying` until a poll sees its copy landed: not pinnable, not counted as
 /// resident, its pages kept from eviction; then resident with one event. Forgetting one mid-copy
@@ -230,12 +240,7 @@ fn an_adapter_is_used_only_once_its_copy_has_landed() {
     let backend = CpuBackend::new().with_upload_polls(2);
     let a = reference("a2_r16_all");
     res.request(&a);
-    for _ in 0..500 {
-        res.poll_wait(&backend, &mut mem, Duration::from_millis(10)).unwrap();
-        if res.status("a2_r16_all") != Residency::Loading {
-            break;
-        }
-    }
+    past_loading(&backend, &mut mem, &mut res, "a2_r16_all");
     // The load finished and placement started in that poll; the copy's first check said "in flight".
     assert_eq!(res.status("a2_r16_all"), Residency::Copying);
     assert!(res.is_copying());
@@ -258,12 +263,7 @@ fn an_adapter_is_used_only_once_its_copy_has_landed() {
 
     let b = reference("a1_r8_qv");
     res.request(&b);
-    for _ in 0..500 {
-        res.poll_wait(&backend, &mut mem, Duration::from_millis(10)).unwrap();
-        if res.status("a1_r8_qv") != Residency::Loading {
-            break;
-        }
-    }
+    past_loading(&backend, &mut mem, &mut res, "a1_r8_qv");
     assert_eq!(res.status("a1_r8_qv"), Residency::Copying);
     let before = mem.pages.stats().adapter;
     res.forget("a1_r8_qv");
