@@ -198,8 +198,10 @@ pub struct CudaBackend {
     staging: Arc<Mutex<Vec<PinnedHostSlice<f32>>>>,
 }
 
-/// Staging buffers kept for reuse.
+/// Staging buffers kept for reuse, and the largest kept, in f32s (64 MiB): a larger one (a
+/// high-rank adapter on a large model) is freed once its copy has landed.
 const STAGING_KEPT: usize = 4;
+const STAGING_KEPT_MAX: usize = 1 << 24;
 
 /// Smallest staging buffer, in f32s (4 MiB).
 const STAGING_MIN: usize = 1 << 20;
@@ -229,7 +231,7 @@ impl Drop for CudaUpload {
         }
         if let Some(staging) = self.staging.take() {
             let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
-            if kept.len() < STAGING_KEPT {
+            if kept.len() < STAGING_KEPT && staging.len() <= STAGING_KEPT_MAX {
                 kept.push(staging);
             }
         }
@@ -332,8 +334,9 @@ impl CudaBackend {
         };
         let mut staging = match reused {
             Some(b) => b,
-            // SAFETY: the buffer's values are all written below before the device reads them.
-            None => unsafe { self.ctx.alloc_pinned::<f32>(total.next_power_of_two().max(STAGING_MIN)) }.map_err(|e| dev_err(OP, e))?,
+            // SAFETY: the values the copies read (the first `total`) are all written below first.
+            None => unsafe { self.ctx.alloc_pinned::<f32>(if total <= STAGING_KEPT_MAX { total.next_power_of_two().max(STAGING_MIN) } else { total }) }
+                .map_err(|e| dev_err(OP, e))?,
         };
         let host = staging.as_mut_slice().map_err(|e| dev_err(OP, e))?;
         let mut at = 0;
@@ -344,17 +347,29 @@ impl CudaBackend {
         // Ordered after every op queued so far on the compute stream (they may read the pages
         // these values replace).
         copy.join(&self.stream).map_err(|e| dev_err(OP, e))?;
-        let host = staging.as_slice().map_err(|e| dev_err(OP, e))?;
-        let mut at = 0;
-        for &(offset, data) in writes {
-            if data.is_empty() {
-                continue;
+        let queued = (|| {
+            let host = staging.as_slice()?;
+            let mut at = 0;
+            for &(offset, data) in writes {
+                if data.is_empty() {
+                    continue;
+                }
+                copy.memcpy_htod(&host[at..at + data.len()], &mut dst.slice_mut(offset..offset + data.len()))?;
+                at += data.len();
             }
-            copy.memcpy_htod(&host[at..at + data.len()], &mut dst.slice_mut(offset..offset + data.len())).map_err(|e| dev_err(OP, e))?;
-            at += data.len();
+            copy.record_event(None)
+        })();
+        match queued {
+            Ok(event) => Ok(crate::Upload::in_flight(CudaUpload { event, staging: Some(staging), kept: self.staging.clone() })),
+            Err(e) => {
+                // Copies queued before the failure may still read the staging buffer: it is
+                // freed only once the copy stream is idle (or, if even that fails, leaked).
+                if copy.synchronize().is_err() {
+                    std::mem::forget(staging);
+                }
+                Err(dev_err(OP, e))
+            }
         }
-        let event = copy.record_event(None).map_err(|e| dev_err(OP, e))?;
-        Ok(crate::Upload::in_flight(CudaUpload { event, staging: Some(staging), kept: self.staging.clone() }))
     }
 
     /// Device `ordinal` computing in `compute`, its kernels compiled (or read from the default
