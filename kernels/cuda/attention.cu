@@ -47,6 +47,34 @@ __device__ __forceinline__ const T* key_row(const T* cache, const u32* table, u3
     return cache + (u64)page * page_elems + head_off + (u64)(key % block_size) * head_dim;
 }
 
+// What one decode block reads: the keys [k0, k1) of token t's partition `part` (a sliding
+// window honoured), the token's block table, and where KV head kvh's rows lie in a page (the
+// value rows `per_kv` after the keys). `vec`: key rows start 16-byte aligned when the pool does
+// and every offset to them is a whole number of 16-byte chunks.
+struct DecodeSpan {
+    u32 k0, k1;
+    const u32* table;
+    u64 per_kv, head_off;
+    bool vec;
+};
+
+template <typename T>
+__device__ __forceinline__ DecodeSpan decode_span(const T* cache, const u32* token_seq, const u32* positions, const u32* block_tables,
+                                                  u32 max_blocks, u32 t, u32 kvh, u32 kv_heads, u32 head_dim, u32 block_size,
+                                                  u64 page_elems, u32 layer, u32 window, u32 part, u32 part_size) {
+    const u32 pos = positions[t];
+    const u32 first = (window != 0 && pos + 1 > window) ? pos + 1 - window : 0;
+    DecodeSpan s;
+    s.k0 = first + part * part_size;
+    s.k1 = min(s.k0 + part_size, pos + 1);
+    s.table = block_tables + (u64)token_seq[t] * max_blocks;
+    s.per_kv = (u64)kv_heads * block_size * head_dim;
+    s.head_off = (u64)layer * 2 * s.per_kv + (u64)kvh * block_size * head_dim;
+    constexpr u32 V = 16 / sizeof(T);
+    s.vec = head_dim % V == 0 && page_elems % V == 0 && (((u64)cache) & 15u) == 0;
+    return s;
+}
+
 // q . (the key row at kp), q in shared memory (scaled), the row read in 16-byte loads when
 // `vec` (rows and pages 16-byte aligned), else element by element.
 template <typename T>
@@ -84,18 +112,13 @@ __device__ void attn_decode_impl(const T* __restrict__ q, const T* __restrict__ 
     DYNAMIC_SHARED(float, smem);
     const u32 t = blockIdx.x, h = blockIdx.y, part = blockIdx.z, parts = gridDim.z;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const u32 pos = positions[t];
-    const u32 first = (window != 0 && pos + 1 > window) ? pos + 1 - window : 0;
-    const u32 k0 = first + part * part_size;
-    const u32 k1 = min(k0 + part_size, pos + 1);
     const u32 kvh = h / (heads / kv_heads);
-    const u32* table = block_tables + (u64)token_seq[t] * max_blocks;
-    const u64 per_kv = (u64)kv_heads * block_size * head_dim;
-    const u64 head_off = (u64)layer * 2 * per_kv + (u64)kvh * block_size * head_dim;
-    // Key rows start 16-byte aligned when the pool does and every offset to them is a whole
-    // number of 16-byte chunks.
-    constexpr u32 V = 16 / sizeof(T);
-    const bool vec = head_dim % V == 0 && page_elems % V == 0 && (((u64)cache) & 15u) == 0;
+    const DecodeSpan span =
+        decode_span(cache, token_seq, positions, block_tables, max_blocks, t, kvh, kv_heads, head_dim, block_size, page_elems, layer, window, part, part_size);
+    const u32 k0 = span.k0, k1 = span.k1;
+    const u32* table = span.table;
+    const u64 per_kv = span.per_kv, head_off = span.head_off;
+    const bool vec = span.vec;
 
     float* s_q = smem + (2 + head_dim) * warps;
     const T* qp = q + ((u64)t * heads + h) * head_dim;
@@ -186,16 +209,14 @@ __device__ void attn_decode_group_impl(const T* __restrict__ q, const T* __restr
     DYNAMIC_SHARED(float, smem);
     const u32 t = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z, parts = gridDim.z;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const u32 pos = positions[t];
-    const u32 first = (window != 0 && pos + 1 > window) ? pos + 1 - window : 0;
-    const u32 k0 = first + part * part_size;
-    const u32 k1 = min(k0 + part_size, pos + 1);
     const u32 h0 = kvh * G;  // the group's first query head
-    const u32* table = block_tables + (u64)token_seq[t] * max_blocks;
-    const u64 per_kv = (u64)kv_heads * block_size * head_dim;
-    const u64 head_off = (u64)layer * 2 * per_kv + (u64)kvh * block_size * head_dim;
+    const DecodeSpan span =
+        decode_span(cache, token_seq, positions, block_tables, max_blocks, t, kvh, kv_heads, head_dim, block_size, page_elems, layer, window, part, part_size);
+    const u32 k0 = span.k0, k1 = span.k1;
+    const u32* table = span.table;
+    const u64 per_kv = span.per_kv, head_off = span.head_off;
+    const bool vec = span.vec;
     constexpr u32 V = 16 / sizeof(T);
-    const bool vec = head_dim % V == 0 && page_elems % V == 0 && (((u64)cache) & 15u) == 0;
 
     // smem: [G][head_dim] queries, then [warps][G] maxima, [warps][G] sums, [warps][G][head_dim] sums.
     float* s_q = smem;
