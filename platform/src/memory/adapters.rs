@@ -230,6 +230,9 @@ pub struct AdapterResidency {
     states: HashMap<Arc<str>, State>,
     /// Staged adapters in the order they are to be placed.
     staged: VecDeque<Arc<str>>,
+    /// Adapters whose copy into the pool is in flight (each in [`State::Copying`] unless
+    /// forgotten since).
+    copying: Vec<Arc<str>>,
     /// Pins held on behalf of callers that asked for an adapter to stay resident.
     held: HashMap<Arc<str>, Held>,
     /// Most pages all holds together may pin.
@@ -241,7 +244,16 @@ impl AdapterResidency {
     /// `max_held_pages` bounds what [`Self::hold`] may pin, so that the rest of the pool stays
     /// for requests.
     pub fn new(loader: AdapterLoader, num_layers: usize, max_held_pages: usize) -> Self {
-        Self { loader, num_layers, states: HashMap::new(), staged: VecDeque::new(), held: HashMap::new(), max_held_pages, events: Vec::new() }
+        Self {
+            loader,
+            num_layers,
+            states: HashMap::new(),
+            staged: VecDeque::new(),
+            copying: Vec::new(),
+            held: HashMap::new(),
+            max_held_pages,
+            events: Vec::new(),
+        }
     }
 
     /// Where `key` is now. An evicted adapter reads as [`Residency::Absent`] until requested.
@@ -326,7 +338,7 @@ impl AdapterResidency {
 
     /// Whether an adapter's copy into the pool is in flight.
     pub fn is_copying(&self) -> bool {
-        self.states.values().any(|s| matches!(s, State::Copying { .. }))
+        !self.copying.is_empty()
     }
 
     /// Pins a resident adapter for a running sequence.
@@ -393,6 +405,7 @@ impl AdapterResidency {
         self.held.remove(key);
         self.states.remove(key);
         self.staged.retain(|k| &**k != key);
+        self.copying.retain(|k| &**k != key);
         self.loader.invalidate(key);
     }
 
@@ -420,13 +433,14 @@ impl AdapterResidency {
     /// Adapters whose copy has landed become resident.
     fn finish_copies(&mut self) -> Result<(), KernelError> {
         let mut landed = Vec::new();
-        for (key, state) in &mut self.states {
-            if let State::Copying { upload, .. } = state
+        for key in &self.copying {
+            if let Some(State::Copying { upload, .. }) = self.states.get_mut(key)
                 && upload.is_landed()?
             {
                 landed.push(key.clone());
             }
         }
+        self.copying.retain(|k| !landed.contains(k));
         for key in landed {
             let Some(State::Copying { since, from, resident, .. }) = self.states.remove(&key) else { continue };
             // The pin taken at insertion is released: the adapter is now an idle cache entry.
@@ -498,7 +512,8 @@ impl AdapterResidency {
             // only once they have landed.
             let upload = backend.start_upload(&mut mem.buffer, &writes)?;
             let resident = Arc::new(ResidentAdapter { key: key.clone(), content_hash: host.content_hash.clone(), rows, pages: entry });
-            self.states.insert(key, State::Copying { since, from, upload, resident, _pin: pin });
+            self.states.insert(key.clone(), State::Copying { since, from, upload, resident, _pin: pin });
+            self.copying.push(key);
         }
         Ok(())
     }
