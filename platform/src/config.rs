@@ -441,6 +441,12 @@ pub struct ServeArgs {
     /// A request body that sends nothing for this many seconds is cut with 408.
     #[arg(long, env = "LORAPLEX_BODY_TIMEOUT", default_value_t = 30)]
     pub body_timeout: u64,
+    /// An interactive request still running after this many milliseconds has its ledger row
+    /// opened (`running`, behind its tokens), so that a crash leaves an uncharged `interrupted`
+    /// row for it; one that ends sooner is written once, when it ends. 0: every request's row
+    /// is opened, durably, before it is queued (a database round trip before each request).
+    #[arg(long, env = "LORAPLEX_OPEN_ROW_AFTER_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
+    pub open_row_after_ms: u64,
     /// Percent of each pool that adapter loads (pins) may take together; the rest stays for
     /// requests, and a request that could need more than the rest is refused when it arrives.
     #[arg(long, env = "LORAPLEX_MAX_PINNED_PERCENT", default_value_t = 25, value_parser = clap::value_parser!(u32).range(0..=90))]

@@ -5,13 +5,17 @@
 //! [`start`] does the work in order of cost, so that what is refused costs little: the cheap
 //! checks of what was sent ([`validate`]), admission against the server's and the tenant's
 //! bounds and the tenant's request limits, then tokenizing on the blocking pool, the checks of
-//! the token counts, the token reservation, and only then the ledger and the queue.
+//! the token counts, the token reservation, and only then the queue (and a batch line's ledger row).
 //!
 //! A job runs in a task of its own, so its ledger row is written whatever the client does. The
-//! row is opened (outcome `running`) before the request is queued and completed when the job
-//! ends: when the client goes away (its event channel closes) the task cancels the requests
-//! and records what was generated with the outcome `cancelled`. The final event (the usage) is
-//! sent only after the row is committed.
+//! row is written when the job ends, before its final event (the usage) is sent: when the
+//! client goes away (its event channel closes) the task cancels the requests and records what
+//! was generated with the outcome `cancelled`. No token waits for the database: an interactive
+//! request still running after [`super::ApiSettings::open_row_after`] has its row opened
+//! (outcome `running`) behind its tokens, so that a crash of the process leaves an
+//! `interrupted` row for it; one that ends sooner costs one write. A line of a batch has its row
+//! opened, durably, before it is queued: cancelling the batch voids the rows of the lines still
+//! running (see `store::batches`); so has every request when `open_row_after` is zero.
 
 use std::time::{Duration, Instant};
 
@@ -194,7 +198,7 @@ pub async fn start(state: &AppState, admitted: Admitted, spec: JobSpec) -> Resul
     permit.reserve(budget).await.inspect_err(|_| state.metrics.limited(&caller.tenant.name))?;
     state_time.limits += reserving.elapsed();
 
-    // The ledger row, durable before anything is generated.
+    // The ledger row: written when the job ends (and opened while it runs; see the module).
     let label = spec.target.label();
     let plan = &caller.plan;
     let (prompt_price, cached_prompt_price, completion_price) = match spec.batch {
@@ -222,9 +226,12 @@ pub async fn start(state: &AppState, admitted: Admitted, spec: JobSpec) -> Resul
         instance: state.settings.instance.clone(),
         batch_id: spec.batch.as_ref().map_or_else(String::new, |b| b.batch_id.to_string()),
     };
-    let opening = Instant::now();
-    state.ledger.open(record.clone()).await?;
-    state_time.ledger += opening.elapsed();
+    let open_first = spec.batch.is_some() || state.settings.open_row_after.is_zero();
+    if open_first {
+        let opening = Instant::now();
+        state.ledger.open(record.clone()).await?;
+        state_time.ledger += opening.elapsed();
+    }
     let mut placement = Placement::tenant(TenantId::new(&caller.tenant.id), caller.tenant.weight);
     if spec.batch.is_some() {
         placement.priority = Priority::Batch;
@@ -245,8 +252,20 @@ pub async fn start(state: &AppState, admitted: Admitted, spec: JobSpec) -> Resul
     }
     let (tx, rx) = mpsc::unbounded_channel();
     state.metrics.job_queued(&label);
-    let run =
-        Run { state: state.clone(), endpoint: spec.endpoint, caller, record, label, prompt_tokens, started, permit, state_time, _slot: slot, _guard: guard };
+    let run = Run {
+        state: state.clone(),
+        endpoint: spec.endpoint,
+        caller,
+        record,
+        opened: open_first,
+        label,
+        prompt_tokens,
+        started,
+        permit,
+        state_time,
+        _slot: slot,
+        _guard: guard,
+    };
     state.jobs.spawn(run.drive(handles, tx));
     Ok(Job { events: rx, prompt_tokens })
 }
@@ -258,6 +277,9 @@ struct Run {
     caller: Caller,
     /// Its ledger row as opened.
     record: UsageRecord,
+    /// Whether the row's opening is written already (a batch line's is, and every one's with
+    /// a zero `open_row_after`).
+    opened: bool,
     label: String,
     prompt_tokens: usize,
     started: Instant,
@@ -286,11 +308,21 @@ impl Run {
         let mut finished = 0;
         let mut completion = 0;
         let mut first_token: Option<Duration> = None;
+        // The row's opening, once the job has run for `open_row_after`.
+        let open_at = tokio::time::sleep(self.state.settings.open_row_after);
+        tokio::pin!(open_at);
+        let mut opening = None;
         let outcome = loop {
             let event = tokio::select! {
                 event = merged.next() => event,
                 // The client went away while nothing was generated.
                 () = tx.closed() => break Outcome::Cancelled,
+                () = &mut open_at, if !self.opened && opening.is_none() => {
+                    // Behind the tokens: nothing waits for it but the row's end. Not sent (the
+                    // writer stopped): the end says why it cannot be written either.
+                    opening = self.state.ledger.send(self.record.clone()).ok();
+                    continue;
+                }
             };
             match event {
                 Some((prompt, Event::Token(token))) => {
@@ -344,6 +376,11 @@ impl Run {
             ..self.record.clone()
         };
         let committing = Instant::now();
+        // A row's two writes never overlap: the end goes out once the opening is answered
+        // (written or not: the end creates the row if the opening was lost).
+        if let Some(opening) = opening {
+            let _ = opening.await;
+        }
         let committed = self.state.ledger.commit(record).await;
         let mut state_time = self.state_time;
         state_time.ledger += committing.elapsed();

@@ -42,6 +42,10 @@ pub use serving::Serving;
 use crate::store::{ApiKey, Ledger, Principal, Scope, Store};
 use crate::tokenizer::Tokenizer;
 
+/// How long an interactive request runs before its ledger row's opening is written (see
+/// [`ApiSettings::open_row_after`]).
+pub const OPEN_ROW_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Limits of the HTTP layer.
 #[derive(Debug, Clone)]
 pub struct ApiSettings {
@@ -62,6 +66,11 @@ pub struct ApiSettings {
     pub tenant_pinned_percent: u32,
     /// This server's name on the ledger rows it opens (see [`crate::store::Ledger`]).
     pub instance: String,
+    /// An interactive request still running after this long gets its ledger row's opening
+    /// (outcome `running`) written, so that a crash of this process leaves a trace of it;
+    /// one that ends sooner is written once, when it ends. Zero: every row is opened, durably,
+    /// before its request is queued.
+    pub open_row_after: std::time::Duration,
     /// What one structured-output grammar may cost to compile and to run.
     pub grammar: crate::grammar::GrammarLimits,
     /// The Batch API's bounds.
@@ -100,6 +109,7 @@ impl ApiSettings {
             max_uploads_per_key: 2,
             tenant_pinned_percent: 10,
             instance: instance.into(),
+            open_row_after: OPEN_ROW_AFTER,
             grammar: crate::grammar::GrammarLimits::default(),
             batch: BatchSettings::default(),
         }

@@ -133,6 +133,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         max_uploads_per_key: args.max_uploads_per_key.max(1),
         tenant_pinned_percent: args.tenant_pinned_percent,
         instance: instance_id(&data_dir)?,
+        open_row_after: Duration::from_millis(args.open_row_after_ms),
         grammar: crate::grammar::GrammarLimits::default(),
         batch: args.batch.settings(),
     };

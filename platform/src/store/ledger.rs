@@ -1,12 +1,14 @@
 //! The usage ledger: one row per request, with group commit (rows that arrive while a
 //! transaction is being written go into the next one); and billing reports.
 //!
-//! A request's row is written twice: when it is admitted ([`Ledger::open`], outcome `running`,
-//! durable before its first token goes out) and when it ends ([`Ledger::commit`], before its
-//! final event goes out). A process that dies in between leaves `running` rows, which the next
-//! start of the same instance turns into `interrupted` ([`Store::interrupt_running`]): recorded
-//! with their prompt tokens and no charge. Each row keeps the plan and prices in force when it
-//! was opened, so reports price history as it was, exactly (see [`Money`]).
+//! A request's row is written when it ends ([`Ledger::commit`], durable before its final event
+//! goes out), and also opened (outcome `running`) while it runs: a batch line's before it is
+//! queued ([`Ledger::open`]), an interactive request's once it has run for a moment, behind its
+//! tokens ([`Ledger::send`]; see `api::infer`). A process that dies in between leaves `running`
+//! rows, which the next start of the same instance turns into `interrupted`
+//! ([`Store::interrupt_running`]): recorded with their prompt tokens and no charge. Each row
+//! keeps the plan and prices in force when it was admitted, so reports price history as it was,
+//! exactly (see [`Money`]).
 
 use std::collections::BTreeMap;
 
@@ -85,8 +87,26 @@ fn stopped() -> StoreError {
     StoreError::Unavailable("the ledger writer has stopped".into())
 }
 
+/// A row on its way to the database: resolves once it is durable, or with why it could not be
+/// written. Dropping it does not stop the write.
+#[must_use = "a row is only known to be durable once its write resolves"]
+pub struct Written(oneshot::Receiver<Result<(), String>>);
+
+impl std::future::Future for Written {
+    type Output = Result<(), StoreError>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.0).poll(cx).map(|answer| match answer {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(why)) => Err(StoreError::Unavailable(format!("the usage ledger could not be written: {why}"))),
+            Err(_) => Err(stopped()),
+        })
+    }
+}
+
 impl Ledger {
-    /// Starts the writer on the current tokio runtime.
+    /// Starts the writer on the current tokio runtime: the rows that arrive while a group is
+    /// being written go out together in the next one.
     pub fn start(store: Store) -> Self {
         let (tx, mut rx) = mpsc::unbounded_channel::<Pending>();
         tokio::spawn(async move {
@@ -118,23 +138,22 @@ impl Ledger {
     /// Records an admitted request (outcome `running`); returns once the row is durable.
     pub async fn open(&self, record: UsageRecord) -> Result<(), StoreError> {
         debug_assert_eq!(record.outcome, outcome::RUNNING);
-        self.write(record).await
+        self.send(record)?.await
     }
 
     /// Records how a request ended (creating its row if it was never opened); returns once it
     /// is durable (or why it could not be written).
     pub async fn commit(&self, record: UsageRecord) -> Result<(), StoreError> {
-        self.write(record).await
+        self.send(record)?.await
     }
 
-    async fn write(&self, record: UsageRecord) -> Result<(), StoreError> {
+    /// Hands a row to the writer without waiting for it: the caller may work meanwhile and
+    /// await the answer when it must know the row is durable. A later write of the same row
+    /// must wait for this one's answer.
+    pub fn send(&self, record: UsageRecord) -> Result<Written, StoreError> {
         let (done, wait) = oneshot::channel();
         self.tx.send(Pending::Row(Box::new(record), done)).map_err(|_| stopped())?;
-        match wait.await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(why)) => Err(StoreError::Unavailable(format!("the usage ledger could not be written: {why}"))),
-            Err(_) => Err(stopped()),
-        }
+        Ok(Written(wait))
     }
 
     /// Returns once every row sent before this call has been written (or failed).

@@ -265,6 +265,26 @@ fn row(id: &str, tenant: &Tenant, plan: &Plan, outcome: &str, instance: &str, fi
     }
 }
 
+/// Rows handed over without waiting go out in several groups; a flush answers only once every
+/// one of them is written, and each row's answer says it is.
+#[tokio::test]
+async fn a_flush_waits_for_every_row_sent_before_it() {
+    for (s, _dir) in stores().await {
+        let kind = s.kind();
+        let t = s.create_tenant(&tenant("acme")).await.unwrap();
+        let plan = s.plan("standard").await.unwrap().unwrap();
+        let ledger = Ledger::start(s.clone());
+        let n: i64 = 3 * 256 + 100;
+        let written: Vec<_> = (0..n).map(|i| ledger.send(row(&format!("r{i}"), &t, &plan, outcome::OK, "me", 1000 + i)).unwrap()).collect();
+        ledger.flush().await;
+        let (count,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM usage").fetch_one(s.pool()).await.unwrap();
+        assert_eq!(count, n, "{kind:?}");
+        for w in written {
+            w.await.unwrap();
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_plan_change_never_rewrites_a_past_bill_and_unfinished_requests_are_not_billed() {
     for (s, _dir) in stores().await {
@@ -433,5 +453,33 @@ async fn principals_are_remembered_for_a_moment_and_forgotten_at_every_change_ma
         }
         s.auth.entries.run_pending_tasks();
         assert_eq!(s.auth.entries.entry_count(), before, "{kind:?}");
+    }
+}
+
+/// A key in use is read again in the background once its answer is half its time to live old:
+/// the lookup that notices answers at once from what it remembers, and a change made by another
+/// replica is seen before the time to live ends.
+#[tokio::test]
+async fn a_key_in_use_is_read_again_in_the_background_before_its_answer_expires() {
+    for (s, _dir) in stores().await {
+        let kind = s.kind();
+        let replica = Store { pool: s.pool.clone(), kind: s.kind, auth: std::sync::Arc::new(auth::AuthCache::new()) };
+        let acme = s.create_tenant(&tenant("acme")).await.unwrap();
+        let (_, secret) = s.create_key(Some(&acme.id), &[Scope::Inference]).await.unwrap();
+        let weight = |p: &Principal| p.tenant.as_ref().unwrap().0.weight;
+        let began = std::time::Instant::now();
+        assert_eq!(weight(&s.principal(&secret).await.unwrap().unwrap()), 1.0);
+        replica.update_tenant(&acme.id, &TenantPatch { weight: Some(4.0), ..Default::default() }).await.unwrap();
+        tokio::time::sleep(auth::TTL * 6 / 10).await;
+        // Past half the time to live: still the remembered answer, and a read behind it.
+        assert_eq!(weight(&s.principal(&secret).await.unwrap().unwrap()), 1.0, "{kind:?}");
+        let deadline = began + auth::TTL * 95 / 100;
+        loop {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            if weight(&s.principal(&secret).await.unwrap().unwrap()) == 4.0 {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "{kind:?}: the change is not seen before the first answer expires");
+        }
     }
 }

@@ -195,3 +195,91 @@ async fn a_client_that_leaves_is_billed_for_what_was_generated() {
         assert_eq!(outcome, "cancelled");
     }
 }
+
+/// The next chunk of a streamed body, as text; `None` at its end.
+async fn next_chunk(body: &mut actix_web::body::BoxBody) -> Option<String> {
+    futures::future::poll_fn(|cx| actix_web::body::MessageBody::poll_next(std::pin::Pin::new(&mut *body), cx))
+        .await
+        .map(|chunk| String::from_utf8(chunk.unwrap().to_vec()).unwrap())
+}
+
+/// No token waits for the database, but the end of a request does: with the database's write
+/// lock held by someone else, a stream's tokens go out and its final usage does not; once the
+/// lock is released it ends, and its one row is there.
+#[actix_web::test]
+async fn tokens_do_not_wait_for_the_ledger_and_the_end_waits_for_its_row() {
+    let h = Harness::sqlite(settings()).await;
+    let app = app!(h.state);
+    let (tenant_id, key) = tenant(&app, &h.admin, json!({"name": "acme"})).await;
+
+    let mut lock = h.state.store.pool().acquire().await.unwrap();
+    sqlx::query("BEGIN IMMEDIATE").execute(&mut *lock).await.unwrap();
+    let body = json!({"model": MODEL, "prompt": "x", "max_tokens": 4, "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}});
+    let res = tokio::time::timeout(
+        std::time::Duration::from_secs(8),
+        call_service(&app, TestRequest::post().uri("/v1/completions").insert_header(bearer(&key)).set_json(&body).to_request()),
+    )
+    .await
+    .expect("the stream starts while the database is locked");
+    assert_eq!(res.status(), StatusCode::OK);
+    let mut body = res.into_body();
+    let mut text = String::new();
+    while sse_events(text.as_bytes()).iter().filter(|e| e["choices"][0]["text"].is_string()).count() < 4 {
+        let chunk =
+            tokio::time::timeout(std::time::Duration::from_secs(8), next_chunk(&mut body)).await.expect("the tokens go out while the database is locked");
+        text.push_str(&chunk.expect("the stream goes on"));
+    }
+    let so_far = sse_events(text.as_bytes());
+    assert!(so_far.iter().all(|e| e.is_object() && e["usage"].is_null()), "{text}");
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_millis(300), next_chunk(&mut body)).await.is_err(),
+        "the stream ended while its ledger row could not be written"
+    );
+    sqlx::query("ROLLBACK").execute(&mut *lock).await.unwrap();
+    drop(lock);
+    while let Some(chunk) = next_chunk(&mut body).await {
+        text.push_str(&chunk);
+    }
+    let events = sse_events(text.as_bytes());
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    assert_eq!(events[events.len() - 2]["usage"]["completion_tokens"], 4, "{events:?}");
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT outcome, completion_tokens FROM usage WHERE tenant_id = $1").bind(&tenant_id).fetch_all(h.state.store.pool()).await.unwrap();
+    assert_eq!(rows, vec![("ok".to_string(), 4)]);
+}
+
+/// A request still running after `open_row_after` has its `running` row written while it runs
+/// (a crash of the process then leaves an `interrupted` row for it); its end completes it.
+#[actix_web::test]
+async fn a_long_request_has_its_row_opened_while_it_runs() {
+    let h = Harness::sqlite(ApiSettings { open_row_after: std::time::Duration::from_millis(50), ..settings() }).await;
+    let app = app!(h.state);
+    let (tenant_id, key) = tenant(&app, &h.admin, json!({"name": "acme"})).await;
+    // Eight samples of 480 tokens: seconds of work for the tiny model.
+    let body = json!({"model": MODEL, "prompt": "x", "max_tokens": 480, "n": 8, "ignore_eos": true, "stream": true});
+    let res = call_service(&app, TestRequest::post().uri("/v1/completions").insert_header(bearer(&key)).set_json(&body).to_request()).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    let mut body = res.into_body();
+    let mut text = next_chunk(&mut body).await.unwrap();
+    let rows = || async {
+        sqlx::query_as::<_, (String, i64)>("SELECT outcome, completion_tokens FROM usage WHERE tenant_id = $1")
+            .bind(&tenant_id)
+            .fetch_all(h.state.store.pool())
+            .await
+            .unwrap()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match rows().await.as_slice() {
+            [] => assert!(std::time::Instant::now() < deadline, "no row while the request runs"),
+            [(outcome, _)] if outcome == "running" => break,
+            other => panic!("{other:?} while the request runs"),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    while let Some(chunk) = next_chunk(&mut body).await {
+        text.push_str(&chunk);
+    }
+    assert_eq!(sse_events(text.as_bytes()).last().unwrap(), "[DONE]");
+    assert_eq!(rows().await, vec![("ok".to_string(), 8 * 480)]);
+}
