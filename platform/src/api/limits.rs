@@ -1004,6 +1004,38 @@ mod tests {
         counts_become(&store, "t", (40, 4000 - 10 * 70, 0)).await;
     }
 
+    /// Each tenant's seconds begin at an offset of their own: asked for at one instant, the
+    /// leases of twenty tenants end at instants spread over the second, not all at its end
+    /// (where they would all come back to the database together).
+    #[actix_web::test]
+    async fn tenants_leases_end_at_instants_spread_over_the_second() {
+        let dir = tempfile::tempdir().unwrap();
+        let Some(store) = shared_store(dir.path()).await else {
+            eprintln!("shared limits need PostgreSQL: skipped");
+            return;
+        };
+        let mut tenths = std::collections::BTreeSet::new();
+        for i in 0..20 {
+            let tenant = format!("tenant-{i}");
+            let ask = AdmitAsk {
+                tenant: &tenant,
+                batch: false,
+                replica: "rep_a",
+                max_concurrent: None,
+                requests_per_min: Some(1_000_000),
+                share_concurrent: None,
+                share_requests_per_min: None,
+                bucket: None,
+                want: 1,
+            };
+            let v = store.limit_admit(&ask).await.unwrap();
+            assert_eq!(v.verdict, "ok");
+            tenths.insert(v.now_ms.rem_euclid(1000) / 100);
+        }
+        // On one clock, twenty calls a few milliseconds apart fall in one tenth of a second or two.
+        assert!(tenths.len() >= 5, "the tenants' seconds end together: {tenths:?}");
+    }
+
     #[actix_web::test]
     async fn near_a_limit_leases_never_let_the_replicas_pass_it_together() {
         let dir = tempfile::tempdir().unwrap();

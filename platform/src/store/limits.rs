@@ -6,6 +6,9 @@
 //! time is the database's clock, so replicas whose clocks differ still agree on what the last
 //! minute is. A decision may grant a lease of several admissions or tokens, counted at once, that
 //! the replica hands out until the second ends, then gives back the rest ([`Store::limit_apply`]).
+//! Each tenant's clock runs ahead of the database's by an offset of its own (under a second):
+//! the `now_ms` of its verdicts, and its seconds, are on it, so that many tenants' leases do not
+//! all end at the same instant. Only differences of its times are used, so the offset cancels.
 
 use super::{DbKind, Store, StoreError};
 
@@ -38,6 +41,7 @@ pub struct AdmitAsk<'a> {
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
 pub struct AdmitVerdict {
     pub verdict: String,
+    /// The tenant's clock (see the module).
     pub now_ms: i64,
     /// For `rpm` and `share_rpm`: the oldest request of the minute counted.
     pub oldest_ms: Option<i64>,
@@ -52,6 +56,7 @@ pub struct AdmitVerdict {
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
 pub struct ReserveVerdict {
     pub verdict: String,
+    /// The tenant's clock (see the module).
     pub now_ms: i64,
     pub held: i64,
     /// Tokens granted and counted in the second of `now_ms` (`ok`: at least those asked), 0

@@ -6,7 +6,9 @@
 --
 -- A decision may grant a lease: up to `p_want` admissions (or tokens) at once, counted now,
 -- which the replica hands out itself until the current second ends and gives back what it did
--- not use. A grant takes at most an eighth of the room left under every limit that applies, so
+-- not use. Each tenant's seconds begin at an offset of their own (0 to 999 ms, from its id;
+-- `now_ms` and every second counted are on that clock), so that the leases of many tenants do
+-- not all end, and all come back here for the next second, at the same instant. A grant takes at most an eighth of the room left under every limit that applies, so
 -- near a limit each request is decided here alone, and far from it one call serves many.
 -- (Replicas of the previous release call `loraplex_limit_admit` and `loraplex_limit_reserve`,
 -- which decide one request each; they stay in the database through a rolling update.)
@@ -18,14 +20,15 @@ CREATE OR REPLACE FUNCTION loraplex_limit_admit_lease(
 RETURNS TABLE (verdict TEXT, now_ms BIGINT, oldest_ms BIGINT, held DOUBLE PRECISION, granted BIGINT)
 LANGUAGE plpgsql VOLATILE AS $fn$
 DECLARE
-    v_now BIGINT; v_sec BIGINT;
+    v_real BIGINT; v_now BIGINT; v_sec BIGINT;
     v_req BIGINT; v_old BIGINT; v_breq BIGINT; v_bold BIGINT;
     v_run BIGINT; v_brun BIGINT;
     v_held DOUBLE PRECISION; v_at BIGINT;
     v_room BIGINT := 1000000000000; v_n BIGINT;
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtext('limits:' || p_tenant));
-    v_now := CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS BIGINT);
+    v_real := CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS BIGINT);
+    v_now := v_real + (hashtext('second:' || p_tenant) & 1023) % 1000;
     v_sec := v_now / 1000;
     SELECT COALESCE(SUM(s.requests) FILTER (WHERE s.batch = 0), 0), MIN(s.second) FILTER (WHERE s.batch = 0 AND s.requests > 0),
            COALESCE(SUM(s.requests) FILTER (WHERE s.batch = 1), 0), MIN(s.second) FILTER (WHERE s.batch = 1 AND s.requests > 0)
@@ -34,7 +37,7 @@ BEGIN
     SELECT COALESCE(SUM(n.running) FILTER (WHERE n.batch = 0), 0), COALESCE(SUM(n.running) FILTER (WHERE n.batch = 1), 0)
       INTO v_run, v_brun
       FROM limit_running n JOIN replicas r ON r.id = n.replica
-     WHERE n.tenant_id = p_tenant AND r.seen_ms > v_now - p_timeout;
+     WHERE n.tenant_id = p_tenant AND r.seen_ms > v_real - p_timeout;
     IF p_conc >= 0 AND v_run >= p_conc THEN
         RETURN QUERY SELECT 'concurrent', v_now, CAST(NULL AS BIGINT), CAST(NULL AS DOUBLE PRECISION), CAST(0 AS BIGINT); RETURN;
     END IF;
@@ -90,12 +93,13 @@ CREATE OR REPLACE FUNCTION loraplex_limit_reserve_lease(
 RETURNS TABLE (verdict TEXT, now_ms BIGINT, held BIGINT, granted BIGINT)
 LANGUAGE plpgsql VOLATILE AS $fn$
 DECLARE
-    v_now BIGINT; v_sec BIGINT;
+    v_real BIGINT; v_now BIGINT; v_sec BIGINT;
     v_all BIGINT; v_batch BIGINT;
     v_room BIGINT := 1000000000000000; v_n BIGINT;
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtext('limits:' || p_tenant));
-    v_now := CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS BIGINT);
+    v_real := CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS BIGINT);
+    v_now := v_real + (hashtext('second:' || p_tenant) & 1023) % 1000;
     v_sec := v_now / 1000;
     SELECT COALESCE(SUM(s.tokens) FILTER (WHERE s.batch = 0), 0), COALESCE(SUM(s.tokens) FILTER (WHERE s.batch = 1), 0) INTO v_all, v_batch
       FROM limit_seconds s WHERE s.tenant_id = p_tenant AND s.second > v_sec - p_window / 1000;
