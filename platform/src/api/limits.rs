@@ -14,7 +14,8 @@
 //! the same rules are decided on rows (`store::limits`), one transaction under the tenant's
 //! lock per decision, on the database's clock. A decision far from every limit grants a lease:
 //! several admissions (or tokens) counted at once, which this replica hands out until the
-//! database's second ends, then gives back what it did not use. Its size follows the tenant's
+//! tenant's second ends (each tenant's seconds begin at an offset of their own, so that leases do
+//! not all end together; see `store::limits`), then gives back what it did not use. Its size follows the tenant's
 //! traffic here (doubled when a lease runs out before its second ends, halved when most of one
 //! is left) and is at most an eighth of the room left under the limits, so near a limit every
 //! request is decided in the database alone, and the sum over replicas never passes a limit.
@@ -419,8 +420,10 @@ fn table_rows<'a>(changes: impl Iterator<Item = (&'a String, bool, i64, i64)>) -
     rows.into_iter().filter(|&(_, n)| n != 0).map(|((t, b, s), n)| (t.clone(), b, s, n)).collect()
 }
 
-/// How long the writer of the shared limits gathers changes before it writes them.
-const GATHER: Duration = Duration::from_millis(5);
+/// How long the writer of the shared limits gathers changes before it writes them: the
+/// releases, settlements and returned leases of many requests go out in one transaction (a
+/// slot or tokens let go count in the database that much longer, on the safe side).
+const GATHER: Duration = Duration::from_millis(50);
 
 /// Adds one change to what the writer has to write: slots to let go per (tenant, batch work),
 /// tokens to settle and admissions to take back per (tenant, batch work, second).
