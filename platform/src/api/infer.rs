@@ -311,15 +311,17 @@ impl Run {
         // The row's opening, once the job has run for `open_row_after`.
         let open_at = tokio::time::sleep(self.state.settings.open_row_after);
         tokio::pin!(open_at);
+        let mut open_due = !self.opened;
         let mut opening = None;
         let outcome = loop {
             let event = tokio::select! {
                 event = merged.next() => event,
                 // The client went away while nothing was generated.
                 () = tx.closed() => break Outcome::Cancelled,
-                () = &mut open_at, if !self.opened && opening.is_none() => {
+                () = &mut open_at, if open_due => {
                     // Behind the tokens: nothing waits for it but the row's end. Not sent (the
                     // writer stopped): the end says why it cannot be written either.
+                    open_due = false;
                     opening = self.state.ledger.send(self.record.clone()).ok();
                     continue;
                 }
