@@ -113,12 +113,8 @@ __device__ void attn_decode_impl(const T* __restrict__ q, const T* __restrict__ 
     const u32 t = blockIdx.x, h = blockIdx.y, part = blockIdx.z, parts = gridDim.z;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const u32 kvh = h / (heads / kv_heads);
-    const DecodeSpan span =
+    const auto [k0, k1, table, per_kv, head_off, vec] =
         decode_span(cache, token_seq, positions, block_tables, max_blocks, t, kvh, kv_heads, head_dim, block_size, page_elems, layer, window, part, part_size);
-    const u32 k0 = span.k0, k1 = span.k1;
-    const u32* table = span.table;
-    const u64 per_kv = span.per_kv, head_off = span.head_off;
-    const bool vec = span.vec;
 
     float* s_q = smem + (2 + head_dim) * warps;
     const T* qp = q + ((u64)t * heads + h) * head_dim;
@@ -210,12 +206,8 @@ __device__ void attn_decode_group_impl(const T* __restrict__ q, const T* __restr
     const u32 t = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z, parts = gridDim.z;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const u32 h0 = kvh * G;  // the group's first query head
-    const DecodeSpan span =
+    const auto [k0, k1, table, per_kv, head_off, vec] =
         decode_span(cache, token_seq, positions, block_tables, max_blocks, t, kvh, kv_heads, head_dim, block_size, page_elems, layer, window, part, part_size);
-    const u32 k0 = span.k0, k1 = span.k1;
-    const u32* table = span.table;
-    const u64 per_kv = span.per_kv, head_off = span.head_off;
-    const bool vec = span.vec;
     constexpr u32 V = 16 / sizeof(T);
 
     // smem: [G][head_dim] queries, then [warps][G] maxima, [warps][G] sums, [warps][G][head_dim] sums.

@@ -183,7 +183,7 @@ async fn a_client_that_leaves_is_billed_for_what_was_generated() {
         let res = long_stream(&app, &key).await;
         // Read a little, then hang up.
         let mut body = res.into_body();
-        let first = futures::future::poll_fn(|cx| actix_web::body::MessageBody::poll_next(std::pin::Pin::new(&mut body), cx)).await;
+        let first = next_chunk(&mut body).await;
         assert!(first.is_some());
         drop(body);
         assert!(h.state.jobs.drain(std::time::Duration::from_secs(10)).await, "the job ends once its client is gone");
