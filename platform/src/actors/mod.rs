@@ -19,7 +19,11 @@
 
 mod loader;
 mod supervisor;
+mod text;
 mod worker;
+
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -9,26 +9,24 @@ use actix::{Actor, ActorContext, AsyncContext, Context, Handler, Recipient, Supe
 use loraplex_kernels::Backend;
 use tokio::sync::mpsc::UnboundedSender;
 
+use super::text::{TextEnded, TextJob, TextStage};
 use super::{
-    AdapterCounters, Cancel, Event, GetStats, HoldError, InjectFault, LoadAdapter, LocateAdapters, RequestId, RuntimeError, Step, Submit, TokenOut,
-    UnloadAdapter, Usage, WorkerLocations, WorkerReport, WorkerStats,
+    AdapterCounters, Cancel, Event, GetStats, HoldError, InjectFault, LoadAdapter, LocateAdapters, RequestId, RuntimeError, Step, Submit, UnloadAdapter,
+    WorkerLocations, WorkerReport, WorkerStats,
 };
 use crate::engine::{Engine, EngineConfig, EngineError, SeqId, TokenEvent};
 use crate::memory::{LoaderPool, Residency};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 
-/// A request in flight on this worker.
+/// A request in flight on this worker: until its engine has ended all of its samples. Its
+/// events are the text stage's to send.
 struct Flight {
     seqs: Vec<SeqId>,
+    /// To see that its client went away.
     events: UnboundedSender<Event>,
-    submitted: Instant,
-    /// When the engine queued it.
-    added: Instant,
-    /// Samples not finished yet.
+    /// Samples the engine has not ended.
     open: usize,
-    usage: Usage,
-    first_token: Option<Instant>,
 }
 
 /// The actor that owns one device (see the [module docs](super)).
@@ -43,8 +41,11 @@ pub struct Worker<B: Backend> {
     /// buffers need not be.
     engine: Result<Box<Engine<B>>, Arc<str>>,
     flights: HashMap<RequestId, Flight>,
-    /// Which request and sample each sequence belongs to.
-    seqs: HashMap<SeqId, (RequestId, usize)>,
+    /// Which request each sequence the engine still runs belongs to.
+    seqs: HashMap<SeqId, RequestId>,
+    /// Makes the text of every step's tokens and sends every request's events; started with
+    /// the actor (see [`super::text`]).
+    text: Option<TextStage>,
     /// A `Step` is queued.
     stepping: bool,
     fault: Option<String>,
@@ -80,6 +81,7 @@ impl<B: Backend> Worker<B> {
             engine,
             flights: HashMap::new(),
             seqs: HashMap::new(),
+            text: None,
             stepping: false,
             fault: None,
             failing_rebuilds: 0,
@@ -107,54 +109,66 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    /// Ends a request with `event` and drops whatever of it the engine still holds.
+    /// Starts the text stage if it is not running; the reason when it cannot be.
+    fn start_text(&mut self, ctx: &mut Context<Self>) -> Result<(), Arc<str>> {
+        if self.text.is_none() {
+            let stage = TextStage::start(self.index, self.tokenizer.clone(), ctx.address().recipient());
+            self.text = Some(stage.map_err(|e| Arc::<str>::from(format!("starting the text thread: {e}")))?);
+        }
+        Ok(())
+    }
+
+    /// Hands a job to the text stage. Without one (it could not start, or its thread died) the
+    /// worker cannot send its requests anything: the step fails, and the restart starts a new
+    /// stage.
+    fn hand_to_text(&mut self, job: TextJob) -> Result<(), Arc<str>> {
+        match &self.text {
+            Some(stage) if stage.send(job) => Ok(()),
+            _ => {
+                self.text = None;
+                Err("the text thread stopped".into())
+            }
+        }
+    }
+
+    /// Ends a request with `event` (sent after its tokens already handed to the text stage) and
+    /// drops whatever of it the engine still holds.
     fn end(&mut self, id: RequestId, event: Event) {
         let Some(flight) = self.flights.remove(&id) else { return };
         for seq in &flight.seqs {
-            self.seqs.remove(seq);
-            if let Ok(engine) = &mut self.engine {
+            if self.seqs.remove(seq).is_some()
+                && let Ok(engine) = &mut self.engine
+            {
                 engine.cancel(*seq);
             }
         }
-        let _ = flight.events.send(event);
+        if self.hand_to_text(TextJob::Close { id, event: event.clone() }).is_err() {
+            let _ = flight.events.send(event);
+        }
     }
 
-    /// Routes one step's tokens to their requests; ends the requests whose samples all
-    /// finished.
-    fn deliver(&mut self, events: Vec<TokenEvent>) {
-        let now = Instant::now();
-        for e in events {
-            let Some(&(id, index)) = self.seqs.get(&e.seq) else { continue };
-            let Some(flight) = self.flights.get_mut(&id) else { continue };
-            self.generated += 1;
-            flight.first_token.get_or_insert(now);
-            if let Some(u) = e.usage {
-                flight.open -= 1;
-                flight.usage.completion_tokens += u.completion_tokens;
-                if index == 0 {
-                    flight.usage.prompt_tokens = u.prompt_tokens;
-                    flight.usage.cached_prompt_tokens = u.cached_prompt_tokens;
-                    // The engine counts from when it queued the sequence; add the time the
-                    // request took to reach it.
-                    flight.usage.queue_time = u.queue_time + flight.added.saturating_duration_since(flight.submitted);
-                }
-            }
-            let out = TokenOut { index, token: e.token, text: e.text, logprob: e.logprob, top_logprobs: e.top_logprobs, finish: e.finish };
-            let gone = flight.events.send(Event::Token(out)).is_err();
-            if gone {
-                // The client went away: free its pages now.
-                self.end(id, Event::Error(RuntimeError::Cancelled));
-                continue;
-            }
-            if flight.open == 0 {
-                let mut usage = flight.usage;
-                let first = flight.first_token.unwrap_or(now);
-                usage.time_to_first_token = first.saturating_duration_since(flight.submitted);
-                usage.total_time = now.saturating_duration_since(flight.submitted);
-                usage.queue_time = usage.queue_time.min(usage.time_to_first_token);
-                self.end(id, Event::Done(usage));
+    /// The engine, or the text stage, ended this sample: forgets it, and its request once the
+    /// engine holds none of its samples.
+    fn seq_ended(&mut self, seq: SeqId) {
+        let Some(id) = self.seqs.remove(&seq) else { return };
+        let Some(flight) = self.flights.get_mut(&id) else { return };
+        flight.open -= 1;
+        if flight.open == 0 {
+            self.flights.remove(&id);
+        }
+    }
+
+    /// Hands one step's tokens to the text stage, which streams them to their requests; forgets
+    /// the samples the engine ended.
+    fn deliver(&mut self, events: Vec<TokenEvent>) -> Result<(), Arc<str>> {
+        // Every token the engine made, those a stop string or a failure dropped included.
+        self.generated += events.len() as u64;
+        for e in &events {
+            if e.finish.is_some() {
+                self.seq_ended(e.seq);
             }
         }
+        if events.is_empty() { Ok(()) } else { self.hand_to_text(TextJob::Tokens(events)) }
     }
 
     /// Cancels requests whose client has gone away without waiting for their next token.
@@ -208,9 +222,9 @@ impl<B: Backend> Worker<B> {
         self.steps += 1;
         let failures = engine.take_failures();
         let residency = self.adapters.count(engine.take_residency_events());
-        self.deliver(events);
+        self.deliver(events)?;
         for f in failures {
-            if let Some(&(id, _)) = self.seqs.get(&f.seq) {
+            if let Some(&id) = self.seqs.get(&f.seq) {
                 self.end(id, Event::Error(RuntimeError::Sequence(f.error)));
             }
         }
@@ -225,6 +239,9 @@ impl<B: Backend> Actor for Worker<B> {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         self.stepping = false;
+        if let Err(why) = self.start_text(ctx) {
+            self.engine = Err(why);
+        }
         if self.engine.is_err() {
             self.rebuild(ctx);
         }
@@ -245,6 +262,8 @@ impl<B: Backend> Worker<B> {
         let built = if self.failing_rebuilds > 0 {
             self.failing_rebuilds -= 1;
             Err("injected rebuild failure".into())
+        } else if let Err(why) = self.start_text(ctx) {
+            Err(why)
         } else {
             Self::build(&self.model, &self.tokenizer, &self.config, &self.host)
         };
@@ -259,6 +278,19 @@ impl<B: Backend> Worker<B> {
             }
         }
         self.report(true);
+    }
+}
+
+impl<B: Backend> Worker<B> {
+    /// Every request in flight gets the error; actix then restarts this worker, which rebuilds
+    /// its engine (and its text stage, if that is what failed).
+    fn fail(&mut self, reason: Arc<str>, ctx: &mut Context<Self>) {
+        let ids: Vec<RequestId> = self.flights.keys().copied().collect();
+        for id in ids {
+            self.end(id, Event::Error(RuntimeError::WorkerFailed(reason.clone())));
+        }
+        self.report(false);
+        ctx.stop();
     }
 }
 
@@ -288,16 +320,7 @@ impl<B: Backend> Handler<Step> for Worker<B> {
         match self.step_once() {
             Ok(true) => self.kick(ctx),
             Ok(false) => {}
-            Err(reason) => {
-                // Every request in flight gets the error; actix then restarts this worker,
-                // which rebuilds its engine.
-                let ids: Vec<RequestId> = self.flights.keys().copied().collect();
-                for id in ids {
-                    self.end(id, Event::Error(RuntimeError::WorkerFailed(reason.clone())));
-                }
-                self.report(false);
-                ctx.stop();
-            }
+            Err(reason) => self.fail(reason, ctx),
         }
     }
 }
@@ -316,6 +339,7 @@ impl<B: Backend> Handler<Submit> for Worker<B> {
             Err(e) => return Err(refuse(RuntimeError::Unavailable(e.clone()))),
         };
         let n = msg.request.get().n.max(1) as usize;
+        let stop_strings = msg.request.get().stop.stop_strings.clone();
         if let Some(a) = &msg.request.get().adapter {
             match engine.adapters().status(&a.key) {
                 Residency::Resident => self.adapters.device_hits += 1,
@@ -330,11 +354,20 @@ impl<B: Backend> Handler<Submit> for Worker<B> {
             Err(e) => return Err(refuse(RuntimeError::Unavailable(e.to_string().into()))),
         };
         let seqs: Vec<SeqId> = (0..n as u64).map(|i| SeqId(first.0 + i)).collect();
-        for (index, seq) in seqs.iter().enumerate() {
-            self.seqs.insert(*seq, (msg.id, index));
+        let open = TextJob::Open { id: msg.id, seqs: seqs.clone(), stop_strings, events: msg.events.clone(), submitted: msg.submitted, added: Instant::now() };
+        if let Err(why) = self.hand_to_text(open) {
+            if let Ok(engine) = &mut self.engine {
+                for seq in &seqs {
+                    engine.cancel(*seq);
+                }
+            }
+            self.fail(why.clone(), ctx);
+            return Err(refuse(RuntimeError::Unavailable(why)));
         }
-        let flight = Flight { seqs, events: msg.events, submitted: msg.submitted, added: Instant::now(), open: n, usage: Usage::default(), first_token: None };
-        self.flights.insert(msg.id, flight);
+        for seq in &seqs {
+            self.seqs.insert(*seq, msg.id);
+        }
+        self.flights.insert(msg.id, Flight { seqs, events: msg.events, open: n });
         self.kick(ctx);
         Ok(())
     }
@@ -436,5 +469,22 @@ impl<B: Backend> Handler<UnloadAdapter> for Worker<B> {
             engine.adapters().forget(&msg.key);
         }
         held
+    }
+}
+
+impl<B: Backend> Handler<TextEnded> for Worker<B> {
+    type Result = ();
+
+    /// The text stage ended these samples (their request's events are sent): the engine stops
+    /// them now.
+    fn handle(&mut self, msg: TextEnded, _ctx: &mut Self::Context) {
+        for seq in msg.seqs {
+            if self.seqs.get(&seq) == Some(&msg.id) {
+                if let Ok(engine) = &mut self.engine {
+                    engine.cancel(seq);
+                }
+                self.seq_ended(seq);
+            }
+        }
     }
 }

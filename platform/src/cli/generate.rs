@@ -80,6 +80,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         grammar: None,
     }
     .validate(model.config())?;
+    let mut text = crate::engine::SeqText::new(request.get().stop.stop_strings.clone());
     engine.add(request)?;
     if args.json {
         let done = engine.run_to_completion()?;
@@ -95,8 +96,12 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
                 return Err(EngineError::Failed { seq: f.seq, error: f.error }.into());
             }
             for event in events {
-                stdout.write_all(event.text.as_bytes())?;
+                let Some(piece) = text.push(&tokenizer, event.token, event.finish)? else { continue };
+                stdout.write_all(piece.text.as_bytes())?;
                 stdout.flush()?;
+                if piece.cut {
+                    engine.cancel(event.seq);
+                }
             }
         }
         writeln!(stdout)?;

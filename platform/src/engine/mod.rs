@@ -16,6 +16,7 @@ mod batch;
 mod pick;
 pub mod scoring;
 mod sequence;
+pub mod text;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -37,7 +38,8 @@ pub use crate::request::SeqId;
 use batch::{Chunk, HostBatch};
 use pick::{Way, fetch_rows, take_tokens};
 use sequence::Sequence;
-pub use sequence::{SampleError, SeqUsage, TokenEvent};
+pub use sequence::{SeqUsage, TokenEvent};
+pub use text::{SeqText, TextPiece};
 
 /// Limits of the engine.
 #[derive(Debug, Clone, PartialEq)]
@@ -539,16 +541,12 @@ impl<B: Backend> Engine<B> {
             let Some(pick) = picks.next() else {
                 return Err(EngineError::DeviceOutput { expected: host.logit_rows.len(), got: events.len() });
             };
-            // A sequence that fails here (its output cannot be detokenized) ends alone: its
-            // samples are dropped with it and the rest of the batch goes on.
-            let sample_events = match take_tokens(s, &mut samples, pick, &self.tokenizer) {
+            // A sequence that fails here (its grammar cannot go on) ends alone: its samples are
+            // dropped with it and the rest of the batch goes on.
+            let sample_events = match take_tokens(s, &mut samples, pick) {
                 Ok(out) => out,
                 Err(e) => {
-                    let error = match e {
-                        SampleError::Grammar(g) => SeqError::Grammar(g.to_string().into()),
-                        SampleError::Tokenizer(t) => SeqError::Failed(t.to_string().into()),
-                    };
-                    self.failures.push(Failure { seq: id, error });
+                    self.failures.push(Failure { seq: id, error: SeqError::Grammar(e.to_string().into()) });
                     self.sched.finish(id);
                     continue;
                 }
@@ -630,23 +628,23 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Steps until every queued sequence has finished; returns them in the order they were added.
+    /// Text is made between steps, on this thread; a sequence a stop string ended is cancelled
+    /// before the next step.
     pub fn run_to_completion(&mut self) -> Result<Vec<Completion>, EngineError> {
         let mut done: std::collections::BTreeMap<SeqId, Completion> = Default::default();
-        let mut open: std::collections::HashMap<SeqId, Completion> = Default::default();
+        let mut open: std::collections::HashMap<SeqId, (Completion, SeqText)> = Default::default();
         for s in self.sched.all() {
             for id in std::iter::once(s.id).chain(s.forks.iter().map(|f| f.0)) {
-                open.insert(
-                    id,
-                    Completion {
-                        seq: id,
-                        prompt_tokens: s.prompt_len,
-                        tokens: Vec::new(),
-                        text: String::new(),
-                        finish_reason: FinishReason::Length,
-                        logprobs: Vec::new(),
-                        usage: None,
-                    },
-                );
+                let c = Completion {
+                    seq: id,
+                    prompt_tokens: s.prompt_len,
+                    tokens: Vec::new(),
+                    text: String::new(),
+                    finish_reason: FinishReason::Length,
+                    logprobs: Vec::new(),
+                    usage: None,
+                };
+                open.insert(id, (c, SeqText::new(s.stop_strings().to_vec())));
             }
         }
         while self.has_work() {
@@ -655,14 +653,21 @@ impl<B: Backend> Engine<B> {
                 return Err(EngineError::Failed { seq: f.seq, error: f.error.clone() });
             }
             for e in events {
-                let Some(c) = open.get_mut(&e.seq) else { continue };
+                let Some((c, text)) = open.get_mut(&e.seq) else { continue };
+                let piece = text
+                    .push(&self.tokenizer, e.token, e.finish)
+                    .map_err(|t| EngineError::Failed { seq: e.seq, error: SeqError::Failed(t.to_string().into()) })?;
+                let Some(piece) = piece else { continue };
                 c.tokens.push(e.token);
-                c.text.push_str(&e.text);
+                c.text.push_str(&piece.text);
                 c.logprobs.push(TokenLogprobs { token: e.token, logprob: e.logprob, top: e.top_logprobs });
-                if let Some(reason) = e.finish {
+                c.usage = e.usage.or(c.usage);
+                if let Some(reason) = piece.finish {
                     c.finish_reason = reason;
-                    c.usage = e.usage;
-                    if let Some(c) = open.remove(&e.seq) {
+                    if piece.cut {
+                        self.cancel(e.seq);
+                    }
+                    if let Some((c, _)) = open.remove(&e.seq) {
                         done.insert(e.seq, c);
                     }
                 }

@@ -4,8 +4,8 @@
 use loraplex_kernels::Backend;
 
 use super::EngineError;
-use super::sequence::{SampleError, Sequence, TokenEvent};
-use crate::tokenizer::Tokenizer;
+use super::sequence::{Sequence, TokenEvent};
+use crate::grammar::GrammarError;
 
 /// How this step's token is chosen for a sequence whose tokens are all computed.
 #[derive(Clone, Copy)]
@@ -100,12 +100,12 @@ pub(super) fn fetch_rows<B: Backend>(backend: &B, logits: &B::Buffer, vocab: usi
 
 /// The next token of `s` and of each of its samples whose prompt is computed; the first event
 /// is `s`'s.
-pub(super) fn take_tokens(s: &mut Sequence, samples: &mut [Sequence], pick: Pick<'_>, tokenizer: &Tokenizer) -> Result<Vec<TokenEvent>, SampleError> {
+pub(super) fn take_tokens(s: &mut Sequence, samples: &mut [Sequence], pick: Pick<'_>) -> Result<Vec<TokenEvent>, GrammarError> {
     let take = |seq: &mut Sequence| match pick {
-        Pick::Argmax(token) => seq.take_argmax(token, tokenizer).map_err(SampleError::from),
+        Pick::Argmax(token) => Ok(seq.take_argmax(token)),
         // Only a sequence without samples is drawn on the device (each sample draws its own).
-        Pick::Drawn(token) => seq.take_device_draw(token, tokenizer).map_err(SampleError::from),
-        Pick::Logits(row) => seq.sample(&mut row.to_vec(), tokenizer),
+        Pick::Drawn(token) => Ok(seq.take_device_draw(token)),
+        Pick::Logits(row) => seq.sample(&mut row.to_vec()),
     };
     let mut out = vec![take(s)?];
     for c in samples.iter_mut().filter(|c| c.computed == c.tokens.len()) {

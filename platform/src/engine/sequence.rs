@@ -6,46 +6,36 @@ use std::time::{Duration, Instant};
 use crate::grammar::{CompiledGrammar, Constraint, GrammarError, TokenMask};
 use crate::memory::{AdapterRef, BlockHash, BlockTable, PagePin, ResidentAdapter};
 use crate::request::{FinishReason, SeqId, StopConditions};
-use crate::sampling::{Sample, Sampler, StopStrings};
-use crate::tokenizer::{DecodeStream, Tokenizer, TokenizerError};
+use crate::sampling::{Sample, Sampler};
 
 /// What one step produced for one sequence.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenEvent {
     pub seq: SeqId,
     pub token: u32,
-    /// Text this token completed (empty while a character or a possible stop string is pending).
-    pub text: String,
     /// The token's logprob under the model's raw distribution; `None` when the token was picked
     /// by a device argmax (plain greedy without logprobs asked for).
     pub logprob: Option<f32>,
     pub top_logprobs: Vec<(u32, f32)>,
+    /// Set when the engine ended the sequence with this token: an end-of-sequence or stop
+    /// token (`Stop`), or its length limit. Stop strings are the consumer's (see [`super::text`]).
     pub finish: Option<FinishReason>,
-    /// With the last event of a sequence: what it used.
+    /// With the first event of a sequence: its prompt, its cache hits and its waits, all known
+    /// by then. Its completion tokens are the events its consumer keeps.
     pub usage: Option<SeqUsage>,
 }
 
-/// What one sequence used, reported with its last event.
+/// What one sequence used before its first token, reported with that token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SeqUsage {
     pub prompt_tokens: usize,
     /// Prompt tokens whose K/V came from the prefix cache (or from a sibling sample) instead of
     /// being computed.
     pub cached_prompt_tokens: usize,
-    pub completion_tokens: usize,
     /// From being queued to being first started.
     pub queue_time: Duration,
     /// From being queued to its first token.
     pub time_to_first_token: Duration,
-}
-
-/// Why a sequence could not take its next token.
-#[derive(Debug, thiserror::Error)]
-pub enum SampleError {
-    #[error(transparent)]
-    Tokenizer(#[from] TokenizerError),
-    #[error(transparent)]
-    Grammar(#[from] GrammarError),
 }
 
 pub(super) struct Sequence {
@@ -77,8 +67,6 @@ pub(super) struct Sequence {
     sampler: Sampler,
     stop: StopConditions,
     eos: Vec<u32>,
-    detok: DecodeStream,
-    stop_strings: StopStrings,
     /// What its text must match, and where in it the text is; samples start their own.
     grammar: Option<CompiledGrammar>,
     pub constraint: Option<Constraint>,
@@ -113,7 +101,6 @@ impl Sequence {
         namespace: Arc<str>,
         grammar: Option<CompiledGrammar>,
     ) -> Self {
-        let stop_strings = StopStrings::new(stop.stop_strings.clone());
         let constraint = grammar.as_ref().map(CompiledGrammar::start);
         Self {
             id,
@@ -134,8 +121,6 @@ impl Sequence {
             sampler,
             stop,
             eos,
-            detok: DecodeStream::new(true),
-            stop_strings,
             grammar,
             constraint,
             next_mask: None,
@@ -165,8 +150,6 @@ impl Sequence {
             sampler,
             stop: self.stop.clone(),
             eos: self.eos.clone(),
-            detok: DecodeStream::new(true),
-            stop_strings: StopStrings::new(self.stop.stop_strings.clone()),
             grammar: self.grammar.clone(),
             constraint: self.grammar.as_ref().map(CompiledGrammar::start),
             next_mask: None,
@@ -189,11 +172,16 @@ impl Sequence {
         self.grammar.is_none() && self.sampler.is_plain_argmax()
     }
 
+    /// The stop strings its consumer cuts its text at.
+    pub fn stop_strings(&self) -> &[String] {
+        &self.stop.stop_strings
+    }
+
     /// Samples the next token from this sequence's logits (only among the tokens its grammar
     /// allows, when it has one) and applies the stop conditions.
-    pub fn sample(&mut self, logits: &mut [f32], tokenizer: &Tokenizer) -> Result<TokenEvent, SampleError> {
+    pub fn sample(&mut self, logits: &mut [f32]) -> Result<TokenEvent, GrammarError> {
         if self.grammar.is_some() && self.constraint.is_none() {
-            return Err(GrammarError::Generation("its grammar's matcher was lost".into()).into());
+            return Err(GrammarError::Generation("its grammar's matcher was lost".into()));
         }
         if let Some(c) = &mut self.constraint {
             let mask = match self.next_mask.take() {
@@ -202,14 +190,14 @@ impl Sequence {
             };
             mask.apply(logits);
             if !logits.iter().any(|l| l.is_finite()) {
-                return Err(GrammarError::Generation("no token the grammar allows is in the model's vocabulary".into()).into());
+                return Err(GrammarError::Generation("no token the grammar allows is in the model's vocabulary".into()));
             }
         }
         let Sample { token, logprob, top_logprobs } = self.sampler.sample(logits);
         if let Some(c) = &mut self.constraint {
             c.accept(token)?;
         }
-        Ok(self.accept(token, Some(logprob), top_logprobs, tokenizer)?)
+        Ok(self.accept(token, Some(logprob), top_logprobs))
     }
 
     /// The settings for drawing this sequence's next token on the device
@@ -223,47 +211,36 @@ impl Sequence {
     }
 
     /// Takes a token drawn on the device with [`Sequence::device_draw`]'s settings.
-    pub fn take_device_draw(&mut self, token: u32, tokenizer: &Tokenizer) -> Result<TokenEvent, TokenizerError> {
+    pub fn take_device_draw(&mut self, token: u32) -> TokenEvent {
         self.sampler.record_device_draw(token);
-        self.accept(token, None, Vec::new(), tokenizer)
+        self.accept(token, None, Vec::new())
     }
 
     /// Takes a token a device argmax chose (only when [`Sequence::wants_argmax_only`]).
-    pub fn take_argmax(&mut self, token: u32, tokenizer: &Tokenizer) -> Result<TokenEvent, TokenizerError> {
+    pub fn take_argmax(&mut self, token: u32) -> TokenEvent {
         self.sampler.record_argmax(token);
-        self.accept(token, None, Vec::new(), tokenizer)
+        self.accept(token, None, Vec::new())
     }
 
-    /// Appends the chosen token and applies the stop conditions.
-    fn accept(&mut self, token: u32, logprob: Option<f32>, top_logprobs: Vec<(u32, f32)>, tokenizer: &Tokenizer) -> Result<TokenEvent, TokenizerError> {
-        if self.first_token.is_none() {
+    /// Appends the chosen token and applies the token-level stop conditions.
+    fn accept(&mut self, token: u32, logprob: Option<f32>, top_logprobs: Vec<(u32, f32)>) -> TokenEvent {
+        let usage = if self.first_token.is_none() {
             self.first_token = Some((Instant::now(), self.reused.min(self.prompt_len)));
-        }
+            Some(self.usage())
+        } else {
+            None
+        };
         self.tokens.push(token);
-        let mut finish = None;
-        let mut text = String::new();
         // A grammar's end is the end of the text, `ignore_eos` or not.
         let ends = self.eos.contains(&token) && (!self.stop.ignore_eos || self.constraint.is_some());
-        if ends || self.stop.stop_token_ids.contains(&token) {
-            finish = Some(FinishReason::Stop);
+        let finish = if ends || self.stop.stop_token_ids.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if self.generated() >= self.stop.max_new_tokens as usize {
+            Some(FinishReason::Length)
         } else {
-            if let Some(piece) = self.detok.push(tokenizer, token)? {
-                let outcome = self.stop_strings.push(&piece);
-                text = outcome.emit;
-                if outcome.stopped.is_some() {
-                    finish = Some(FinishReason::Stop);
-                }
-            }
-            if finish.is_none() && self.generated() >= self.stop.max_new_tokens as usize {
-                finish = Some(FinishReason::Length);
-            }
-        }
-        let mut usage = None;
-        if finish.is_some() {
-            self.flush_into(&mut text, tokenizer, &mut finish)?;
-            usage = Some(self.usage());
-        }
-        Ok(TokenEvent { seq: self.id, token, text, logprob, top_logprobs, finish, usage })
+            None
+        };
+        TokenEvent { seq: self.id, token, logprob, top_logprobs, finish, usage }
     }
 
     fn usage(&self) -> SeqUsage {
@@ -272,25 +249,8 @@ impl Sequence {
         SeqUsage {
             prompt_tokens: self.prompt_len,
             cached_prompt_tokens: cached,
-            completion_tokens: self.generated(),
             queue_time: started.saturating_duration_since(self.queued_at),
             time_to_first_token: first.saturating_duration_since(self.queued_at),
         }
-    }
-
-    /// At the end of the sequence: releases text held back for incomplete characters or
-    /// possible stop strings, still cutting at a stop string if the tail completes one. After a
-    /// stop string matched, nothing more is emitted.
-    fn flush_into(&mut self, text: &mut String, tokenizer: &Tokenizer, finish: &mut Option<FinishReason>) -> Result<(), TokenizerError> {
-        if let Some(tail) = self.detok.finish(tokenizer)? {
-            let outcome = self.stop_strings.push(&tail);
-            text.push_str(&outcome.emit);
-            if outcome.stopped.is_some() {
-                *finish = Some(FinishReason::Stop);
-                return Ok(());
-            }
-        }
-        text.push_str(&self.stop_strings.finish());
-        Ok(())
     }
 }
