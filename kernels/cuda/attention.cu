@@ -39,6 +39,47 @@ __device__ void write_kv_impl(const T* __restrict__ k, const T* __restrict__ v, 
     }
 }
 
+// grid (tokens), block (threads): rope_impl's rotation of q's `heads` and k's `kv_heads` heads in
+// place, and write_kv_impl's copy of k (rotated) and v into the token's cache slot, in one pass:
+// the same values, bit for bit, as those three kernels one after the other.
+template <typename T>
+__device__ void rope_write_kv_impl(T* q, T* k, const T* __restrict__ v, T* cache, const u32* __restrict__ positions, const float* __restrict__ cos_sin,
+                                   const u32* __restrict__ slots, u32 heads, u32 kv_heads, u32 head_dim, u32 block_size, u64 page_elems, u32 layer) {
+    const u32 t = blockIdx.x, half = head_dim / 2;
+    const float* cs = cos_sin + (u64)positions[t] * head_dim;
+    const u64 qb = (u64)t * heads * head_dim;
+    for (u32 i = threadIdx.x; i < heads * half; i += blockDim.x) {
+        const u32 h = i / half, j = i - h * half;
+        const u64 o = qb + (u64)h * head_dim + j;
+        const float a = to_f32(q[o]), b = to_f32(q[o + half]);
+        const float c = cs[j], s = cs[half + j];
+        q[o] = from_f32<T>(a * c - b * s);
+        q[o + half] = from_f32<T>(b * c + a * s);
+    }
+    const u32 slot = slots[t];
+    const u32 page = slot / block_size, off = slot - page * block_size;
+    const u64 per_head = (u64)block_size * head_dim, per_kv = kv_heads * per_head;
+    const u64 base = (u64)page * page_elems + (u64)layer * 2 * per_kv + (u64)off * head_dim;
+    const u32 row = kv_heads * head_dim;
+    const u64 kb = (u64)t * row;
+    for (u32 i = threadIdx.x; i < kv_heads * half; i += blockDim.x) {
+        const u32 h = i / half, j = i - h * half;
+        const u64 o = kb + (u64)h * head_dim + j;
+        const float a = to_f32(k[o]), b = to_f32(k[o + half]);
+        const float c = cs[j], s = cs[half + j];
+        const T ra = from_f32<T>(a * c - b * s), rb = from_f32<T>(b * c + a * s);
+        k[o] = ra;
+        k[o + half] = rb;
+        const u64 dst = base + h * per_head + j;
+        cache[dst] = ra;
+        cache[dst + half] = rb;
+    }
+    for (u32 i = threadIdx.x; i < row; i += blockDim.x) {
+        const u32 h = i / head_dim, d = i - h * head_dim;
+        cache[base + h * per_head + d + per_kv] = v[kb + i];
+    }
+}
+
 // Pointer to the key row of `key` (the value row is `per_kv` further).
 template <typename T>
 __device__ __forceinline__ const T* key_row(const T* cache, const u32* table, u32 key, u32 block_size, u64 page_elems, u64 head_off,
@@ -484,6 +525,11 @@ __device__ void attn_prefill_impl(const T* __restrict__ q, const T* __restrict__
     extern "C" __global__ void write_kv_##name(const T* k, const T* v, T* cache, const u32* slots, u32 kv_heads, u32 hd,    \
                                                u32 block_size, u64 page_elems, u32 layer) {                                 \
         write_kv_impl<T>(k, v, cache, slots, kv_heads, hd, block_size, page_elems, layer);                                  \
+    }                                                                                                                       \
+    extern "C" __global__ void rope_write_kv_##name(T* q, T* k, const T* v, T* cache, const u32* positions,                 \
+                                                    const float* cos_sin, const u32* slots, u32 heads, u32 kv_heads, u32 hd, \
+                                                    u32 block_size, u64 page_elems, u32 layer) {                             \
+        rope_write_kv_impl<T>(q, k, v, cache, positions, cos_sin, slots, heads, kv_heads, hd, block_size, page_elems, layer); \
     }                                                                                                                       \
     extern "C" __global__ void attn_decode_##name(const T* q, const T* cache, T* out, float* part_acc, float* part_ml,     \
                                                   const u32* token_seq, const u32* positions, const u32* block_tables,     \

@@ -8,6 +8,11 @@
 //         whose kept weight reaches top_p times the top-k weight. The token is the first index
 //         whose running sum of kept weights exceeds u times their total. Thresholds are found by
 //         bisection over the order-preserving integer image of the floats, one pass per step.
+// logprobs: grid (rows), block (threads, a multiple of 32). Per row, over the clean logits x (NaN
+//         as -inf, +inf as FLT_MAX): the log-softmax of the row's chosen token, then its n largest
+//         as (id, log-softmax), largest first, the lower id first among equals: one pass over the
+//         row per entry, each taking the best entry ranked after the last one taken. A row with
+//         nothing above -inf gives -inf everywhere and ids 0, 1, ...
 
 __device__ __forceinline__ u32 order_key(float f) {
     const u32 u = __float_as_uint(f);
@@ -161,5 +166,68 @@ extern "C" __global__ void sample_rows(const float* __restrict__ logits, const f
         if (threadIdx.x == 0) out[blockIdx.x] = (u32)last;
     } else if (threadIdx.x == 0) {
         out[blockIdx.x] = s_found;
+    }
+}
+
+__device__ __forceinline__ float clean_logit(float x) {
+    return x != x ? neg_inf() : fminf(x, __int_as_float(0x7f7fffff));
+}
+
+extern "C" __global__ void row_logprobs(const float* __restrict__ logits, const u32* __restrict__ tokens, float* __restrict__ out_vals,
+                                        u32* __restrict__ out_ids, u32 n, u32 vocab) {
+    __shared__ float scratch[32];
+    __shared__ float s_v[32];
+    __shared__ u32 s_i[32];
+    __shared__ float s_best_v;
+    __shared__ u32 s_best_i;
+    const float* row = logits + (u64)blockIdx.x * vocab;
+    float* vals = out_vals + (u64)blockIdx.x * (n + 1);
+    u32* ids = out_ids + (u64)blockIdx.x * n;
+
+    float mx = neg_inf();
+    for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, clean_logit(row[i]));
+    mx = block_max(mx, scratch);
+    float s = 0.0f;
+    if (mx != neg_inf()) {
+        for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) s += expf(clean_logit(row[i]) - mx);
+    }
+    s = block_sum(s, scratch);
+    // log-softmax(x) = x - mx - log Σ exp(x - mx); everything is -inf when no logit is finite.
+    const float lz = logf(s);
+    const bool none = mx == neg_inf();
+    if (threadIdx.x == 0) vals[0] = none ? neg_inf() : (clean_logit(row[tokens[blockIdx.x]]) - mx) - lz;
+
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    float pv = 0.0f;
+    u32 pi = 0xffffffffu;
+    for (u32 j = 0; j < n; ++j) {
+        float bv = neg_inf();
+        u32 bi = 0xffffffffu;
+        for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const float v = clean_logit(row[i]);
+            if (j == 0 || v < pv || (v == pv && i > pi)) better(bv, bi, v, i);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) better(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+        if (lane == 0) {
+            s_v[warp] = bv;
+            s_i[warp] = bi;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            bv = lane < warps ? s_v[lane] : neg_inf();
+            bi = lane < warps ? s_i[lane] : 0xffffffffu;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) better(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+            if (lane == 0) {
+                s_best_v = bv;
+                s_best_i = bi;
+                ids[j] = bi;
+                vals[1 + j] = none ? neg_inf() : (bv - mx) - lz;
+            }
+        }
+        __syncthreads();
+        pv = s_best_v;
+        pi = s_best_i;
     }
 }

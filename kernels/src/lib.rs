@@ -274,6 +274,27 @@ pub trait AttentionOps: Memory {
         layout: &KvLayout,
         layer: usize,
     ) -> Result<()>;
+    /// A layer's attention inputs made ready in one op: [`AttentionOps::rope`] over `q`
+    /// (`num_heads` heads) and `k` (the layout's KV heads) at the batch's positions, then
+    /// [`AttentionOps::write_kv`] of `k` and `v`. The same values as those three calls, which is
+    /// what this default does; a device backend does it in one pass over the tokens.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_write_kv(
+        &self,
+        q: &mut Self::Buffer,
+        k: &mut Self::Buffer,
+        v: &Self::Buffer,
+        cos_sin: &Self::Buffer,
+        num_heads: usize,
+        cache: &mut Self::Buffer,
+        meta: &BatchMeta<Self::Buffer>,
+        layout: &KvLayout,
+        layer: usize,
+    ) -> Result<()> {
+        self.rope(q, &meta.positions, cos_sin, num_heads, layout.head_dim)?;
+        self.rope(k, &meta.positions, cos_sin, layout.num_kv_heads, layout.head_dim)?;
+        self.write_kv(k, v, cache, meta, layout, layer)
+    }
     /// Causal attention of each query token over its sequence's cached keys and values (which must
     /// already include the batch's own tokens). `q` and `out` are `[tokens, heads, head_dim]`.
     fn attention(
@@ -300,6 +321,33 @@ pub struct SampleParams {
     pub uniform: f32,
 }
 
+/// One row's log-softmax figures from [`SamplingOps::row_logprobs`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowLogprobs {
+    /// The chosen token's log-probability.
+    pub logprob: f32,
+    /// The row's `n` most likely tokens with theirs, most likely first (the lower id first among
+    /// equals); `min(n, vocab)` of them.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The most alternatives [`SamplingOps::row_logprobs`] gives per row.
+pub const MAX_TOP_LOGPROBS: usize = 64;
+
+/// Fails unless there is one token in the vocabulary per row and `n` is within the limit.
+pub(crate) fn check_logprob_args(op: &'static str, tokens: &[u32], rows: usize, vocab: usize, n: usize) -> Result<()> {
+    if tokens.len() != rows {
+        return Err(KernelError::Shape { op, detail: format!("{} tokens for {rows} rows", tokens.len()) });
+    }
+    if n > MAX_TOP_LOGPROBS {
+        return Err(KernelError::Shape { op, detail: format!("{n} alternatives asked; at most {MAX_TOP_LOGPROBS}") });
+    }
+    match tokens.iter().find(|&&t| t as usize >= vocab) {
+        Some(&t) => Err(KernelError::Index { op, index: t as usize, limit: vocab }),
+        None => Ok(()),
+    }
+}
+
 /// Fails unless there is one valid [`SampleParams`] per row.
 pub(crate) fn check_sample_params(op: &'static str, params: &[SampleParams], rows: usize) -> Result<()> {
     if params.len() != rows {
@@ -324,6 +372,11 @@ pub trait SamplingOps: Memory {
     /// largest threshold whose kept weight reaches `top_p` times the weight top-k kept; the token
     /// is the first index whose running sum of kept weights exceeds `uniform` times their total.
     fn sample_rows(&self, logits: &Self::Buffer, vocab: usize, params: &[SampleParams]) -> Result<Vec<u32>>;
+    /// Per `vocab`-long row, with `tokens` the token chosen for each: that token's
+    /// log-probability under the row's softmax and the row's `n` most likely tokens with theirs
+    /// (see [`RowLogprobs`]). Logits are cleaned first: NaN counts as -inf, +inf as `f32::MAX`.
+    /// So a device gives the logprobs a request asks for without the row crossing to the host.
+    fn row_logprobs(&self, logits: &Self::Buffer, vocab: usize, tokens: &[u32], n: usize) -> Result<Vec<RowLogprobs>>;
     /// Whether drawing tokens with [`SamplingOps::sample_rows`] spares copying logit rows to the
     /// host (a device backend). The CPU backend's logits are on the host already.
     fn draws_on_device(&self) -> bool {

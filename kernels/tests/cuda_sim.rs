@@ -514,3 +514,106 @@ fn sampling_kernels_match_the_cpu() {
     println!("sample_rows: {differ} of {rows} rows differ: {got:?} vs {want:?}");
     assert!(differ <= 1, "{got:?} vs {want:?}");
 }
+
+#[test]
+fn logprob_kernel_matches_the_cpu() {
+    let (c, mut r) = (CpuBackend::new(), rng());
+    let (rows, vocab) = (6, 700);
+    let mut logits = randn(&mut r, rows * vocab, 6.0);
+    logits[17] = f32::NAN;
+    // Ties: the lower id ranks first.
+    logits[vocab + 3] = 100.0;
+    logits[vocab + 9] = 100.0;
+    logits[vocab + 5] = 99.0;
+    logits[vocab + 600] = 99.0;
+    // A row with nothing finite, and one with +inf (counted as the largest finite value).
+    logits[2 * vocab..3 * vocab].fill(f32::NAN);
+    logits[3 * vocab + 42] = f32::INFINITY;
+    let tokens: Vec<u32> = (0..rows as u32).map(|i| (i * 97 + 5) % vocab as u32).collect();
+    let cl = c.upload_f32(&logits).unwrap();
+    for n in [0usize, 1, 5, 20] {
+        let mut sim = Sim::default();
+        let sl = sim.floats(&logits, DType::F32);
+        let st = sim.u32s(&tokens);
+        let vals = sim.floats(&vec![f32::NAN; rows * (n + 1)], DType::F32);
+        let ids = sim.u32s(&vec![u32::MAX; rows * n.max(1)]);
+        let l = plan::per_row("t", rows, vocab).unwrap();
+        sim.launch("row_logprobs", &l, &[sl, st, vals, ids, Arg::U32(n as u32), Arg::U32(vocab as u32)]);
+        let res = sim.run();
+        let (got_vals, got_ids): (Vec<f32>, Vec<u32>) = (values(&res[buf(vals)], DType::F32), pod(&res[buf(ids)]));
+        let want = c.row_logprobs(&cl, vocab, &tokens, n).unwrap();
+        let close = |a: f32, b: f32| a == b || (a - b).abs() <= 1e-4 * (1.0 + b.abs());
+        for (row, w) in want.iter().enumerate() {
+            let at = row * (n + 1);
+            assert!(close(got_vals[at], w.logprob), "row {row}: {} vs {}", got_vals[at], w.logprob);
+            assert_eq!(w.top.len(), n);
+            for (j, &(id, lp)) in w.top.iter().enumerate() {
+                assert_eq!(got_ids[row * n + j], id, "row {row} entry {j} (n {n})");
+                assert!(close(got_vals[at + 1 + j], lp), "row {row} entry {j}: {} vs {lp}", got_vals[at + 1 + j]);
+            }
+        }
+        if n >= 5 {
+            assert_eq!(want[1].top.iter().take(4).map(|e| e.0).collect::<Vec<_>>(), [3, 9, 5, 600]);
+            assert!(want[2].top.iter().enumerate().all(|(j, &(id, lp))| id == j as u32 && lp == f32::NEG_INFINITY));
+            assert_eq!((want[3].top[0].0, want[3].top[0].1), (42, 0.0));
+        }
+    }
+}
+
+/// The fused `rope_write_kv` gives what `rope` (q), `rope` (k) and `write_kv` give one after the
+/// other, bit for bit, and what the CPU backend's three ops give.
+#[test]
+fn rope_write_kv_is_the_three_kernels_in_one() {
+    let (c, mut r) = (CpuBackend::new(), rng());
+    for dtype in DTYPES {
+        let s = sfx(dtype);
+        // 6 query heads over 2 KV heads of 16; decodes and a prefill chunk crossing a block.
+        let (heads, kv_heads, hd) = (6, 2, 16);
+        let layout = KvLayout { num_layers: 2, num_kv_heads: kv_heads, head_dim: hd, block_size: 16, dtype: RowDType::F32 };
+        let p = paged(&mut r, 16, &[(5, 1), (30, 1), (9, 20)]);
+        let t = p.positions.len();
+        let max_pos = 64;
+        let table_cs = randn(&mut r, max_pos * hd, 1.0);
+        let cache = round_to(&randn(&mut r, p.pages * layout.page_elems(), 1.0), dtype);
+        let q = round_to(&randn(&mut r, t * heads * hd, 1.0), dtype);
+        let k = round_to(&randn(&mut r, t * kv_heads * hd, 1.0), dtype);
+        let v = round_to(&randn(&mut r, t * kv_heads * hd, 1.0), dtype);
+        let (bs, pe, layer) = (Arg::U32(16), Arg::U64(layout.page_elems() as u64), Arg::U32(1));
+        let run = |fused: bool| {
+            let mut sim = Sim::default();
+            let (sq, sk, sv, scache) = (sim.floats(&q, dtype), sim.floats(&k, dtype), sim.floats(&v, dtype), sim.floats(&cache, dtype));
+            let (spos, scs, sslots) = (sim.u32s(&p.positions), sim.floats(&table_cs, DType::F32), sim.u32s(&p.slots));
+            let (h, kvh, d) = (Arg::U32(heads as u32), Arg::U32(kv_heads as u32), Arg::U32(hd as u32));
+            if fused {
+                let l = plan::per_row("t", t, (heads * hd / 2).max(kv_heads * hd)).unwrap();
+                sim.launch(&format!("rope_write_kv_{s}"), &l, &[sq, sk, sv, scache, spos, scs, sslots, h, kvh, d, bs, pe, layer]);
+            } else {
+                sim.launch(&format!("rope_{s}"), &plan::rope("t", t, heads, hd).unwrap(), &[sq, spos, scs, h, d]);
+                sim.launch(&format!("rope_{s}"), &plan::rope("t", t, kv_heads, hd).unwrap(), &[sk, spos, scs, kvh, d]);
+                sim.launch(&format!("write_kv_{s}"), &plan::per_row("t", t, kv_heads * hd).unwrap(), &[sk, sv, scache, sslots, kvh, d, bs, pe, layer]);
+            }
+            let res = sim.run();
+            [sq, sk, scache].map(|a| res[buf(a)].clone())
+        };
+        let (fused, apart) = (run(true), run(false));
+        for (what, (a, b)) in ["q", "k", "cache"].iter().zip(fused.iter().zip(&apart)) {
+            assert!(a == b, "{what} ({s}): the fused kernel differs from the three");
+        }
+
+        let meta = BatchMeta {
+            num_seqs: 3,
+            num_tokens: t,
+            max_blocks_per_seq: p.max_blocks,
+            positions: c.upload_u32(&p.positions).unwrap(),
+            slots: c.upload_u32(&p.slots).unwrap(),
+            seq_starts: c.upload_u32(&p.seq_starts).unwrap(),
+            context_lens: c.upload_u32(&p.context_lens).unwrap(),
+            block_tables: c.upload_u32(&p.block_tables).unwrap(),
+        };
+        let (mut cq, mut ck, mut ccache) = (c.upload_f32(&q).unwrap(), c.upload_f32(&k).unwrap(), c.upload_f32(&cache).unwrap());
+        c.rope_write_kv(&mut cq, &mut ck, &c.upload_f32(&v).unwrap(), &c.upload_f32(&table_cs).unwrap(), heads, &mut ccache, &meta, &layout, 1).unwrap();
+        check(&format!("rope_write_kv q {s}"), dtype, &values(&fused[0], dtype), &c.download_f32(&cq).unwrap());
+        check(&format!("rope_write_kv k {s}"), dtype, &values(&fused[1], dtype), &c.download_f32(&ck).unwrap());
+        check(&format!("rope_write_kv cache {s}"), dtype, &values(&fused[2], dtype), &c.download_f32(&ccache).unwrap());
+    }
+}

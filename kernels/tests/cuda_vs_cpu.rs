@@ -153,6 +153,30 @@ fn meta<B: Memory>(b: &B, p: &Paged) -> BatchMeta<B::Buffer> {
     }
 }
 
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn rope_write_kv_matches_the_cpu() {
+    let (g, c, mut r) = (gpu(), CpuBackend::new(), rng());
+    for dtype in DTYPES {
+        let (heads, kv_heads, hd) = (32, 8, 128);
+        let layout = KvLayout { num_layers: 2, num_kv_heads: kv_heads, head_dim: hd, block_size: 16, dtype: RowDType::F32 };
+        let p = paged(&mut r, 16, &[(5, 1), (300, 1), (9, 40)]);
+        let t = p.positions.len();
+        let table_cs = randn(&mut r, 512 * hd, 1.0);
+        let cache = round_to(&randn(&mut r, p.pages * layout.page_elems(), 1.0), dtype);
+        let [q, k, v] = [heads, kv_heads, kv_heads].map(|h| round_to(&randn(&mut r, t * h * hd, 1.0), dtype));
+        let (gm, cm) = (meta(&g, &p), meta(&c, &p));
+        let (mut gq, mut gk, mut gcache) = (g.upload_as(&q, dtype).unwrap(), g.upload_as(&k, dtype).unwrap(), g.upload_as(&cache, dtype).unwrap());
+        let gv = g.upload_as(&v, dtype).unwrap();
+        g.rope_write_kv(&mut gq, &mut gk, &gv, &g.upload_f32(&table_cs).unwrap(), heads, &mut gcache, &gm, &layout, 1).unwrap();
+        let (mut cq, mut ck, mut ccache) = (c.upload_f32(&q).unwrap(), c.upload_f32(&k).unwrap(), c.upload_f32(&cache).unwrap());
+        c.rope_write_kv(&mut cq, &mut ck, &c.upload_f32(&v).unwrap(), &c.upload_f32(&table_cs).unwrap(), heads, &mut ccache, &cm, &layout, 1).unwrap();
+        check("rope_write_kv q", dtype, &g.download_f32(&gq).unwrap(), &c.download_f32(&cq).unwrap());
+        check("rope_write_kv k", dtype, &g.download_f32(&gk).unwrap(), &c.download_f32(&ck).unwrap());
+        check("rope_write_kv cache", dtype, &g.download_f32(&gcache).unwrap(), &c.download_f32(&ccache).unwrap());
+    }
+}
+
 /// Fills every cached token's K and V (the prefix) with random values, then runs write_kv for
 /// the batch's new tokens and attention on both backends.
 fn attention_case(g: &CudaBackend, c: &CpuBackend, r: &mut StdRng, dtype: DType, case: Case<'_>) {
@@ -348,6 +372,30 @@ fn sampling_helpers_match_the_cpu() {
     println!("sample_rows: {differ} of {rows} rows differ (f32 sums against f64)");
     // A row may land on the other side of a threshold by rounding; more than that is a bug.
     assert!(differ <= 2, "{differ} rows differ: {got:?} vs {want:?}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn logprobs_on_the_device_match_the_cpu() {
+    let (g, c, mut r) = (gpu(), CpuBackend::new(), rng());
+    let (rows, vocab) = (40, 32000);
+    let mut logits = randn(&mut r, rows * vocab, 6.0);
+    logits[17] = f32::NAN;
+    logits[vocab + 3] = 1000.0;
+    logits[vocab + 9] = 1000.0;
+    logits[2 * vocab..3 * vocab].fill(f32::NEG_INFINITY);
+    let tokens: Vec<u32> = (0..rows as u32).map(|i| (i * 7919 + 11) % vocab as u32).collect();
+    let (gl, cl) = (g.upload_f32(&logits).unwrap(), c.upload_f32(&logits).unwrap());
+    for n in [0, 1, 20] {
+        let got = g.row_logprobs(&gl, vocab, &tokens, n).unwrap();
+        let want = c.row_logprobs(&cl, vocab, &tokens, n).unwrap();
+        let close = |a: f32, b: f32| a == b || (a - b).abs() <= 1e-4 * (1.0 + b.abs());
+        for (row, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!(close(a.logprob, b.logprob), "row {row}: {a:?} vs {b:?}");
+            assert_eq!(a.top.iter().map(|e| e.0).collect::<Vec<_>>(), b.top.iter().map(|e| e.0).collect::<Vec<_>>(), "row {row}");
+            assert!(a.top.iter().zip(&b.top).all(|(x, y)| close(x.1, y.1)), "row {row}: {a:?} vs {b:?}");
+        }
+    }
 }
 
 fn rows<B: Memory>(b: &B, ad: &Adapters) -> LoraRows<B::Buffer> {

@@ -21,6 +21,7 @@ std::function<void(void**)> sim_entry(void (*f)(A...)) {
 #define REG_TYPED(suffix, T)                                                                                      \
     REG(rms_norm_##suffix) REG(rope_##suffix) REG(silu_mul_##suffix) REG(silu_mul_fused_##suffix) REG(split_columns_##suffix) \
     REG(add_assign_##suffix) REG(gather_rows_##suffix) REG(add_bias_##suffix) REG(write_kv_##suffix)              \
+    REG(rope_write_kv_##suffix)                                                                                   \
     REG(attn_decode_##suffix) REG(attn_combine_##suffix) REG(attn_prefill_##suffix) REG(lora_shrink_##suffix)     \
     REG(lora_expand_##suffix) REG(attn_decode_g2_d4_##suffix) REG(attn_decode_g2_d8_##suffix)                     \
     REG(attn_decode_g4_d4_##suffix) REG(attn_decode_g4_d8_##suffix) REG(attn_decode_g8_d4_##suffix)               \
@@ -42,6 +43,7 @@ int main() {
     FOR_EACH_DTYPE(REG_TYPED)
     REG(argmax_rows)
     REG(sample_rows)
+    REG(row_logprobs)
 
     const unsigned nbufs = read_val<unsigned>();
     std::vector<std::vector<uint64_t>> bufs(nbufs);

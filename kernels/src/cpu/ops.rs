@@ -5,7 +5,7 @@ use rayon::prelude::*;
 use super::isa::{Isa, Kernel};
 use super::{CpuBackend, CpuBuffer, CpuWeight, ensure_len, rows_of, simd};
 use crate::check::ensure_rows;
-use crate::{DenseOps, KernelError, Result, SampleParams, SamplingOps};
+use crate::{DenseOps, KernelError, Result, RowLogprobs, SampleParams, SamplingOps};
 
 /// Below this many elements an elementwise op runs on the calling thread.
 const PAR_MIN_ELEMS: usize = 1 << 14;
@@ -191,6 +191,35 @@ impl SamplingOps for CpuBackend {
         crate::check_sample_params(OP, params, rows)?;
         Ok(logits.par_chunks(vocab).zip(params.par_iter()).map(|(row, p)| sample_row(row, p)).collect())
     }
+
+    fn row_logprobs(&self, logits: &CpuBuffer, vocab: usize, tokens: &[u32], n: usize) -> Result<Vec<RowLogprobs>> {
+        const OP: &str = "row_logprobs";
+        let logits = logits.f32(OP)?;
+        let rows = rows_of(OP, "logits", logits.len(), vocab)?;
+        crate::check_logprob_args(OP, tokens, rows, vocab, n)?;
+        Ok(logits.par_chunks(vocab).zip(tokens.par_iter()).map(|(row, &t)| row_logprobs(row, t, n)).collect())
+    }
+}
+
+/// [`SamplingOps::row_logprobs`] for one row, with an f64 sum.
+pub(crate) fn row_logprobs(row: &[f32], token: u32, n: usize) -> RowLogprobs {
+    let clean = |x: f32| if x.is_nan() { f32::NEG_INFINITY } else { x.min(f32::MAX) };
+    let max = row.iter().map(|&x| clean(x)).fold(f32::NEG_INFINITY, f32::max);
+    let n = n.min(row.len());
+    if max == f32::NEG_INFINITY {
+        return RowLogprobs { logprob: f32::NEG_INFINITY, top: (0..n as u32).map(|id| (id, f32::NEG_INFINITY)).collect() };
+    }
+    let ln_z = row.iter().map(|&x| ((clean(x) - max) as f64).exp()).sum::<f64>().ln();
+    let logprob = |x: f32| ((clean(x) - max) as f64 - ln_z) as f32;
+    let mut order: Vec<(f32, u32)> = row.iter().enumerate().map(|(i, &x)| (clean(x), i as u32)).collect();
+    // Clean values hold no NaN; -0 and +0 rank as equals, as on the device.
+    let by_rank = |a: &(f32, u32), b: &(f32, u32)| b.0.partial_cmp(&a.0).unwrap_or(std::cmp::Ordering::Equal).then(a.1.cmp(&b.1));
+    if n > 0 && n < order.len() {
+        order.select_nth_unstable_by(n - 1, by_rank);
+    }
+    order.truncate(n);
+    order.sort_by(by_rank);
+    RowLogprobs { logprob: logprob(row[token as usize]), top: order.into_iter().map(|(x, id)| (id, logprob(x))).collect() }
 }
 
 /// [`SamplingOps::sample_rows`] for one row, with f64 sums.

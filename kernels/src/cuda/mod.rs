@@ -714,7 +714,7 @@ pub fn kernel_names() -> Vec<(&'static str, String)> {
         for k in ["rms_norm", "rope", "silu_mul", "silu_mul_fused", "split_columns", "add_assign", "gather_rows", "add_bias"] {
             names.push((compile::SOURCES[DENSE].0, format!("{k}_{s}")));
         }
-        for k in ["write_kv", "attn_decode", "attn_combine", "attn_prefill"].into_iter().chain(plan::GROUPED_DECODE_KERNELS) {
+        for k in ["write_kv", "rope_write_kv", "attn_decode", "attn_combine", "attn_prefill"].into_iter().chain(plan::GROUPED_DECODE_KERNELS) {
             names.push((compile::SOURCES[ATTENTION].0, format!("{k}_{s}")));
         }
         for k in ["lora_shrink", "lora_expand"] {
@@ -723,6 +723,7 @@ pub fn kernel_names() -> Vec<(&'static str, String)> {
     }
     names.push((compile::SOURCES[SAMPLING].0, "argmax_rows".to_string()));
     names.push((compile::SOURCES[SAMPLING].0, "sample_rows".to_string()));
+    names.push((compile::SOURCES[SAMPLING].0, "row_logprobs".to_string()));
     names
 }
 

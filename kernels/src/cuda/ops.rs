@@ -10,7 +10,7 @@ use super::{ATTENTION, CudaBackend, CudaBuffer, CudaWeight, DENSE, Data, LORA, S
 use crate::check::{Batch, Directory, Segments, check_slots, ensure_len, ensure_rows, rows_of};
 use crate::{
     AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KernelError, KvLayout, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory, NO_ADAPTER, Result,
-    RowDType, SampleParams, SamplingOps, WeightData,
+    RowDType, RowLogprobs, SampleParams, SamplingOps, WeightData,
 };
 
 /// Fails unless every buffer holds the same float type; returns it.
@@ -463,6 +463,58 @@ impl AttentionOps for CudaBackend {
         })
     }
 
+    fn rope_write_kv(
+        &self,
+        q: &mut CudaBuffer,
+        k: &mut CudaBuffer,
+        v: &CudaBuffer,
+        cos_sin: &CudaBuffer,
+        num_heads: usize,
+        cache: &mut CudaBuffer,
+        meta: &BatchMeta<CudaBuffer>,
+        layout: &KvLayout,
+        layer: usize,
+    ) -> Result<()> {
+        const OP: &str = "rope_write_kv";
+        let (dtype, pe) = kv_access(OP, layout, cache, same_float(OP, &[q, k, v])?)?;
+        cos_sin.expect(OP, DType::F32)?;
+        let m = Batch::read(OP, meta)?;
+        let (hd, kvh) = (layout.head_dim, layout.num_kv_heads);
+        let row = kvh * hd;
+        ensure_len(OP, "q", q.len, meta.num_tokens * num_heads * hd)?;
+        ensure_len(OP, "k", k.len, meta.num_tokens * row)?;
+        ensure_len(OP, "v", v.len, meta.num_tokens * row)?;
+        if layer >= layout.num_layers {
+            return Err(KernelError::Index { op: OP, index: layer, limit: layout.num_layers });
+        }
+        m.check_slots(OP, layout, cache.len / layout.page_elems())?;
+        if meta.num_tokens == 0 {
+            return Ok(());
+        }
+        // The rope's checks: an even head size, every position in the table.
+        plan::rope(OP, meta.num_tokens, num_heads, hd)?;
+        let max_pos = rows_of(OP, "cos_sin", cos_sin.len, hd)?;
+        let pos = crate::check::HostU32::host_u32(&meta.positions, OP)?;
+        ensure_len(OP, "positions", pos.len(), meta.num_tokens)?;
+        if let Some(&p) = pos.iter().find(|&&p| p as usize >= max_pos) {
+            return Err(KernelError::Index { op: OP, index: p as usize, limit: max_pos });
+        }
+        let name = format!("rope_write_kv_{}", suffix(dtype));
+        let f = self.function(ATTENTION, &name)?;
+        let l = plan::per_row(OP, meta.num_tokens, (num_heads * hd / 2).max(row))?;
+        let (heads, kvh, hd, bs, layer) = (num_heads as u32, kvh as u32, hd as u32, layout.block_size as u32, layer as u32);
+        self.launch(OP, &name, &f, &l, |b| {
+            q.push(b);
+            k.push(b);
+            v.push(b);
+            cache.push(b);
+            meta.positions.push(b);
+            cos_sin.push(b);
+            meta.slots.push(b);
+            b.arg(&heads).arg(&kvh).arg(&hd).arg(&bs).arg(&pe).arg(&layer);
+        })
+    }
+
     fn attention(
         &self,
         q: &CudaBuffer,
@@ -604,6 +656,40 @@ impl SamplingOps for CudaBackend {
             b.arg(&v);
         })?;
         self.download_u32(OP, &out)
+    }
+
+    fn row_logprobs(&self, logits: &CudaBuffer, vocab: usize, tokens: &[u32], n: usize) -> Result<Vec<RowLogprobs>> {
+        const OP: &str = "row_logprobs";
+        logits.expect(OP, DType::F32)?;
+        let rows = rows_of(OP, "logits", logits.len, vocab)?;
+        crate::check_logprob_args(OP, tokens, rows, vocab, n)?;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let toks = self.upload_u32(tokens)?;
+        let vals = self.zeros_as(rows * (n + 1), DType::F32)?;
+        // At least one id per row, so that no buffer is empty.
+        let ids = self.zeros_as(rows * n.max(1), DType::U32)?;
+        let f = self.function(SAMPLING, "row_logprobs")?;
+        let l = plan::per_row(OP, rows, vocab)?;
+        let (n32, v) = (n as u32, vocab as u32);
+        self.launch(OP, "row_logprobs", &f, &l, |b| {
+            logits.push(b);
+            toks.push(b);
+            vals.push(b);
+            ids.push(b);
+            b.arg(&n32);
+            b.arg(&v);
+        })?;
+        let vals = self.download_f32(&vals)?;
+        let ids = self.download_u32(OP, &ids)?;
+        let kept = n.min(vocab);
+        Ok((0..rows)
+            .map(|r| {
+                let top = (0..kept).map(|j| (ids[r * n + j], vals[r * (n + 1) + 1 + j])).collect();
+                RowLogprobs { logprob: vals[r * (n + 1)], top }
+            })
+            .collect())
     }
 }
 

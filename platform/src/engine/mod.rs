@@ -194,6 +194,8 @@ pub struct StepTime {
     pub drawn_rows: u64,
     /// Logits rows copied to the host to be sampled there.
     pub copied_rows: u64,
+    /// Rows whose logprobs the backend computed (only the token's and the top few left it).
+    pub logprob_rows: u64,
 }
 
 /// What structured output has cost the engine's steps, since it started.
@@ -502,10 +504,12 @@ impl<B: Backend> Engine<B> {
             if s.computed + n < s.tokens.len() {
                 continue;
             }
-            ways.push(if s.wants_argmax_only() {
-                Way::Argmax
+            // A device that draws tokens gives their logprobs too: only those cross to the host.
+            ways.push(if s.wants_argmax_only(self.device_sampling) {
+                Way::Argmax(s.logprobs())
             } else if self.device_sampling && s.forks.is_empty() {
-                s.device_draw().map_or(Way::Host, Way::Device)
+                let logprobs = s.logprobs();
+                s.device_draw().map_or(Way::Host, |p| Way::Device(p, logprobs))
             } else {
                 Way::Host
             });
@@ -523,7 +527,8 @@ impl<B: Backend> Engine<B> {
         t.prepare_ns += ns(forward_began.saturating_duration_since(began));
         t.forward_ns += ns(forward_done.saturating_duration_since(forward_began));
         t.finish_ns += ns(forward_done.elapsed());
-        t.drawn_rows += ways.iter().filter(|w| matches!(w, Way::Device(_))).count() as u64;
+        t.drawn_rows += ways.iter().filter(|w| matches!(w, Way::Device(..))).count() as u64;
+        t.logprob_rows += ways.iter().filter(|w| matches!(w, Way::Argmax(Some(_)) | Way::Device(_, Some(_)))).count() as u64;
         t.copied_rows += ways.iter().filter(|w| matches!(w, Way::Host)).count() as u64;
         let mut picks = fetched.picks(&ways, vocab).into_iter();
         let mut events = Vec::with_capacity(host.logit_rows.len());

@@ -3,6 +3,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use loraplex_kernels::RowLogprobs;
+
 use crate::grammar::{CompiledGrammar, Constraint, GrammarError, TokenMask};
 use crate::memory::{AdapterRef, BlockHash, BlockTable, PagePin, ResidentAdapter};
 use crate::request::{FinishReason, SeqId, StopConditions};
@@ -165,11 +167,17 @@ impl Sequence {
         self.prompt_len + self.stop.max_new_tokens as usize
     }
 
-    /// Whether the next token is the plain argmax of the logits (see [`Sampler::is_plain_argmax`]).
-    /// A sequence with a grammar never does: its mask comes first (and a lost matcher fails in
+    /// Whether the next token is the plain argmax of the logits (see [`Sampler::is_plain_argmax`];
+    /// with `logprobs_on_device`, the logprobs asked for come with the token). A sequence with a
+    /// grammar never does: its mask comes first (and a lost matcher fails in
     /// [`Sequence::sample`] instead of falling back to the plain argmax).
-    pub fn wants_argmax_only(&self) -> bool {
-        self.grammar.is_none() && self.sampler.is_plain_argmax()
+    pub fn wants_argmax_only(&self, logprobs_on_device: bool) -> bool {
+        self.grammar.is_none() && self.sampler.is_plain_argmax(logprobs_on_device)
+    }
+
+    /// How many alternatives its request asked logprobs for, if it did.
+    pub fn logprobs(&self) -> Option<usize> {
+        self.sampler.logprobs()
     }
 
     /// The stop strings its consumer cuts its text at.
@@ -203,23 +211,33 @@ impl Sequence {
     /// The settings for drawing this sequence's next token on the device
     /// ([`crate::sampling::Sampler::device_draw`]), when it has no grammar and the draw is one
     /// the device makes; takes one number from its random stream.
+    /// The device then gives the logprobs asked for too.
     pub fn device_draw(&mut self) -> Option<loraplex_kernels::SampleParams> {
         if self.grammar.is_some() {
             return None;
         }
-        self.sampler.device_draw()
+        self.sampler.device_draw(true)
     }
 
-    /// Takes a token drawn on the device with [`Sequence::device_draw`]'s settings.
-    pub fn take_device_draw(&mut self, token: u32) -> TokenEvent {
+    /// Takes a token drawn on the device with [`Sequence::device_draw`]'s settings, with the
+    /// logprobs the device gave when they were asked for.
+    pub fn take_device_draw(&mut self, token: u32, logprobs: Option<&RowLogprobs>) -> TokenEvent {
         self.sampler.record_device_draw(token);
-        self.accept(token, None, Vec::new())
+        self.accept_with(token, logprobs)
     }
 
-    /// Takes a token a device argmax chose (only when [`Sequence::wants_argmax_only`]).
-    pub fn take_argmax(&mut self, token: u32) -> TokenEvent {
+    /// Takes a token a device argmax chose (only when [`Sequence::wants_argmax_only`]), with the
+    /// logprobs the device gave when they were asked for.
+    pub fn take_argmax(&mut self, token: u32, logprobs: Option<&RowLogprobs>) -> TokenEvent {
         self.sampler.record_argmax(token);
-        self.accept(token, None, Vec::new())
+        self.accept_with(token, logprobs)
+    }
+
+    fn accept_with(&mut self, token: u32, logprobs: Option<&RowLogprobs>) -> TokenEvent {
+        match logprobs {
+            Some(l) => self.accept(token, Some(l.logprob), l.top.clone()),
+            None => self.accept(token, None, Vec::new()),
+        }
     }
 
     /// Appends the chosen token and applies the token-level stop conditions.

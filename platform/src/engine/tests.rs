@@ -224,11 +224,49 @@ mod device_sampling {
                 assert_eq!(got[id], alone[i], "sequence {i} ({:?}), device sampling {device}", kinds[i % kinds.len()]);
             }
             let t = e.step_time();
-            // Per token: 4 of 10 rows are plain draws, 4 seeded or with logprobs, 2 greedy.
+            // Per token: 4 of 10 rows are plain draws, 2 draws with logprobs, 2 seeded, 2 greedy.
             if device {
-                assert_eq!((t.drawn_rows, t.copied_rows), (4 * 6, 4 * 6), "{t:?}");
+                assert_eq!((t.drawn_rows, t.copied_rows, t.logprob_rows), (6 * 6, 2 * 6, 2 * 6), "{t:?}");
             } else {
-                assert_eq!((t.drawn_rows, t.copied_rows), (0, 8 * 6), "{t:?}");
+                assert_eq!((t.drawn_rows, t.copied_rows, t.logprob_rows), (0, 8 * 6, 0), "{t:?}");
+            }
+        }
+    }
+
+    /// Logprobs the device gives (argmax and drawn rows) are the host sampler's: the same
+    /// alternatives in the same order, values within rounding, and no row crosses to the host.
+    #[test]
+    fn logprobs_from_the_device_match_the_host_sampler() {
+        let (_dir, model, tokenizer) = tiny();
+        let kinds = [
+            SamplingParams { logprobs: Some(3), ..SamplingParams::greedy() },
+            SamplingParams { logprobs: Some(0), ..SamplingParams::greedy() },
+            SamplingParams { temperature: 0.7, top_k: 1, logprobs: Some(5), ..SamplingParams::default() },
+            SamplingParams { logprobs: Some(20), ..SamplingParams::greedy() },
+        ];
+        let events = |device: bool| {
+            let mut e = engine(&model, &tokenizer, device);
+            let ids: Vec<SeqId> = kinds.iter().enumerate().map(|(i, k)| e.add(sampled(&model, 30 + 9 * i as u32, 5, k.clone())).unwrap()).collect();
+            let mut out: HashMap<SeqId, Vec<TokenEvent>> = HashMap::new();
+            while e.has_work() {
+                for ev in e.step().unwrap() {
+                    out.entry(ev.seq).or_default().push(ev);
+                }
+            }
+            (ids.iter().map(|id| out.remove(id).unwrap()).collect::<Vec<_>>(), e.step_time())
+        };
+        let ((host, ht), (device, dt)) = (events(false), events(true));
+        assert_eq!((ht.logprob_rows, ht.copied_rows), (0, 4 * 5), "{ht:?}");
+        assert_eq!((dt.logprob_rows, dt.copied_rows, dt.drawn_rows), (4 * 5, 0, 5), "{dt:?}");
+        let close = |a: f32, b: f32| (a - b).abs() <= 1e-5 * (1.0 + b.abs());
+        for (i, (h, d)) in host.iter().zip(&device).enumerate() {
+            assert_eq!(h.len(), 5);
+            for (h, d) in h.iter().zip(d) {
+                assert_eq!(h.token, d.token, "row {i}");
+                assert!(close(h.logprob.unwrap(), d.logprob.unwrap()), "row {i}: {h:?} vs {d:?}");
+                assert_eq!(h.top_logprobs.len(), kinds[i].logprobs.unwrap());
+                assert_eq!(h.top_logprobs.iter().map(|e| e.0).collect::<Vec<_>>(), d.top_logprobs.iter().map(|e| e.0).collect::<Vec<_>>(), "row {i}");
+                assert!(h.top_logprobs.iter().zip(&d.top_logprobs).all(|(a, b)| close(a.1, b.1)), "row {i}: {h:?} vs {d:?}");
             }
         }
     }

@@ -274,9 +274,7 @@ impl<B: Backend> Model<B> {
             let lc = lora.map(|batch| LoraContext { batch, pool: &*cache, layer: l });
             layer.qkv.forward_split(b, &a.normed, &mut a.qkv, &mut [&mut a.q, &mut a.k, &mut a.v], t, lc.as_ref())?;
         }
-        b.rope(&mut a.q, &batch.meta.positions, &self.rope, c.num_heads, c.head_dim)?;
-        b.rope(&mut a.k, &batch.meta.positions, &self.rope, c.num_kv_heads, c.head_dim)?;
-        b.write_kv(&a.k, &a.v, cache, &batch.meta, layout, l)?;
+        b.rope_write_kv(&mut a.q, &mut a.k, &a.v, &self.rope, c.num_heads, cache, &batch.meta, layout, l)?;
         let params = AttentionParams {
             layer: l,
             num_heads: c.num_heads,

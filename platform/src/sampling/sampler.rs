@@ -124,12 +124,18 @@ impl Sampler {
         &self.params
     }
 
-    /// Whether the next token is exactly the argmax of the raw logits (greedy, no penalties, no
-    /// logprobs asked for). A device's argmax may then stand in for [`Sampler::sample`],
-    /// followed by [`Sampler::record_argmax`]; both pick the first maximum and ignore NaN.
-    pub fn is_plain_argmax(&self) -> bool {
+    /// Whether the next token is exactly the argmax of the raw logits (greedy, no penalties; no
+    /// logprobs asked for, unless `logprobs_elsewhere`: the caller gets them with the token). A
+    /// device's argmax may then stand in for [`Sampler::sample`], followed by
+    /// [`Sampler::record_argmax`]; both pick the first maximum and ignore NaN.
+    pub fn is_plain_argmax(&self, logprobs_elsewhere: bool) -> bool {
         let p = &self.params;
-        p.is_greedy() && p.logprobs.is_none() && !self.penalized()
+        p.is_greedy() && (p.logprobs.is_none() || logprobs_elsewhere) && !self.penalized()
+    }
+
+    /// How many alternatives the request asked logprobs for, if it did.
+    pub fn logprobs(&self) -> Option<usize> {
+        self.params.logprobs
     }
 
     /// Whether a penalty (repetition, presence, frequency) changes the logits.
@@ -145,12 +151,12 @@ impl Sampler {
 
     /// The settings of this row's next draw on the device, taking its uniform from this
     /// sampler's stream, when the device's draw is the one asked for: temperature, top-k and
-    /// top-p only (no min-p, penalties or logprobs), for a request without a seed. A seeded
-    /// request is drawn here on the host, where the same seed gives the same tokens for the same
-    /// logits on every machine.
-    pub fn device_draw(&mut self) -> Option<SampleParams> {
+    /// top-p only (no min-p or penalties; no logprobs unless `logprobs_elsewhere`, the device
+    /// giving them too), for a request without a seed. A seeded request is drawn here on the
+    /// host, where the same seed gives the same tokens for the same logits on every machine.
+    pub fn device_draw(&mut self, logprobs_elsewhere: bool) -> Option<SampleParams> {
         let p = &self.params;
-        let plain = !p.is_greedy() && p.seed.is_none() && p.logprobs.is_none() && p.min_p == 0.0 && !self.penalized();
+        let plain = !p.is_greedy() && p.seed.is_none() && (p.logprobs.is_none() || logprobs_elsewhere) && p.min_p == 0.0 && !self.penalized();
         let top_k = u32::try_from(p.top_k).ok()?;
         if !(plain && p.temperature.is_finite() && p.top_p > 0.0 && p.top_p <= 1.0) {
             return None;
