@@ -76,6 +76,9 @@ def machine():
         for line in text.splitlines():
             if line.startswith("model name") and info["cpu"] == "unknown":
                 info["cpu"] = line.split(":", 1)[1].strip()
+            # A virtual machine's name ("AMD EPYC") is the same for generations that differ twofold.
+            if line.split(":", 1)[0].strip() in ("cpu family", "model") and line.split(":", 1)[0].strip() not in info:
+                info[line.split(":", 1)[0].strip()] = line.split(":", 1)[1].strip()
             if line.startswith("flags") and not info["flags"]:
                 flags = line.split(":", 1)[1].split()
                 info["flags"] = [f for f in ("avx512f", "avx512_bf16", "avx2", "fma", "f16c") if f in flags]
@@ -227,7 +230,9 @@ class Loraplex(HttpServer):
         shutil.rmtree(data, ignore_errors=True)  # a fresh database: tenants and adapters are made below
         env = {**os.environ, "LORAPLEX_THREADS": str(threads)}
         cmd = [args.loraplex, "serve", "--model", str(model_dir), "--data-dir", str(data), "--admin-key", admin, "--port", str(port),
-               "--matmul-dtype", args.precision, "--pool-mb", "4096", "--max-running", str(CONCURRENCY), "--max-batch-tokens", "1024",
+               # KV pages in the precision of the run, as transformers keeps its cache in the
+               # model's dtype (llama.cpp keeps f16 pages in both).
+               "--matmul-dtype", args.precision, "--kv-dtype", args.precision, "--pool-mb", "4096", "--max-running", str(CONCURRENCY), "--max-batch-tokens", "1024",
                # Rounds repeat the same prompts: no system may answer them from a cache (llama.cpp's
                # requests say `cache_prompt: false`).
                "--no-prefix-cache"]
@@ -490,7 +495,8 @@ def main():
     (out / "peers.json").write_text(json.dumps(report, indent=2))
     plot(report["rows"], out / "peers.png")
     m = report["machine"]
-    print(f"machine: {m['cpu']}, {m['cores']} cores ({', '.join(m['flags'])}); {args.threads} threads; loraplex kernels: "
+    family = f" (family {m['cpu family']}, model {m['model']})" if "cpu family" in m and "model" in m else ""
+    print(f"machine: {m['cpu']}{family}, {m['cores']} cores ({', '.join(m['flags'])}); {args.threads} threads; loraplex kernels: "
           f"{report['systems'].get('loraplex', {}).get('kernels', '-')}")
     print(f"{'system':<18} {'workload':<15} {'tokens/s':>9} {'TTFT ms':>9} {'TPOT ms':>8} {'agrees':>7}")
     for r in report["rows"]:

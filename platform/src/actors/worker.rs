@@ -303,6 +303,12 @@ impl<B: Backend> Supervised for Worker<B> {
         if let Ok(old) = &self.engine {
             self.past_preemptions += old.preemptions();
         }
+        // A failed step ended its requests already; any left (the actor stopped another way)
+        // end here, through the text stage, which would otherwise keep their streams open.
+        let left: Vec<RequestId> = self.flights.keys().copied().collect();
+        for id in left {
+            self.end(id, Event::Error(RuntimeError::WorkerFailed("the worker restarted".into())));
+        }
         self.engine = Err("rebuilding after a failed step".into());
         self.flights.clear();
         self.seqs.clear();

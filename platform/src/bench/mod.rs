@@ -101,11 +101,24 @@ impl Machine {
 
     /// This machine, its CPU kernels described as `isa`.
     pub fn with_kernels(isa: String) -> Machine {
-        let cpu = std::fs::read_to_string("/proc/cpuinfo")
-            .ok()
-            .and_then(|s| s.lines().find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())))
-            .unwrap_or_else(|| "unknown".into());
+        let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().map_or_else(|| "unknown".into(), |s| cpu_name(&s));
         Machine { cpu, cores: std::thread::available_parallelism().map_or(1, |n| n.get()), isa }
+    }
+}
+
+/// The CPU's model name from `/proc/cpuinfo`, with its family and model numbers where given: a
+/// virtual machine's name ("AMD EPYC") is the same for generations that differ twofold.
+fn cpu_name(cpuinfo: &str) -> String {
+    let field = |key: &str| {
+        cpuinfo.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            (k.trim() == key).then(|| v.trim().to_string())
+        })
+    };
+    let name = field("model name").unwrap_or_else(|| "unknown".into());
+    match (field("cpu family"), field("model")) {
+        (Some(family), Some(model)) => format!("{name} (family {family}, model {model})"),
+        _ => name,
     }
 }
 
@@ -130,4 +143,15 @@ pub(crate) fn zipf_draws(n: usize, s: f64, count: usize, seed: u64) -> Vec<usize
             cdf.partition_point(|&c| c < u).min(n - 1)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_cpu_is_named_with_its_family_and_model() {
+        let info = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\nflags\t\t: fpu\n\nprocessor\t: 1\nmodel name\t: AMD EPYC\n";
+        assert_eq!(super::cpu_name(info), "AMD EPYC (family 26, model 2)");
+        assert_eq!(super::cpu_name("model name : Neoverse-V1\n"), "Neoverse-V1");
+        assert_eq!(super::cpu_name(""), "unknown");
+    }
 }
