@@ -51,10 +51,7 @@ __device__ void rope_write_kv_impl(T* q, T* k, const T* __restrict__ v, T* cache
     for (u32 i = threadIdx.x; i < heads * half; i += blockDim.x) {
         const u32 h = i / half, j = i - h * half;
         const u64 o = qb + (u64)h * head_dim + j;
-        const float a = to_f32(q[o]), b = to_f32(q[o + half]);
-        const float c = cs[j], s = cs[half + j];
-        q[o] = from_f32<T>(a * c - b * s);
-        q[o + half] = from_f32<T>(b * c + a * s);
+        rope_pair(q[o], q[o + half], cs[j], cs[half + j]);
     }
     const u32 slot = slots[t];
     const u32 page = slot / block_size, off = slot - page * block_size;
@@ -65,14 +62,10 @@ __device__ void rope_write_kv_impl(T* q, T* k, const T* __restrict__ v, T* cache
     for (u32 i = threadIdx.x; i < kv_heads * half; i += blockDim.x) {
         const u32 h = i / half, j = i - h * half;
         const u64 o = kb + (u64)h * head_dim + j;
-        const float a = to_f32(k[o]), b = to_f32(k[o + half]);
-        const float c = cs[j], s = cs[half + j];
-        const T ra = from_f32<T>(a * c - b * s), rb = from_f32<T>(b * c + a * s);
-        k[o] = ra;
-        k[o + half] = rb;
+        rope_pair(k[o], k[o + half], cs[j], cs[half + j]);
         const u64 dst = base + h * per_head + j;
-        cache[dst] = ra;
-        cache[dst + half] = rb;
+        cache[dst] = k[o];
+        cache[dst + half] = k[o + half];
     }
     for (u32 i = threadIdx.x; i < row; i += blockDim.x) {
         const u32 h = i / head_dim, d = i - h * head_dim;

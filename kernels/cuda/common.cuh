@@ -89,6 +89,14 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(v);
 }
 
+// Rotary embedding of one pair of a head (elements j and j + head_dim / 2), in place, the
+// half-split convention: c and s are the position's cosine and sine for j.
+template <typename T> __device__ __forceinline__ void rope_pair(T& x0, T& x1, float c, float s) {
+    const float a = to_f32(x0), b = to_f32(x1);
+    x0 = from_f32<T>(a * c - b * s);
+    x1 = from_f32<T>(b * c + a * s);
+}
+
 // 16 bytes, for vector loads of 16-byte aligned data.
 struct __align__(16) vec16_t {
     u32 a, b, c, d;

@@ -38,10 +38,7 @@ __device__ void rope_impl(T* x, const u32* __restrict__ positions, const float* 
     for (u32 i = threadIdx.x; i < heads * half; i += blockDim.x) {
         const u32 h = i / half, j = i - h * half;
         const u64 o = base + (u64)h * head_dim + j;
-        const float a = to_f32(x[o]), b = to_f32(x[o + half]);
-        const float c = cs[j], s = cs[half + j];
-        x[o] = from_f32<T>(a * c - b * s);
-        x[o + half] = from_f32<T>(b * c + a * s);
+        rope_pair(x[o], x[o + half], cs[j], cs[half + j]);
     }
 }
 

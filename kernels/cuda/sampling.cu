@@ -30,19 +30,10 @@ __device__ __forceinline__ void better(float& bv, u32& bi, float v, u32 i) {
     }
 }
 
-extern "C" __global__ void argmax_rows(const float* __restrict__ logits, u32* __restrict__ out, u32 vocab) {
-    __shared__ float s_v[32];
-    __shared__ u32 s_i[32];
-    const float* row = logits + (u64)blockIdx.x * vocab;
-    float bv = neg_inf();
-    u32 bi = 0xffffffffu;
-    for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float v = row[i];
-        if (v > bv) {
-            bv = v;
-            bi = i;
-        }
-    }
+// The block's best (value, index) under `better`, in thread 0 (each thread brings its own; the
+// lowest index wins ties). `s_v` and `s_i` hold 32 entries of shared memory; every thread must call
+// it, and a caller that calls it again must __syncthreads() first.
+__device__ __forceinline__ void block_best(float& bv, u32& bi, float* s_v, u32* s_i) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) better(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -56,8 +47,24 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, u32* __
         bi = lane < warps ? s_i[lane] : 0xffffffffu;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) better(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
-        if (lane == 0) out[blockIdx.x] = bi == 0xffffffffu ? 0u : bi;
     }
+}
+
+extern "C" __global__ void argmax_rows(const float* __restrict__ logits, u32* __restrict__ out, u32 vocab) {
+    __shared__ float s_v[32];
+    __shared__ u32 s_i[32];
+    const float* row = logits + (u64)blockIdx.x * vocab;
+    float bv = neg_inf();
+    u32 bi = 0xffffffffu;
+    for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = row[i];
+        if (v > bv) {
+            bv = v;
+            bi = i;
+        }
+    }
+    block_best(bv, bi, s_v, s_i);
+    if (threadIdx.x == 0) out[blockIdx.x] = bi == 0xffffffffu ? 0u : bi;
 }
 
 __device__ __forceinline__ float scaled(const float* row, u32 i, float inv_t) {
@@ -197,7 +204,6 @@ extern "C" __global__ void row_logprobs(const float* __restrict__ logits, const 
     const bool none = mx == neg_inf();
     if (threadIdx.x == 0) vals[0] = none ? neg_inf() : (clean_logit(row[tokens[blockIdx.x]]) - mx) - lz;
 
-    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     float pv = 0.0f;
     u32 pi = 0xffffffffu;
     for (u32 j = 0; j < n; ++j) {
@@ -207,24 +213,12 @@ extern "C" __global__ void row_logprobs(const float* __restrict__ logits, const 
             const float v = clean_logit(row[i]);
             if (j == 0 || v < pv || (v == pv && i > pi)) better(bv, bi, v, i);
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) better(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
-        if (lane == 0) {
-            s_v[warp] = bv;
-            s_i[warp] = bi;
-        }
-        __syncthreads();
-        if (warp == 0) {
-            bv = lane < warps ? s_v[lane] : neg_inf();
-            bi = lane < warps ? s_i[lane] : 0xffffffffu;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) better(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
-            if (lane == 0) {
-                s_best_v = bv;
-                s_best_i = bi;
-                ids[j] = bi;
-                vals[1 + j] = none ? neg_inf() : (bv - mx) - lz;
-            }
+        block_best(bv, bi, s_v, s_i);
+        if (threadIdx.x == 0) {
+            s_best_v = bv;
+            s_best_i = bi;
+            ids[j] = bi;
+            vals[1 + j] = none ? neg_inf() : (bv - mx) - lz;
         }
         __syncthreads();
         pv = s_best_v;

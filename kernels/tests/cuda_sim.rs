@@ -17,13 +17,13 @@ use loraplex_kernels::cpu::CpuBackend;
 use loraplex_kernels::cuda::plan::{self, AttentionPlan, Launch, Limits};
 use loraplex_kernels::cuda::{from_bits, round_to, to_bits};
 use loraplex_kernels::{
-    AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KvLayout, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory, NO_ADAPTER, RowDType,
-    SampleParams, SamplingOps,
+    AttentionOps, AttentionParams, DType, DenseOps, KvLayout, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory, NO_ADAPTER, RowDType, SampleParams,
+    SamplingOps,
 };
 use rand::{Rng, rngs::StdRng};
 
 mod common;
-use common::{Adapters, Case, DTYPES, adapters, check, paged, randn, rng, segments};
+use common::{Adapters, Case, DTYPES, adapters, check, meta, paged, randn, rng, segments};
 
 const SOURCES: [&str; 7] = [
     include_str!("../cuda/sim/sim.h"),
@@ -361,16 +361,7 @@ fn attention_case_with(c: &CpuBackend, r: &mut StdRng, dtype: DType, case: Case<
     }
     let res = sim.run();
 
-    let meta = BatchMeta {
-        num_seqs: seqs.len(),
-        num_tokens: t,
-        max_blocks_per_seq: p.max_blocks,
-        positions: c.upload_u32(&p.positions).unwrap(),
-        slots: c.upload_u32(&p.slots).unwrap(),
-        seq_starts: c.upload_u32(&p.seq_starts).unwrap(),
-        context_lens: c.upload_u32(&p.context_lens).unwrap(),
-        block_tables: c.upload_u32(&p.block_tables).unwrap(),
-    };
+    let meta = meta(c, &p);
     let mut ccache = c.upload_f32(&cache).unwrap();
     c.write_kv(&c.upload_f32(&k).unwrap(), &c.upload_f32(&v).unwrap(), &mut ccache, &meta, &layout, 1).unwrap();
     let mut co = c.zeros(t * heads * hd).unwrap();
@@ -600,16 +591,7 @@ fn rope_write_kv_is_the_three_kernels_in_one() {
             assert!(a == b, "{what} ({s}): the fused kernel differs from the three");
         }
 
-        let meta = BatchMeta {
-            num_seqs: 3,
-            num_tokens: t,
-            max_blocks_per_seq: p.max_blocks,
-            positions: c.upload_u32(&p.positions).unwrap(),
-            slots: c.upload_u32(&p.slots).unwrap(),
-            seq_starts: c.upload_u32(&p.seq_starts).unwrap(),
-            context_lens: c.upload_u32(&p.context_lens).unwrap(),
-            block_tables: c.upload_u32(&p.block_tables).unwrap(),
-        };
+        let meta = meta(&c, &p);
         let (mut cq, mut ck, mut ccache) = (c.upload_f32(&q).unwrap(), c.upload_f32(&k).unwrap(), c.upload_f32(&cache).unwrap());
         c.rope_write_kv(&mut cq, &mut ck, &c.upload_f32(&v).unwrap(), &c.upload_f32(&table_cs).unwrap(), heads, &mut ccache, &meta, &layout, 1).unwrap();
         check(&format!("rope_write_kv q {s}"), dtype, &values(&fused[0], dtype), &c.download_f32(&cq).unwrap());

@@ -8,13 +8,13 @@
 use loraplex_kernels::cpu::CpuBackend;
 use loraplex_kernels::cuda::{CudaBackend, CudaBuffer, round_to};
 use loraplex_kernels::{
-    AttentionOps, AttentionParams, BatchMeta, DType, DenseOps, KvLayout, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory, NO_ADAPTER, RowDType,
-    SampleParams, SamplingOps,
+    AttentionOps, AttentionParams, DType, DenseOps, KvLayout, LoraOps, LoraRows, LoraSegments, LoraTarget, Memory, NO_ADAPTER, RowDType, SampleParams,
+    SamplingOps,
 };
 use rand::{Rng, rngs::StdRng};
 
 mod common;
-use common::{Adapters, Case, DTYPES, Paged, adapters, check, paged, randn, rng, segments};
+use common::{Adapters, Case, DTYPES, adapters, check, meta, paged, randn, rng, segments};
 
 fn gpu() -> CudaBackend {
     let dir = std::env::temp_dir().join("loraplex-test-kernels");
@@ -137,19 +137,6 @@ fn dense_ops_match_the_cpu() {
             c.rope(&mut cx, &c.upload_u32(&pos).unwrap(), &c.upload_f32(&table).unwrap(), heads, hd).unwrap();
             check("rope", dtype, &g.download_f32(&gx).unwrap(), &c.download_f32(&cx).unwrap());
         }
-    }
-}
-
-fn meta<B: Memory>(b: &B, p: &Paged) -> BatchMeta<B::Buffer> {
-    BatchMeta {
-        num_seqs: p.context_lens.len(),
-        num_tokens: p.positions.len(),
-        max_blocks_per_seq: p.max_blocks,
-        positions: b.upload_u32(&p.positions).unwrap(),
-        slots: b.upload_u32(&p.slots).unwrap(),
-        seq_starts: b.upload_u32(&p.seq_starts).unwrap(),
-        context_lens: b.upload_u32(&p.context_lens).unwrap(),
-        block_tables: b.upload_u32(&p.block_tables).unwrap(),
     }
 }
 

@@ -414,17 +414,12 @@ impl AttentionOps for CudaBackend {
     fn rope(&self, x: &mut CudaBuffer, positions: &CudaBuffer, cos_sin: &CudaBuffer, heads: usize, head_dim: usize) -> Result<()> {
         const OP: &str = "rope";
         let dtype = x.float(OP)?;
-        cos_sin.expect(OP, DType::F32)?;
-        let pos = crate::check::HostU32::host_u32(positions, OP)?;
-        if pos.is_empty() {
+        let tokens = check_positions(OP, positions, cos_sin, head_dim)?;
+        if tokens == 0 {
             return Ok(());
         }
-        let l = plan::rope(OP, pos.len(), heads, head_dim)?;
-        let max_pos = rows_of(OP, "cos_sin", cos_sin.len, head_dim)?;
-        ensure_len(OP, "x", x.len, pos.len() * heads * head_dim)?;
-        if let Some(&p) = pos.iter().find(|&&p| p as usize >= max_pos) {
-            return Err(KernelError::Index { op: OP, index: p as usize, limit: max_pos });
-        }
+        let l = plan::rope(OP, tokens, heads, head_dim)?;
+        ensure_len(OP, "x", x.len, tokens * heads * head_dim)?;
         let name = format!("rope_{}", suffix(dtype));
         let f = self.function(DENSE, &name)?;
         let (heads, hd) = (heads as u32, head_dim as u32);
@@ -438,21 +433,13 @@ impl AttentionOps for CudaBackend {
 
     fn write_kv(&self, k: &CudaBuffer, v: &CudaBuffer, cache: &mut CudaBuffer, meta: &BatchMeta<CudaBuffer>, layout: &KvLayout, layer: usize) -> Result<()> {
         const OP: &str = "write_kv";
-        let (dtype, pe) = kv_access(OP, layout, cache, same_float(OP, &[k, v])?)?;
-        let m = Batch::read(OP, meta)?;
-        let row = layout.num_kv_heads * layout.head_dim;
-        ensure_len(OP, "k", k.len, meta.num_tokens * row)?;
-        ensure_len(OP, "v", v.len, meta.num_tokens * row)?;
-        if layer >= layout.num_layers {
-            return Err(KernelError::Index { op: OP, index: layer, limit: layout.num_layers });
-        }
-        m.check_slots(OP, layout, cache.len / layout.page_elems())?;
+        let (dtype, pe) = check_kv_write(OP, same_float(OP, &[k, v])?, k, v, cache, meta, layout, layer)?;
         if meta.num_tokens == 0 {
             return Ok(());
         }
         let name = format!("write_kv_{}", suffix(dtype));
         let f = self.function(ATTENTION, &name)?;
-        let l = plan::per_row(OP, meta.num_tokens, row)?;
+        let l = plan::per_row(OP, meta.num_tokens, layout.num_kv_heads * layout.head_dim)?;
         let (kvh, hd, bs, layer) = (layout.num_kv_heads as u32, layout.head_dim as u32, layout.block_size as u32, layer as u32);
         self.launch(OP, &name, &f, &l, |b| {
             k.push(b);
@@ -476,29 +463,17 @@ impl AttentionOps for CudaBackend {
         layer: usize,
     ) -> Result<()> {
         const OP: &str = "rope_write_kv";
-        let (dtype, pe) = kv_access(OP, layout, cache, same_float(OP, &[q, k, v])?)?;
-        cos_sin.expect(OP, DType::F32)?;
-        let m = Batch::read(OP, meta)?;
+        // Both ops' checks: write_kv's, then the rope's (an even head size, every position in
+        // the table).
+        let (dtype, pe) = check_kv_write(OP, same_float(OP, &[q, k, v])?, k, v, cache, meta, layout, layer)?;
         let (hd, kvh) = (layout.head_dim, layout.num_kv_heads);
         let row = kvh * hd;
         ensure_len(OP, "q", q.len, meta.num_tokens * num_heads * hd)?;
-        ensure_len(OP, "k", k.len, meta.num_tokens * row)?;
-        ensure_len(OP, "v", v.len, meta.num_tokens * row)?;
-        if layer >= layout.num_layers {
-            return Err(KernelError::Index { op: OP, index: layer, limit: layout.num_layers });
-        }
-        m.check_slots(OP, layout, cache.len / layout.page_elems())?;
         if meta.num_tokens == 0 {
             return Ok(());
         }
-        // The rope's checks: an even head size, every position in the table.
         plan::rope(OP, meta.num_tokens, num_heads, hd)?;
-        let max_pos = rows_of(OP, "cos_sin", cos_sin.len, hd)?;
-        let pos = crate::check::HostU32::host_u32(&meta.positions, OP)?;
-        ensure_len(OP, "positions", pos.len(), meta.num_tokens)?;
-        if let Some(&p) = pos.iter().find(|&&p| p as usize >= max_pos) {
-            return Err(KernelError::Index { op: OP, index: p as usize, limit: max_pos });
-        }
+        ensure_len(OP, "positions", check_positions(OP, &meta.positions, cos_sin, hd)?, meta.num_tokens)?;
         let name = format!("rope_write_kv_{}", suffix(dtype));
         let f = self.function(ATTENTION, &name)?;
         let l = plan::per_row(OP, meta.num_tokens, (num_heads * hd / 2).max(row))?;
@@ -857,6 +832,47 @@ impl LoraOps for CudaBackend {
 /// in its elements. With f32 pages the pool buffer's own element type (f32, f16 or bf16) is the
 /// KV type, one value per element; with bf16 pages the pool is f32 slots, two bf16 values each
 /// (the lower-addressed first), which the bf16 kernels read as a bf16 array of twice the length.
+/// What `rope` checks of its positions: each within the cos/sin table (f32, `head_dim` wide).
+/// Their number.
+fn check_positions(op: &'static str, positions: &CudaBuffer, cos_sin: &CudaBuffer, head_dim: usize) -> Result<usize> {
+    cos_sin.expect(op, DType::F32)?;
+    let pos = crate::check::HostU32::host_u32(positions, op)?;
+    if pos.is_empty() {
+        return Ok(0);
+    }
+    let max_pos = rows_of(op, "cos_sin", cos_sin.len, head_dim)?;
+    if let Some(&p) = pos.iter().find(|&&p| p as usize >= max_pos) {
+        return Err(KernelError::Index { op, index: p as usize, limit: max_pos });
+    }
+    Ok(pos.len())
+}
+
+/// What `write_kv` checks before writing: the cache's type against the activations' (`act`), K
+/// and V rows for every token, the layer, every slot within the cache. The kernels' type and a
+/// page's elements, as [`kv_access`].
+#[allow(clippy::too_many_arguments)]
+fn check_kv_write(
+    op: &'static str,
+    act: DType,
+    k: &CudaBuffer,
+    v: &CudaBuffer,
+    cache: &CudaBuffer,
+    meta: &BatchMeta<CudaBuffer>,
+    layout: &KvLayout,
+    layer: usize,
+) -> Result<(DType, u64)> {
+    let access = kv_access(op, layout, cache, act)?;
+    let m = Batch::read(op, meta)?;
+    let row = layout.num_kv_heads * layout.head_dim;
+    ensure_len(op, "k", k.len, meta.num_tokens * row)?;
+    ensure_len(op, "v", v.len, meta.num_tokens * row)?;
+    if layer >= layout.num_layers {
+        return Err(KernelError::Index { op, index: layer, limit: layout.num_layers });
+    }
+    m.check_slots(op, layout, cache.len / layout.page_elems())?;
+    Ok(access)
+}
+
 fn kv_access(op: &'static str, layout: &KvLayout, cache: &CudaBuffer, act: DType) -> Result<(DType, u64)> {
     match layout.dtype {
         RowDType::F32 => {

@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use loraplex_kernels::{DType, LORA_ROW_ALIGN, NUM_MODULES, RowDType};
+use loraplex_kernels::{BatchMeta, DType, LORA_ROW_ALIGN, Memory, NUM_MODULES, RowDType};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 pub const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
@@ -151,4 +151,18 @@ pub fn segments(seg: &[(u32, usize)]) -> (Vec<u32>, Vec<u32>) {
         slots.push(s);
     }
     (starts, slots)
+}
+
+/// `p`'s batch on backend `b`.
+pub fn meta<B: Memory>(b: &B, p: &Paged) -> BatchMeta<B::Buffer> {
+    BatchMeta {
+        num_seqs: p.context_lens.len(),
+        num_tokens: p.positions.len(),
+        max_blocks_per_seq: p.max_blocks,
+        positions: b.upload_u32(&p.positions).unwrap(),
+        slots: b.upload_u32(&p.slots).unwrap(),
+        seq_starts: b.upload_u32(&p.seq_starts).unwrap(),
+        context_lens: b.upload_u32(&p.context_lens).unwrap(),
+        block_tables: b.upload_u32(&p.block_tables).unwrap(),
+    }
 }

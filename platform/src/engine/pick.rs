@@ -111,13 +111,13 @@ pub(super) fn fetch_rows<B: Backend>(backend: &B, logits: &B::Buffer, vocab: usi
     } else {
         // Each row's chosen token; one call for the most alternatives any row asked, each row
         // keeping its own number.
-        let mut drawn_at = device_rows.iter().zip(&drawn);
+        let mut drawn_at = drawn.iter();
         let mut tokens = Vec::with_capacity(logprob_rows.len());
         let mut wanted = Vec::with_capacity(logprob_rows.len());
         for (i, w) in ways.iter().enumerate() {
             let token = match w {
                 Way::Argmax(_) => argmax[i],
-                Way::Device(..) => *drawn_at.next().map(|(_, t)| t).unwrap_or(&0),
+                Way::Device(..) => drawn_at.next().copied().unwrap_or_default(),
                 Way::Host => continue,
             };
             if let Some(k) = w.logprobs() {

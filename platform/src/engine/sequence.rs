@@ -216,7 +216,7 @@ impl Sequence {
         if self.grammar.is_some() {
             return None;
         }
-        self.sampler.device_draw(true)
+        self.sampler.device_draw()
     }
 
     /// Takes a token drawn on the device with [`Sequence::device_draw`]'s settings, with the

@@ -151,12 +151,12 @@ impl Sampler {
 
     /// The settings of this row's next draw on the device, taking its uniform from this
     /// sampler's stream, when the device's draw is the one asked for: temperature, top-k and
-    /// top-p only (no min-p or penalties; no logprobs unless `logprobs_elsewhere`, the device
-    /// giving them too), for a request without a seed. A seeded request is drawn here on the
-    /// host, where the same seed gives the same tokens for the same logits on every machine.
-    pub fn device_draw(&mut self, logprobs_elsewhere: bool) -> Option<SampleParams> {
+    /// top-p only (no min-p or penalties), for a request without a seed. The logprobs asked for
+    /// are the device's to give with the token. A seeded request is drawn here on the host,
+    /// where the same seed gives the same tokens for the same logits on every machine.
+    pub fn device_draw(&mut self) -> Option<SampleParams> {
         let p = &self.params;
-        let plain = !p.is_greedy() && p.seed.is_none() && (p.logprobs.is_none() || logprobs_elsewhere) && p.min_p == 0.0 && !self.penalized();
+        let plain = !p.is_greedy() && p.seed.is_none() && p.min_p == 0.0 && !self.penalized();
         let top_k = u32::try_from(p.top_k).ok()?;
         if !(plain && p.temperature.is_finite() && p.top_p > 0.0 && p.top_p <= 1.0) {
             return None;
