@@ -910,9 +910,15 @@ pub struct BenchLoraArgs {
     /// Prompt length of each sequence.
     #[arg(long, default_value_t = 64)]
     pub context: usize,
-    /// Decode steps timed per scenario (per adapter group in the naive one).
+    /// Sets how long the requests run: each asks for `2 * steps + batch + 3` tokens, and every
+    /// decode step while all of a batch's rows are still decoding is timed (at least `steps`,
+    /// per adapter group in the naive scenario).
     #[arg(long, default_value_t = 8)]
     pub steps: usize,
+    /// Rounds of (a), (b), (c) and (e), taken in turn; each reports its median round, so that a
+    /// machine whose speed drifts over seconds moves them all alike.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
     /// Page pool size, in MiB.
     #[arg(long, default_value_t = 1024)]
     pub pool_mb: usize,

@@ -24,7 +24,9 @@ fn noisy_neighbor_runs_every_pattern_and_reports_it() {
         a_share: 0.5,
         a_concurrent: 2,
         a_retry_ms: 20,
-        a_warmup_ms: 400,
+        // Long enough for the batch pattern's first lines to finish before B is measured on a
+        // slow machine (a 2-core Zen 3 ran none within 400 ms with the debug build).
+        a_warmup_ms: 1500,
         stalled: 4,
         pin_adapters: 2,
         batch_lines: 400,

@@ -222,6 +222,9 @@ pub struct WorkerStats {
     pub adapters: AdapterCounters,
     /// The keys of the adapter versions resident in its pool.
     pub resident_adapters: Vec<String>,
+    /// Where the current engine's steps spent their time (reset when the worker is rebuilt).
+    #[serde(skip)]
+    pub step_time: crate::engine::StepTime,
 }
 
 /// Where requests found their adapters, and the loads that followed.

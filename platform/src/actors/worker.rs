@@ -395,11 +395,11 @@ impl<B: Backend> Handler<GetStats> for Worker<B> {
     type Result = Vec<WorkerStats>;
 
     fn handle(&mut self, _: GetStats, _ctx: &mut Self::Context) -> Self::Result {
-        let (running, waiting, pool, prefix, preemptions, host_adapter_bytes, step_fixed_cost) = match &mut self.engine {
+        let (running, waiting, pool, prefix, preemptions, host_adapter_bytes, step_fixed_cost, step_time) = match &mut self.engine {
             Ok(e) => {
                 let (running, waiting) = e.load();
                 let host = e.adapters().loader().host_bytes();
-                (running, waiting, e.pool_stats(), e.prefix_stats(), e.preemptions(), host, e.step_overhead())
+                (running, waiting, e.pool_stats(), e.prefix_stats(), e.preemptions(), host, e.step_overhead(), e.step_time())
             }
             Err(_) => Default::default(),
         };
@@ -420,6 +420,7 @@ impl<B: Backend> Handler<GetStats> for Worker<B> {
             host_adapter_bytes,
             adapters: self.adapters,
             resident_adapters: self.engine.as_ref().map(|e| e.resident_adapters().iter().map(|k| k.to_string()).collect()).unwrap_or_default(),
+            step_time,
         }]
     }
 }

@@ -37,6 +37,9 @@ struct Scenario {
     tokens_per_s: f64,
     /// Median time of one decode step (for the naive scenario: of one round over all groups).
     step_ms: f64,
+    /// Mean time of one decode step over the timed steps (for the runtime: its window over
+    /// the tokens streamed in it, the same as `step_ms`).
+    mean_step_ms: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -54,6 +57,8 @@ struct Report {
     device: String,
     model: String,
     threads: usize,
+    /// Rounds of (a), (b), (c) and (e); each scenario is its median round.
+    rounds: usize,
     batch: usize,
     rank: usize,
     adapter_dtype: FileDType,
@@ -63,6 +68,12 @@ struct Report {
     distinct_over_base: f64,
     distinct_over_naive: f64,
     runtime_over_steps: f64,
+    /// (e) against (c)'s mean step instead of its median: both figures then average over
+    /// every step, the slow ones included.
+    runtime_over_mean_steps: f64,
+    /// The share of (e)'s run, from the first request to the last token, that its worker spent
+    /// inside engine steps; the rest is the runtime's own time between steps.
+    runtime_time_in_steps: f64,
     one_over_base: f64,
     residency: Vec<ResidencyTimes>,
     targets: Targets,
@@ -127,16 +138,23 @@ fn measure<B: Backend>(
     let (batch_refs, timed_refs) = refs.split_at(args.batch);
 
     let bench = Bench { model: &model, tokenizer: &tokenizer, args };
-    let mut scenarios = Vec::new();
-    eprintln!("(a) base model, batch {} ...", args.batch);
-    scenarios.push(bench.batched("base", "base model only".into(), &vec![None; args.batch])?);
-    eprintln!("(b) one adapter for every row ...");
-    scenarios.push(bench.batched("one", "one adapter for all rows".into(), &vec![Some(batch_refs[0].clone()); args.batch])?);
-    eprintln!("(c) {} distinct adapters ...", args.batch);
     let distinct: Vec<Option<AdapterRef>> = batch_refs.iter().cloned().map(Some).collect();
-    scenarios.push(bench.batched("distinct", format!("{} distinct adapters, one per row", args.batch), &distinct)?);
-    eprintln!("(e) {} distinct adapters through the serving runtime ...", args.batch);
-    scenarios.push(bench.through_runtime(&distinct)?);
+    let rounds = args.rounds.max(1);
+    let (mut base, mut one, mut many, mut runtime, mut in_steps) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for round in 1..=rounds {
+        eprintln!("(a) base model, batch {}, round {round} of {rounds} ...", args.batch);
+        base.push(bench.batched("base", "base model only".into(), &vec![None; args.batch])?);
+        eprintln!("(b) one adapter for every row, round {round} of {rounds} ...");
+        one.push(bench.batched("one", "one adapter for all rows".into(), &vec![Some(batch_refs[0].clone()); args.batch])?);
+        eprintln!("(c) {} distinct adapters, round {round} of {rounds} ...", args.batch);
+        many.push(bench.batched("distinct", format!("{} distinct adapters, one per row", args.batch), &distinct)?);
+        eprintln!("(e) {} distinct adapters through the serving runtime, round {round} of {rounds} ...", args.batch);
+        let (scenario, share) = bench.through_runtime(&distinct)?;
+        runtime.push(scenario);
+        in_steps.push(share);
+    }
+    let runtime_time_in_steps = median(in_steps);
+    let mut scenarios: Vec<Scenario> = [base, one, many, runtime].into_iter().map(median_round).collect();
     eprintln!("(d) one adapter at a time ...");
     scenarios.push(bench.naive(batch_refs)?);
     if args.adapter_dtype != FileDType::F32 {
@@ -163,6 +181,7 @@ fn measure<B: Backend>(
         device,
         model: source,
         threads: rayon::current_num_threads(),
+        rounds,
         batch: args.batch,
         rank: args.rank,
         adapter_dtype: args.adapter_dtype,
@@ -171,6 +190,11 @@ fn measure<B: Backend>(
         distinct_over_base: rate("distinct") / rate("base"),
         distinct_over_naive: rate("distinct") / rate("naive"),
         runtime_over_steps: rate("runtime") / rate("distinct"),
+        runtime_over_mean_steps: {
+            let mean_rate = scenarios.iter().find(|s| s.name == "distinct").map_or(f64::NAN, |s| args.batch as f64 / s.mean_step_ms * 1e3);
+            rate("runtime") / mean_rate
+        },
+        runtime_time_in_steps,
         one_over_base: rate("one") / rate("base"),
         scenarios,
         residency,
@@ -218,13 +242,16 @@ impl<B: Backend> Bench<'_, B> {
     /// (c)'s batch through the serving runtime (the actor that `generate --batch` and `serve`
     /// drive: detokenization, stop handling and event streaming included), timed from when
     /// every request has taken its warm-up steps to when the first one ends: every token of
-    /// every request streamed in that window, over its length.
-    fn through_runtime(&self, rows: &[Option<AdapterRef>]) -> anyhow::Result<Scenario> {
+    /// every request streamed in that window, over its length. Also the share of the whole run
+    /// (first request to last token) that the worker spent inside engine steps.
+    fn through_runtime(&self, rows: &[Option<AdapterRef>]) -> anyhow::Result<(Scenario, f64)> {
         let runtime = crate::runtime::Runtime::start(vec![self.model.clone()], self.tokenizer.clone(), self.config())?;
         for a in rows.iter().flatten() {
             runtime.load_adapter_blocking(a, false, Duration::from_secs(120))?;
         }
-        let new_tokens = WARMUP + 2 * self.args.steps + rows.len() + 1;
+        let new_tokens = runtime_tokens(self.args.steps, rows.len());
+        let before = runtime.stats_blocking();
+        let submitted = Instant::now();
         let mut handles = Vec::with_capacity(rows.len());
         for (i, adapter) in rows.iter().enumerate() {
             handles.push(runtime.submit_blocking_valid(self.request(i, adapter.clone(), new_tokens)?, Default::default())?);
@@ -249,20 +276,28 @@ impl<B: Backend> Bench<'_, B> {
                 .collect();
             readers.into_iter().map(|r| r.join().map_err(|_| anyhow::anyhow!("a stream reader panicked"))?).collect::<anyhow::Result<Vec<_>>>()
         })?;
+        let step_ns = |stats: &[crate::runtime::WorkerStats]| -> u64 {
+            stats.iter().map(|w| w.step_time.schedule_ns + w.step_time.prepare_ns + w.step_time.forward_ns + w.step_time.finish_ns).sum()
+        };
+        let in_steps = step_ns(&runtime.stats_blocking()).saturating_sub(step_ns(&before)) as f64 / 1e9;
         runtime.shutdown();
         ensure!(stamps.iter().all(|t| t.len() == new_tokens), "a request ended early");
+        let last = stamps.iter().flatten().max().context("no tokens")?;
+        let time_in_steps = in_steps / (*last - submitted).as_secs_f64();
         let start = stamps.iter().map(|t| t[WARMUP]).max().context("no requests")?;
         let end = stamps.iter().map(|t| t[new_tokens - 1]).min().context("no requests")?;
         ensure!(end > start, "no window where every request was decoding; raise --steps");
         let tokens = stamps.iter().flatten().filter(|&&t| t > start && t <= end).count();
         let secs = (end - start).as_secs_f64();
         let rate = tokens as f64 / secs;
-        Ok(Scenario {
+        let scenario = Scenario {
             name: "runtime",
             description: format!("(c) through the serving runtime, {tokens} tokens in {:.0} ms", secs * 1e3),
             tokens_per_s: rate,
             step_ms: rows.len() as f64 / rate * 1e3,
-        })
+            mean_step_ms: rows.len() as f64 / rate * 1e3,
+        };
+        Ok((scenario, time_in_steps))
     }
 
     /// Makes every adapter of `rows` resident before timing, so that only compute is measured.
@@ -289,8 +324,10 @@ impl<B: Backend> Bench<'_, B> {
         Ok(ids)
     }
 
-    /// Prefills every row, takes the warm-up steps, then times decode steps: the median step.
-    fn decode_steps(&self, engine: &mut Engine<B>, rows: usize) -> anyhow::Result<f64> {
+    /// Prefills every row, takes the warm-up steps, then times every decode step while all
+    /// rows are still decoding (the steps up to the one that ends the first row): the median
+    /// step and the mean one. The rows' lengths set the contexts the steps run at.
+    fn decode_steps(&self, engine: &mut Engine<B>, rows: usize) -> anyhow::Result<(f64, f64)> {
         let mut started = std::collections::HashSet::new();
         while started.len() < rows {
             for e in engine.step()? {
@@ -301,29 +338,38 @@ impl<B: Backend> Bench<'_, B> {
         for _ in 0..WARMUP {
             engine.step()?;
         }
-        let mut times = Vec::with_capacity(self.args.steps);
-        for _ in 0..self.args.steps {
+        let mut times = Vec::new();
+        loop {
             let t = Instant::now();
-            let n = engine.step()?.len();
-            times.push(t.elapsed().as_secs_f64());
-            ensure!(n == rows, "a decode step produced {n} tokens for {rows} rows");
+            let events = engine.step()?;
+            let dt = t.elapsed().as_secs_f64();
+            ensure!(engine.take_failures().is_empty(), "a request failed");
+            if events.len() < rows {
+                break;
+            }
+            times.push(dt);
+            if events.iter().any(|e| e.finish.is_some()) {
+                break;
+            }
         }
+        ensure!(times.len() >= self.args.steps, "only {} decode steps with every row running; raise the rows' lengths", times.len());
         while engine.has_work() {
             engine.step()?;
         }
+        let mean = times.iter().sum::<f64>() / times.len() as f64;
         times.sort_by(f64::total_cmp);
-        Ok(times[times.len() / 2])
+        Ok((times[times.len() / 2], mean))
     }
 
     /// All rows decoding together in one batch.
     fn batched(&self, name: &'static str, description: String, rows: &[Option<AdapterRef>]) -> anyhow::Result<Scenario> {
         let mut engine = self.engine()?;
         self.make_resident(&mut engine, rows)?;
-        // Rows still prefilling when decoding starts need headroom beyond the timed steps.
-        let new_tokens = WARMUP + self.args.steps + rows.len() + 1;
+        // As long as (e)'s requests, so that the timed steps run at the contexts of (e)'s window.
+        let new_tokens = runtime_tokens(self.args.steps, rows.len());
         self.add(&mut engine, rows, new_tokens)?;
-        let step = self.decode_steps(&mut engine, rows.len())?;
-        Ok(Scenario { name, description, tokens_per_s: rows.len() as f64 / step, step_ms: step * 1e3 })
+        let (step, mean) = self.decode_steps(&mut engine, rows.len())?;
+        Ok(Scenario { name, description, tokens_per_s: rows.len() as f64 / step, step_ms: step * 1e3, mean_step_ms: mean * 1e3 })
     }
 
     /// The naive way: the requests grouped by adapter, each group decoded on its own, one
@@ -332,19 +378,39 @@ impl<B: Backend> Bench<'_, B> {
         let mut engine = self.engine()?;
         let rows: Vec<Option<AdapterRef>> = adapters.iter().cloned().map(Some).collect();
         self.make_resident(&mut engine, &rows)?;
-        let mut round = 0.0;
+        let (mut round, mut mean_round) = (0.0, 0.0);
         for group in adapters.chunk_by(|a, b| a.key == b.key) {
             let rows: Vec<Option<AdapterRef>> = group.iter().cloned().map(Some).collect();
             self.add(&mut engine, &rows, WARMUP + self.args.steps + 2)?;
-            round += self.decode_steps(&mut engine, rows.len())?;
+            let (step, mean) = self.decode_steps(&mut engine, rows.len())?;
+            round += step;
+            mean_round += mean;
         }
         Ok(Scenario {
             name: "naive",
             description: format!("{} adapters served one at a time", adapters.len()),
             tokens_per_s: adapters.len() as f64 / round,
             step_ms: round * 1e3,
+            mean_step_ms: mean_round * 1e3,
         })
     }
+}
+
+/// The round of median throughput.
+fn median_round(mut rounds: Vec<Scenario>) -> Scenario {
+    rounds.sort_by(|a, b| a.tokens_per_s.total_cmp(&b.tokens_per_s));
+    rounds.swap_remove(rounds.len() / 2)
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Tokens each request of (e) asks for, and (c)'s rows as well: every row still prefilling
+/// when the first starts decoding needs headroom beyond the steps timed.
+fn runtime_tokens(steps: usize, rows: usize) -> usize {
+    WARMUP + 2 * steps + rows + 1
 }
 
 /// Times "requested" to "resident" for adapters never loaded before (from disk: read,
@@ -392,17 +458,22 @@ fn residency_times<B: Backend>(model: &Model<B>, adapters: &[AdapterRef]) -> any
 fn print_report(r: &Report) {
     println!("machine: {}; device: {}", r.machine, r.device);
     println!(
-        "model: {}, {} threads; batch {} decode at context {}; rank-{} {:?} adapters on all seven modules ({:.1} MB of rows each)",
-        r.model, r.threads, r.batch, r.context, r.rank, r.adapter_dtype, r.adapter_mb
+        "model: {}, {} threads; batch {} decode at context {}; rank-{} {:?} adapters on all seven modules ({:.1} MB of rows each); (a), (b), (c), (e): median of {} rounds",
+        r.model, r.threads, r.batch, r.context, r.rank, r.adapter_dtype, r.adapter_mb, r.rounds
     );
-    println!("{:<12} {:>10} {:>10}", "scenario", "tokens/s", "step ms");
+    println!("{:<12} {:>10} {:>10} {:>10}", "scenario", "tokens/s", "step ms", "mean ms");
     for s in &r.scenarios {
-        println!("{:<12} {:>10.1} {:>10.2}  {}", s.name, s.tokens_per_s, s.step_ms, s.description);
+        println!("{:<12} {:>10.1} {:>10.2} {:>10.2}  {}", s.name, s.tokens_per_s, s.step_ms, s.mean_step_ms, s.description);
     }
     println!("(b)/(a) one adapter vs base: {:.3}", r.one_over_base);
     println!("target: (c)/(a) distinct vs base >= {:.2}: {:.3}", r.targets.distinct_over_base, r.distinct_over_base);
     println!("target: (c)/(d) distinct vs naive >= {:.1}: {:.1}", r.targets.distinct_over_naive, r.distinct_over_naive);
     println!("target: (e)/(c) serving runtime vs engine steps >= {:.2}: {:.3}", r.targets.runtime_over_steps, r.runtime_over_steps);
+    println!(
+        "(e)/(c) against (c)'s mean step: {:.3}; (e)'s worker spent {:.1}% of its run inside engine steps",
+        r.runtime_over_mean_steps,
+        r.runtime_time_in_steps * 100.0
+    );
     for t in &r.residency {
         println!("requested -> resident from {:?}: median {:.2} ms, max {:.2} ms over {} adapters", t.tier, t.median_ms, t.max_ms, t.samples);
     }
