@@ -153,7 +153,7 @@ fn measure<B: Backend>(
         runtime.push(scenario);
         in_steps.push(share);
     }
-    let runtime_time_in_steps = median(in_steps);
+    let runtime_time_in_steps = super::quantile(&in_steps, 0.5);
     let mut scenarios: Vec<Scenario> = [base, one, many, runtime].into_iter().map(median_round).collect();
     eprintln!("(d) one adapter at a time ...");
     scenarios.push(bench.naive(batch_refs)?);
@@ -276,9 +276,7 @@ impl<B: Backend> Bench<'_, B> {
                 .collect();
             readers.into_iter().map(|r| r.join().map_err(|_| anyhow::anyhow!("a stream reader panicked"))?).collect::<anyhow::Result<Vec<_>>>()
         })?;
-        let step_ns = |stats: &[crate::runtime::WorkerStats]| -> u64 {
-            stats.iter().map(|w| w.step_time.schedule_ns + w.step_time.prepare_ns + w.step_time.forward_ns + w.step_time.finish_ns).sum()
-        };
+        let step_ns = |stats: &[crate::runtime::WorkerStats]| -> u64 { stats.iter().map(|w| w.step_time.host_ns()).sum() };
         let in_steps = step_ns(&runtime.stats_blocking()).saturating_sub(step_ns(&before)) as f64 / 1e9;
         runtime.shutdown();
         ensure!(stamps.iter().all(|t| t.len() == new_tokens), "a request ended early");
@@ -400,11 +398,6 @@ impl<B: Backend> Bench<'_, B> {
 fn median_round(mut rounds: Vec<Scenario>) -> Scenario {
     rounds.sort_by(|a, b| a.tokens_per_s.total_cmp(&b.tokens_per_s));
     rounds.swap_remove(rounds.len() / 2)
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// Tokens each request of (e) asks for, and (c)'s rows as well: every row still prefilling

@@ -198,6 +198,13 @@ pub struct StepTime {
     pub logprob_rows: u64,
 }
 
+impl StepTime {
+    /// The steps' host time in all: scheduling, preparing, the forward and finishing.
+    pub fn host_ns(&self) -> u64 {
+        self.schedule_ns + self.prepare_ns + self.forward_ns + self.finish_ns
+    }
+}
+
 /// What structured output has cost the engine's steps, since it started.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GrammarTime {
