@@ -89,7 +89,9 @@ pub fn compile(name: &str, body: &str, arch: &str, ptx: bool, verbose: bool) -> 
         let log = result::get_program_log(prog).ok().map(|raw| CStr::from_ptr(raw.as_ptr()).to_string_lossy().into_owned()).unwrap_or_default();
         let image = match compiled {
             Err(e) => Err(KernelError::Device { op: OP, detail: format!("{name} does not compile for {arch} ({e:?}):\n{log}") }),
-            Ok(()) if ptx => result::get_ptx(prog).map(|p| p.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect::<Vec<u8>>()).map_err(|e| err("ptx", e)),
+            Ok(()) if ptx => {
+                result::get_ptx(prog).map(|p| p.iter().take_while(|&&c| c != 0).map(|c| c.to_ne_bytes()[0]).collect::<Vec<u8>>()).map_err(|e| err("ptx", e))
+            }
             Ok(()) => cubin(prog).map_err(|e| err("cubin", e)),
         };
         let destroyed = result::destroy_program(prog);
