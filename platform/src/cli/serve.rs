@@ -230,7 +230,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         if !state.jobs.drain(Duration::from_secs(args.shutdown_timeout)).await {
             eprintln!("warning: {} requests were still running at shutdown", state.jobs.running());
         }
-        state.ledger.flush().await;
+        state.ledger.close().await;
         store.close().await;
         // Whoever started the server may have stopped reading its output.
         let _ = writeln!(std::io::stdout(), "stopped");

@@ -72,6 +72,9 @@ enum Pending {
 #[derive(Debug, Clone)]
 pub struct Ledger {
     tx: mpsc::UnboundedSender<Pending>,
+    /// The writer's own pool (PostgreSQL), closed by [`Ledger::close`]; `None` when it writes
+    /// through the store's.
+    own: Option<Store>,
 }
 
 impl std::fmt::Debug for Pending {
@@ -106,8 +109,12 @@ impl std::future::Future for Written {
 
 impl Ledger {
     /// Starts the writer on the current tokio runtime: the rows that arrive while a group is
-    /// being written go out together in the next one.
+    /// being written go out together in the next one. On PostgreSQL the writer has a connection
+    /// of its own: a request's end waits for its row, and must not also wait for a connection
+    /// of the shared pool behind other work (limit decisions queued on a tenant's lock).
     pub fn start(store: Store) -> Self {
+        let own = store.own_pool(1);
+        let store = own.clone().unwrap_or(store);
         let (tx, mut rx) = mpsc::unbounded_channel::<Pending>();
         tokio::spawn(async move {
             let mut batch = Vec::with_capacity(GROUP);
@@ -132,7 +139,7 @@ impl Ledger {
                 }
             }
         });
-        Self { tx }
+        Self { tx, own }
     }
 
     /// Records an admitted request (outcome `running`); returns once the row is durable.
@@ -161,6 +168,15 @@ impl Ledger {
         let (done, wait) = oneshot::channel();
         if self.tx.send(Pending::Flush(done)).is_ok() {
             let _ = wait.await;
+        }
+    }
+
+    /// At shutdown: writes every row sent before this call, then closes the writer's own
+    /// connection (the store's pool is its owner's to close). Rows sent later fail.
+    pub async fn close(&self) {
+        self.flush().await;
+        if let Some(own) = &self.own {
+            own.close().await;
         }
     }
 }

@@ -238,6 +238,18 @@ impl Store {
         }
     }
 
+    /// On PostgreSQL, this store over a pool of `connections` of its own (connected on first
+    /// use): for a writer on a request's path that must not wait for a connection behind other
+    /// work, such as limit decisions waiting on a tenant's lock with every connection of the
+    /// shared pool. `None` on SQLite, whose limits are kept in memory and hold no connection,
+    /// and whose writers queue on the database's one write lock whatever their pool.
+    pub fn own_pool(&self, connections: u32) -> Option<Self> {
+        (self.kind == DbKind::Postgres).then(|| Self {
+            pool: AnyPoolOptions::new().max_connections(connections.max(1)).connect_lazy_with((*self.pool.connect_options()).clone()),
+            ..self.clone()
+        })
+    }
+
     pub fn pool(&self) -> &AnyPool {
         &self.pool
     }

@@ -285,6 +285,36 @@ async fn a_flush_waits_for_every_row_sent_before_it() {
     }
 }
 
+/// On PostgreSQL the ledger writes over a connection of its own: a request's end is durable
+/// even while every connection of the store's pool is taken (by limit decisions waiting on a
+/// tenant's lock, say), instead of waiting for one. SQLite has nothing to hold its pool so
+/// (its limits are in memory) and writes through it.
+#[tokio::test]
+async fn the_ledger_writes_while_every_connection_of_the_pool_is_taken() {
+    for (s, _dir) in stores().await {
+        if s.kind() != DbKind::Postgres {
+            continue;
+        }
+        let t = s.create_tenant(&tenant("acme")).await.unwrap();
+        let plan = s.plan("standard").await.unwrap().unwrap();
+        let ledger = Ledger::start(s.clone());
+        let mut held = Vec::new();
+        while held.len() < s.pool().options().get_max_connections() as usize {
+            held.push(s.pool().acquire().await.unwrap());
+        }
+        let written = tokio::time::timeout(std::time::Duration::from_secs(10), ledger.commit(row("end", &t, &plan, outcome::OK, "me", 1000))).await;
+        assert!(matches!(written, Ok(Ok(()))), "the row waited for the store's pool: {written:?}");
+        drop(held);
+        assert_eq!(s.usage_row("end").await.unwrap().map(|r| r.outcome), Some(outcome::OK.to_string()));
+        // At shutdown its connection closes after the rows sent before; later ones fail.
+        let last = ledger.send(row("last", &t, &plan, outcome::OK, "me", 1001)).unwrap();
+        ledger.close().await;
+        last.await.unwrap();
+        assert!(ledger.commit(row("late", &t, &plan, outcome::OK, "me", 1002)).await.is_err());
+        assert!(s.usage_row("last").await.unwrap().is_some() && s.usage_row("late").await.unwrap().is_none());
+    }
+}
+
 #[tokio::test]
 async fn a_plan_change_never_rewrites_a_past_bill_and_unfinished_requests_are_not_billed() {
     for (s, _dir) in stores().await {
