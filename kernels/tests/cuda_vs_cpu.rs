@@ -198,16 +198,25 @@ fn attention_case(g: &CudaBackend, c: &CpuBackend, r: &mut StdRng, dtype: DType,
 fn paged_attention_matches_the_cpu() {
     let (g, c, mut r) = (gpu(), CpuBackend::new(), rng());
     for dtype in DTYPES {
-        // Decode: one token per sequence; a long single sequence is split into partitions.
-        attention_case(
-            &g,
-            &c,
-            &mut r,
-            dtype,
-            Case { what: "decode gqa", heads: 8, kv_heads: 2, hd: 128, seqs: &[(40, 1), (1, 1), (200, 1), (17, 1)], window: None },
-        );
-        attention_case(&g, &c, &mut r, dtype, Case { what: "decode long (partitions)", heads: 8, kv_heads: 8, hd: 64, seqs: &[(3000, 1)], window: None });
-        attention_case(&g, &c, &mut r, dtype, Case { what: "decode window", heads: 4, kv_heads: 2, hd: 80, seqs: &[(300, 1), (20, 1)], window: Some(64) });
+        // Decode: one token per sequence; a long single sequence is split into partitions. Each
+        // case a block per query head, then through the grouped kernels where the grouping has
+        // one (groups of 2, 4 and 8).
+        for grouped in [false, true] {
+            g.set_grouped_decode(grouped);
+            let decode = [
+                Case { what: "decode gqa", heads: 8, kv_heads: 2, hd: 128, seqs: &[(40, 1), (1, 1), (200, 1), (17, 1)], window: None },
+                Case { what: "decode long (partitions)", heads: 8, kv_heads: 8, hd: 64, seqs: &[(3000, 1)], window: None },
+                Case { what: "decode gqa long (partitions)", heads: 32, kv_heads: 8, hd: 128, seqs: &[(3000, 1)], window: None },
+                Case { what: "decode gqa group 8 head_dim 256", heads: 16, kv_heads: 2, hd: 256, seqs: &[(700, 1), (3, 1)], window: None },
+                Case { what: "decode gqa group 2 many rows", heads: 4, kv_heads: 2, hd: 64, seqs: &[(65, 1); 40], window: None },
+                Case { what: "decode window", heads: 4, kv_heads: 2, hd: 80, seqs: &[(300, 1), (20, 1)], window: Some(64) },
+            ];
+            for case in decode {
+                let what = format!("{}{}", case.what, if grouped { ", grouped" } else { "" });
+                attention_case(&g, &c, &mut r, dtype, Case { what: &what, ..case });
+            }
+        }
+        g.set_grouped_decode(false);
         // Prefill with a cached prefix, chunks not multiples of the tile, mixed with decode rows.
         attention_case(
             &g,
@@ -297,13 +306,15 @@ fn bf16_matmul_writes_f32_logits() {
 }
 
 /// Uploads on the copy stream land where they were aimed, after compute queued before them
-/// (writes and a copy within the pool queued first), reusing staging buffers; one dropped in flight waits
-/// for its copy; bad ranges are refused before anything is queued.
+/// (writes and a copy within the pool queued first), reusing staging chunks; scattered pages,
+/// consecutive ones (one copy) and an upload of several staging chunks (40 MiB, split across
+/// them); one dropped in flight waits for its copy; bad ranges are refused before anything is
+/// queued.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn uploads_on_the_copy_stream_land_in_order() {
     let (g, mut r) = (gpu(), rng());
-    let n = 3 << 20;
+    let n = 10 << 20;
     let mut pool = g.zeros_f32(n).unwrap();
     let mut want = vec![0f32; n];
     for round in 0..3 {
@@ -312,7 +323,13 @@ fn uploads_on_the_copy_stream_land_in_order() {
         g.write_f32(&mut pool, 0, &vec![round as f32; n]).unwrap();
         g.copy_within(&mut pool, 0, n / 2, n / 2).unwrap();
         want.iter_mut().for_each(|w| *w = round as f32);
-        let pages: Vec<(usize, Vec<f32>)> = (0..5).map(|i| (i * 600_007 + round, randn(&mut r, 100_000 + i * 77, 1.0))).collect();
+        // Scattered pages in the first rounds; in the last, consecutive pages that straddle a
+        // staging chunk's end.
+        let pages: Vec<(usize, Vec<f32>)> = if round < 2 {
+            (0..5).map(|i| (i * 2_000_003 + round, randn(&mut r, 100_000 + i * 77, 1.0))).collect()
+        } else {
+            (0..80).map(|i| (3_000_000 + i * 65_536, randn(&mut r, 65_536, 1.0))).collect()
+        };
         let writes: Vec<(usize, &[f32])> = pages.iter().map(|(o, v)| (*o, v.as_slice())).collect();
         let mut up = g.start_upload(&mut pool, &writes).unwrap();
         let mut polls = 0u64;
