@@ -5,7 +5,7 @@ Usage: python peft_profile.py MODEL_DIR [NEW_TOKENS]
 Loads MODEL_DIR in bf16 on the GPU, then times greedy batch-1 generation (a 64-token prompt,
 NEW_TOKENS new tokens, warmed up first) in the configurations the baseline goes through: the base
 model alone; wrapped by PEFT with one rank-16 adapter on q/k/v/o (random B, so the adapter is not a
-no-op); the same with the baseline's streamer and stopping criterion attached; with 20 adapters
+no-op), its weights first as PEFT keeps them beside a bf16 model (f32), then cast to bf16; the same with the baseline's streamer and stopping criterion attached; with 20 adapters
 loaded and one active; the first generate call after the wrap (what the baseline's first window
 pays). Ends with `torch.profiler`'s table for 16 tokens of the adapter configuration.
 """
@@ -68,11 +68,15 @@ report("base", base)
 config = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
 t = time.perf_counter()
 model = get_peft_model(base, config, adapter_name="a0").eval()
-model = model.to(torch.bfloat16)
 torch.cuda.synchronize()
 print(f"wrap with one adapter: {time.perf_counter() - t:.2f} s")
 first = generate(model, new)
 print(f"first generate after the wrap: {first:.2f} s for {new} tokens")
+# As PEFT leaves them (and as the baseline's PeftModel.from_pretrained loads them): with a bf16
+# base model, PEFT's default keeps the adapter's weights in f32, casting around each LoRA matmul.
+lora_dtype = next(p.dtype for n, p in model.named_parameters() if "lora_A" in n)
+report(f"peft, one adapter, LoRA weights in {lora_dtype} (PEFT's default)", model)
+model = model.to(torch.bfloat16)
 report("peft, one adapter", model)
 report("peft, one adapter, streamer + stopping criterion", model, extras=True)
 t = time.perf_counter()
