@@ -25,7 +25,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use super::Machine;
-use super::http::Client;
+use super::http::{Client, KeepAlive};
 use super::server::Server;
 use crate::config::BenchClusterArgs;
 
@@ -181,6 +181,9 @@ fn drive(name: &str, servers: &[Server], keys: &Arc<Vec<String>>, args: &BenchCl
                 let interval = rate.map(|r| Duration::from_secs_f64(n as f64 / r.max(1e-3)));
                 std::thread::spawn(move || {
                     let key = &keys[i % keys.len()];
+                    // One connection kept alive a client, as an HTTP client library keeps one:
+                    // the clients share the machine with the servers they measure.
+                    let mut conn = KeepAlive::new(client);
                     let (mut lat, mut refused) = (Vec::new(), 0usize);
                     let mut next = interval.map(|iv| began + iv.mul_f64(i as f64 / n as f64));
                     while !stop.load(Ordering::Relaxed) {
@@ -192,7 +195,7 @@ fn drive(name: &str, servers: &[Server], keys: &Arc<Vec<String>>, args: &BenchCl
                             *at += iv;
                         }
                         let t = Instant::now();
-                        match client.json("POST", "/v1/completions", Some(key), Some(&body)) {
+                        match conn.json("POST", "/v1/completions", Some(key), Some(&body)) {
                             Ok(r) if r.status == 200 => lat.push(t.elapsed().as_secs_f64() * 1e3),
                             _ => refused += 1,
                         }
