@@ -5,7 +5,8 @@ Usage: python peft_profile.py MODEL_DIR [NEW_TOKENS]
 Loads MODEL_DIR in bf16 on the GPU, then times greedy batch-1 generation (a 64-token prompt,
 NEW_TOKENS new tokens, warmed up first) in the configurations the baseline goes through: the base
 model alone; wrapped by PEFT with one rank-16 adapter on q/k/v/o (random B, so the adapter is not a
-no-op), its weights first as PEFT keeps them beside a bf16 model (f32), then cast to bf16; the same with the baseline's streamer and stopping criterion attached; with 20 adapters
+no-op), its weights first as PEFT keeps them beside a bf16 model (f32), then cast to bf16; the
+same with the baseline's streamer and stopping criterion attached; with 20 adapters
 loaded and one active; the first generate call after the wrap (what the baseline's first window
 pays). Ends with `torch.profiler`'s table for 16 tokens of the adapter configuration.
 """

@@ -232,11 +232,17 @@ impl Drop for CudaUpload {
             std::mem::forget(std::mem::take(&mut self.staging));
             return;
         }
-        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
-        for chunk in self.staging.drain(..) {
-            if kept.len() < STAGING_KEPT {
-                kept.push(chunk);
-            }
+        keep_staging(&self.kept, std::mem::take(&mut self.staging));
+    }
+}
+
+/// Returns staging chunks that no copy reads any more to the `kept` list (up to its bound; the
+/// rest are freed).
+fn keep_staging(kept: &Mutex<Vec<PinnedHostSlice<f32>>>, chunks: Vec<PinnedHostSlice<f32>>) {
+    let mut kept = kept.lock().unwrap_or_else(|p| p.into_inner());
+    for chunk in chunks {
+        if kept.len() < STAGING_KEPT {
+            kept.push(chunk);
         }
     }
 }
@@ -346,7 +352,7 @@ impl CudaBackend {
             match unsafe { self.ctx.alloc_pinned::<f32>(STAGING_CHUNK) } {
                 Ok(c) => chunks.push(c),
                 Err(e) => {
-                    self.keep_staging(chunks);
+                    keep_staging(&self.staging, chunks);
                     return Err(dev_err(OP, e));
                 }
             }
@@ -354,7 +360,7 @@ impl CudaBackend {
         // Ordered after every op queued so far on the compute stream (they may read the pages
         // these values replace).
         if let Err(e) = copy.join(&self.stream) {
-            self.keep_staging(chunks);
+            keep_staging(&self.staging, chunks);
             return Err(dev_err(OP, e));
         }
         // Each chunk is filled, then its copies queued: the device copies one chunk while the
@@ -381,20 +387,9 @@ impl CudaBackend {
                 if copy.synchronize().is_err() {
                     std::mem::forget(chunks);
                 } else {
-                    self.keep_staging(chunks);
+                    keep_staging(&self.staging, chunks);
                 }
                 Err(dev_err(OP, e))
-            }
-        }
-    }
-
-    /// Returns staging chunks that no copy reads to the kept list (up to its bound; the rest
-    /// are freed).
-    fn keep_staging(&self, chunks: Vec<PinnedHostSlice<f32>>) {
-        let mut kept = self.staging.lock().unwrap_or_else(|p| p.into_inner());
-        for chunk in chunks {
-            if kept.len() < STAGING_KEPT {
-                kept.push(chunk);
             }
         }
     }

@@ -8,13 +8,12 @@
 //! destination continue one another (consecutive pool pages make one copy).
 
 /// A part of one write as it lands in a chunk: `len` values of write `write` from its value
-/// `from`, at `at` in the chunk, bound for `dst` in the device buffer.
+/// `from`, at `at` in the chunk (where it goes on the device is its chunk's copies' business).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Piece {
     pub write: usize,
     pub from: usize,
     pub at: usize,
-    pub dst: usize,
     pub len: usize,
 }
 
@@ -48,7 +47,7 @@ pub(crate) fn plan(writes: &[(usize, usize)], chunk: usize) -> Vec<ChunkPlan> {
             }
             let n = (len - from).min(chunk - at);
             let current = chunks.last_mut().expect("a chunk was opened above");
-            current.pieces.push(Piece { write, from, at, dst: dst + from, len: n });
+            current.pieces.push(Piece { write, from, at, len: n });
             match current.copies.last_mut() {
                 Some(c) if c.at + c.len == at && c.dst + c.len == dst + from => c.len += n,
                 _ => current.copies.push(Copy { at, dst: dst + from, len: n }),

@@ -158,10 +158,14 @@ fn write_body(s: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
 
 /// The whole response on `s`.
 pub fn read_response(s: TcpStream) -> std::io::Result<Response> {
-    let mut reader = BufReader::new(s);
-    let (status, headers) = read_head(&mut reader)?;
+    read_whole(&mut BufReader::new(s))
+}
+
+/// The next whole response from `reader`, its body read to its end.
+fn read_whole(reader: &mut impl BufRead) -> std::io::Result<Response> {
+    let (status, headers) = read_head(reader)?;
     let mut body = Vec::new();
-    read_body(&mut reader, &headers, |d| {
+    read_body(reader, &headers, |d| {
         body.extend_from_slice(d);
         true
     })?;
@@ -307,19 +311,14 @@ impl KeepAlive {
         let s = reader.get_mut();
         write_head(s, req, true)?;
         write_body(s, req.body)?;
-        let (status, headers) = read_head(&mut reader)?;
-        let sized = headers.iter().any(|(n, v)| (n == "transfer-encoding" && v.eq_ignore_ascii_case("chunked")) || n == "content-length");
-        let mut body = Vec::new();
-        read_body(&mut reader, &headers, |d| {
-            body.extend_from_slice(d);
-            true
-        })?;
-        let closing = headers.iter().any(|(n, v)| n == "connection" && v.eq_ignore_ascii_case("close"));
+        let response = read_whole(&mut reader)?;
+        let sized = response.header("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) || response.header("content-length").is_some();
+        let closing = response.header("connection").is_some_and(|v| v.eq_ignore_ascii_case("close"));
         // A body that ran to the connection's end leaves nothing to reuse.
         if sized && !closing {
             self.conn = Some(reader);
         }
-        Ok(Response { status, headers, body })
+        Ok(response)
     }
 }
 
