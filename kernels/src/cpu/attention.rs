@@ -4,7 +4,7 @@ use rayon::prelude::*;
 
 use super::isa::{Isa, Kernel};
 use super::simd::Elem;
-use super::{CpuBackend, CpuBuffer, ensure_len, rows_of, simd};
+use super::{CpuBackend, CpuBuffer, ensure_len, min_items, rows_of, simd};
 use crate::check::Batch;
 use crate::{AttentionOps, AttentionParams, BatchMeta, KernelError, KvLayout, Result, RowDType};
 
@@ -24,7 +24,7 @@ impl AttentionOps for CpuBackend {
             return Err(KernelError::Index { op: OP, index: p as usize, limit: max_pos });
         }
         let half = head_dim / 2;
-        x[..positions.len() * row].par_chunks_mut(row).zip(positions.par_iter()).for_each(|(xt, &pos)| {
+        x[..positions.len() * row].par_chunks_mut(row).zip(positions.par_iter()).with_min_len(min_items(row)).for_each(|(xt, &pos)| {
             let base = pos as usize * head_dim;
             let (cos, sin) = table[base..base + head_dim].split_at(half);
             for h in xt.chunks_exact_mut(head_dim) {
@@ -107,9 +107,15 @@ impl AttentionOps for CpuBackend {
         let path = self.path;
         // One task per (token, kv head): the group of query heads sharing that kv head reuses
         // each key and value row while it is in cache.
-        out[..meta.num_tokens * heads * hd].par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (task, o)| {
-            path.run(AttendTask { ctx: &ctx, scores, task, out: o });
-        });
+        // A token reads at most the keys up to its position, each twice (scores, then values).
+        let work = m.positions.iter().fold(0usize, |w, &pos| w.saturating_add((pos as usize + 1).saturating_mul(2 * heads * hd)));
+        let tasks = (meta.num_tokens * p.num_kv_heads).max(1);
+        out[..meta.num_tokens * heads * hd].par_chunks_mut(group * hd).with_min_len(min_items(work / tasks)).enumerate().for_each_init(
+            Vec::new,
+            |scores: &mut Vec<f32>, (task, o)| {
+                path.run(AttendTask { ctx: &ctx, scores, task, out: o });
+            },
+        );
         Ok(())
     }
 }

@@ -13,7 +13,7 @@
 use rayon::prelude::*;
 
 use super::isa::{Isa, Kernel, Path};
-use super::{CpuBackend, CpuBuffer, simd};
+use super::{CpuBackend, CpuBuffer, min_items, simd};
 use crate::check::{Directory, Segments, check_slots, ensure_rows};
 use crate::{LORA_ROW_ALIGN, LoraOps, LoraRows, LoraSegments, LoraTarget, Result, RowDType};
 
@@ -183,7 +183,9 @@ impl LoraOps for CpuBackend {
         let v = v.f32_mut(OP)?;
         ensure_rows(OP, "v", v.len(), segs.tokens, ad.max_rank)?;
         // Every token's row of v is written, zeros where there is no adapter.
-        blocks(&segs, v, ad.max_rank, |_| true).into_par_iter().for_each(|(slot, t0, vb)| {
+        let blocks = blocks(&segs, v, ad.max_rank, |_| true);
+        let per = segs.tokens * ad.max_rank * ad.in_features / blocks.len().max(1);
+        blocks.into_par_iter().with_min_len(min_items(per)).for_each(|(slot, t0, vb)| {
             let n = vb.len() / ad.max_rank;
             ad.shrink(slot, &x[t0 * ad.in_features..(t0 + n) * ad.in_features], vb);
         });
@@ -206,7 +208,9 @@ impl LoraOps for CpuBackend {
         ensure_rows(OP, "v", v.len(), segs.tokens, ad.max_rank)?;
         let y = y.f32_mut(OP)?;
         ensure_rows(OP, "y", y.len(), segs.tokens, ad.out_features)?;
-        blocks(&segs, y, ad.out_features, |slot| ad.active(slot)).into_par_iter().for_each(|(slot, t0, yb)| {
+        let blocks = blocks(&segs, y, ad.out_features, |slot| ad.active(slot));
+        let per = segs.tokens * ad.max_rank * ad.out_features / blocks.len().max(1);
+        blocks.into_par_iter().with_min_len(min_items(per)).for_each(|(slot, t0, yb)| {
             let n = yb.len() / ad.out_features;
             ad.expand(slot, &v[t0 * ad.max_rank..(t0 + n) * ad.max_rank], yb);
         });
@@ -223,16 +227,21 @@ impl LoraOps for CpuBackend {
         ensure_rows(OP, "x", x.len(), n, ad.in_features)?;
         let y = y.f32_mut(OP)?;
         ensure_rows(OP, "y", y.len(), n, ad.out_features)?;
-        y[..n * ad.out_features].par_chunks_mut(ad.out_features).zip(x[..n * ad.in_features].par_chunks(ad.in_features)).zip(slots.par_iter()).for_each_init(
-            || vec![0f32; ad.max_rank],
-            |v, ((yt, xt), &slot)| {
-                if ad.active(slot) {
-                    // The same shrink and expand as SGMV, on a block of one token.
-                    ad.shrink(slot, xt, v);
-                    ad.expand(slot, v, yt);
-                }
-            },
-        );
+        y[..n * ad.out_features]
+            .par_chunks_mut(ad.out_features)
+            .zip(x[..n * ad.in_features].par_chunks(ad.in_features))
+            .zip(slots.par_iter())
+            .with_min_len(min_items(ad.max_rank * (ad.in_features + ad.out_features)))
+            .for_each_init(
+                || vec![0f32; ad.max_rank],
+                |v, ((yt, xt), &slot)| {
+                    if ad.active(slot) {
+                        // The same shrink and expand as SGMV, on a block of one token.
+                        ad.shrink(slot, xt, v);
+                        ad.expand(slot, v, yt);
+                    }
+                },
+            );
         Ok(())
     }
 }

@@ -20,6 +20,21 @@ pub use isa::Path;
 
 pub use matmul::CpuWeight;
 
+/// Below about this much work (multiply-adds, or elements read and written) a kernel runs on
+/// the thread that called it. Handing part of a kernel to another thread of the pool means
+/// waking it, letting it steal, joining it, and then the thread spinning and yielding before it
+/// sleeps again: tens of microseconds of CPU, more than a small kernel's share saves. A small
+/// model's step is dozens of such kernels, and with every one split its pool spent more CPU
+/// idling than computing.
+pub(crate) const PAR_MIN_WORK: usize = 1 << 16;
+
+/// The fewest items a task of a parallel iterator takes when each item is `per_item` work, so
+/// that a kernel of less than [`PAR_MIN_WORK`] in all stays one task on the calling thread.
+/// How items are grouped into tasks never changes what each item computes.
+pub(crate) fn min_items(per_item: usize) -> usize {
+    PAR_MIN_WORK.div_ceil(per_item.max(1))
+}
+
 /// The CPU device. Work runs on rayon's global pool; size it with `RAYON_NUM_THREADS` or
 /// `rayon::ThreadPoolBuilder` before the first op.
 #[derive(Debug, Default, Clone)]

@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 use super::isa::{Isa, Kernel};
-use super::{CpuBackend, CpuBuffer, CpuWeight, ensure_len, rows_of, simd};
+use super::{CpuBackend, CpuBuffer, CpuWeight, ensure_len, min_items, rows_of, simd};
 use crate::check::ensure_rows;
 use crate::{DenseOps, KernelError, Result, RowLogprobs, SampleParams, SamplingOps};
 
@@ -21,7 +21,7 @@ impl DenseOps for CpuBackend {
         if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
             return Err(KernelError::Index { op: OP, index: bad as usize, limit: vocab });
         }
-        out[..ids.len() * hidden].par_chunks_mut(hidden).zip(ids.par_iter()).for_each(|(row, &id)| {
+        out[..ids.len() * hidden].par_chunks_mut(hidden).zip(ids.par_iter()).with_min_len(min_items(hidden)).for_each(|(row, &id)| {
             let start = id as usize * hidden;
             row.copy_from_slice(&table[start..start + hidden]);
         });
@@ -37,7 +37,7 @@ impl DenseOps for CpuBackend {
         let out = out.f32_mut(OP)?;
         ensure_len(OP, "out", out.len(), rows * dim)?;
         let path = self.path;
-        out[..rows * dim].par_chunks_mut(dim).zip(x.par_chunks(dim)).for_each(|(out, x)| path.run(RmsRow { out, x, weight, eps }));
+        out[..rows * dim].par_chunks_mut(dim).zip(x.par_chunks(dim)).with_min_len(min_items(dim)).for_each(|(out, x)| path.run(RmsRow { out, x, weight, eps }));
         Ok(())
     }
 
@@ -181,7 +181,7 @@ impl SamplingOps for CpuBackend {
         const OP: &str = "argmax_rows";
         let logits = logits.f32(OP)?;
         rows_of(OP, "logits", logits.len(), vocab)?;
-        Ok(logits.par_chunks(vocab).map(argmax).collect())
+        Ok(logits.par_chunks(vocab).with_min_len(min_items(vocab)).map(argmax).collect())
     }
 
     fn sample_rows(&self, logits: &CpuBuffer, vocab: usize, params: &[SampleParams]) -> Result<Vec<u32>> {
@@ -189,7 +189,7 @@ impl SamplingOps for CpuBackend {
         let logits = logits.f32(OP)?;
         let rows = rows_of(OP, "logits", logits.len(), vocab)?;
         crate::check_sample_params(OP, params, rows)?;
-        Ok(logits.par_chunks(vocab).zip(params.par_iter()).map(|(row, p)| sample_row(row, p)).collect())
+        Ok(logits.par_chunks(vocab).zip(params.par_iter()).with_min_len(min_items(vocab)).map(|(row, p)| sample_row(row, p)).collect())
     }
 
     fn row_logprobs(&self, logits: &CpuBuffer, vocab: usize, tokens: &[u32], n: usize) -> Result<Vec<RowLogprobs>> {
@@ -197,7 +197,7 @@ impl SamplingOps for CpuBackend {
         let logits = logits.f32(OP)?;
         let rows = rows_of(OP, "logits", logits.len(), vocab)?;
         crate::check_logprob_args(OP, tokens, rows, vocab, n)?;
-        Ok(logits.par_chunks(vocab).zip(tokens.par_iter()).map(|(row, &t)| row_logprobs(row, t, n)).collect())
+        Ok(logits.par_chunks(vocab).zip(tokens.par_iter()).with_min_len(min_items(vocab)).map(|(row, &t)| row_logprobs(row, t, n)).collect())
     }
 }
 

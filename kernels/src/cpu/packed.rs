@@ -18,9 +18,9 @@
 
 use rayon::prelude::*;
 
-use super::MatmulInputs;
 use super::isa::{Isa, Kernel, Path};
 use super::simd::Elem;
+use super::{MatmulInputs, min_items};
 use crate::WeightData;
 
 #[cfg(target_arch = "x86_64")]
@@ -174,7 +174,7 @@ unsafe impl Sync for OutPtr {}
 pub fn matmul(x: &[f32], panels: &Panels, bias: Option<&[f32]>, out: &mut [f32], rows: usize, k: usize, n: usize) {
     let rounded: Vec<f32>;
     let x = if panels.round_inputs {
-        rounded = x[..rows * k].par_iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+        rounded = x[..rows * k].par_iter().with_min_len(min_items(1)).map(|&v| half::bf16::from_f32(v).to_f32()).collect();
         &rounded[..]
     } else {
         x
@@ -205,7 +205,7 @@ fn matmul_typed<E: Elem + Send + Sync>(x: &[f32], packed: &[E], panels: &Panels,
         let chunk_rows = ROW_CHUNK.min(rows - r0);
         pack_rows(&x[r0 * k..(r0 + chunk_rows) * k], k, mr, &mut xp);
         let xp = &xp[..];
-        (0..count).into_par_iter().for_each(|p| {
+        (0..count).into_par_iter().with_min_len(min_items(chunk_rows * k * nr)).for_each(|p| {
             let cols = nr.min(n - p * nr);
             path.run(PanelTask {
                 xp,
@@ -232,7 +232,7 @@ fn pack_rows(x: &[f32], k: usize, mr: usize, out: &mut Vec<f32>) {
     let blocks = rows.div_ceil(mr);
     out.clear();
     out.resize(blocks * k * mr, 0.0);
-    out.par_chunks_mut(k * mr).enumerate().for_each(|(b, block)| {
+    out.par_chunks_mut(k * mr).with_min_len(min_items(k * mr)).enumerate().for_each(|(b, block)| {
         for i in 0..mr.min(rows - b * mr) {
             let row = &x[(b * mr + i) * k..(b * mr + i + 1) * k];
             for (kk, &v) in row.iter().enumerate() {
@@ -311,7 +311,7 @@ fn matvec<E: Elem + Send + Sync>(x: &[f32], packed: &[E], panels: &Panels, bias:
     let most = if path.registers() >= 32 { 8 } else { 6 };
     let per = count.div_ceil(rayon::current_num_threads()).clamp(1, most);
     let dst = OutPtr(out.as_mut_ptr());
-    (0..count.div_ceil(per)).into_par_iter().for_each(|g| {
+    (0..count.div_ceil(per)).into_par_iter().with_min_len(min_items(per * k * nr)).for_each(|g| {
         let p0 = g * per;
         let group = per.min(count - p0);
         path.run(RowGroup {

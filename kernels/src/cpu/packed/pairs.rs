@@ -18,6 +18,7 @@ use std::arch::x86_64::*;
 use rayon::prelude::*;
 
 use super::{Aligned, OutPtr, ROW_CHUNK};
+use crate::cpu::min_items;
 
 /// Output columns per panel: two registers of 16 f32 accumulators.
 pub(super) const NR: usize = 32;
@@ -66,7 +67,7 @@ pub(super) fn matmul(x: &[f32], packed: &[u16], bias: Option<&[f32]>, out: &mut 
     if rows == 1 {
         let xp: Vec<u32> = (0..k2).map(|kp| pair(&x[..k], kp)).collect();
         let per = count.div_ceil(rayon::current_num_threads()).clamp(1, GROUP);
-        (0..count.div_ceil(per)).into_par_iter().for_each(|g| {
+        (0..count.div_ceil(per)).into_par_iter().with_min_len(min_items(per * k2 * 2 * NR)).for_each(|g| {
             let p0 = g * per;
             let group = per.min(count - p0);
             let task = RowGroup {
@@ -88,7 +89,7 @@ pub(super) fn matmul(x: &[f32], packed: &[u16], bias: Option<&[f32]>, out: &mut 
         let chunk_rows = ROW_CHUNK.min(rows - r0);
         pack_rows(&x[r0 * k..(r0 + chunk_rows) * k], k, &mut xp);
         let xp = &xp[..];
-        (0..count).into_par_iter().for_each(|p| {
+        (0..count).into_par_iter().with_min_len(min_items(chunk_rows * k2 * 2 * NR)).for_each(|p| {
             let cols = NR.min(n - p * NR);
             let task = PanelTask {
                 xp,
@@ -126,7 +127,7 @@ fn pack_rows(x: &[f32], k: usize, out: &mut Vec<u32>) {
     let k2 = k.div_ceil(2);
     out.clear();
     out.resize(rows.div_ceil(MR) * k2 * MR, 0);
-    out.par_chunks_mut(k2 * MR).enumerate().for_each_init(
+    out.par_chunks_mut(k2 * MR).with_min_len(min_items(k2 * 2 * MR)).enumerate().for_each_init(
         || vec![0u32; k2 * 2],
         |halves, (b, block)| {
             for i in 0..MR.min(rows - b * MR) {
