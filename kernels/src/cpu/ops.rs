@@ -7,8 +7,13 @@ use super::{CpuBackend, CpuBuffer, CpuWeight, ensure_len, min_items, rows_of, si
 use crate::check::ensure_rows;
 use crate::{DenseOps, KernelError, Result, RowLogprobs, SampleParams, SamplingOps};
 
-/// Below this many elements an elementwise op runs on the calling thread.
-const PAR_MIN_ELEMS: usize = 1 << 14;
+/// The work one element of an elementwise op counts for against [`super::PAR_MIN_WORK`]
+/// (loads, a store, and for SiLU an exponential): such an op runs on the calling thread below
+/// 2^14 elements.
+const ELEM_WORK: usize = 4;
+
+/// Elements of `add_assign`'s tasks.
+const ADD_CHUNK: usize = 1 << 13;
 
 impl DenseOps for CpuBackend {
     fn embedding(&self, table: &CpuBuffer, ids: &CpuBuffer, out: &mut CpuBuffer, hidden: usize) -> Result<()> {
@@ -54,11 +59,7 @@ impl DenseOps for CpuBackend {
         ensure_len(OP, "out", out.len(), gate.len())?;
         let n = gate.len();
         let f = |(o, (&g, &u)): (&mut f32, (&f32, &f32))| *o = g / (1.0 + (-g).exp()) * u;
-        if n >= PAR_MIN_ELEMS {
-            out[..n].par_iter_mut().zip(gate.par_iter().zip(up.par_iter())).for_each(f);
-        } else {
-            out[..n].iter_mut().zip(gate.iter().zip(up.iter())).for_each(f);
-        }
+        out[..n].par_iter_mut().zip(gate.par_iter().zip(up.par_iter())).with_min_len(min_items(ELEM_WORK)).for_each(f);
         Ok(())
     }
 
@@ -75,11 +76,7 @@ impl DenseOps for CpuBackend {
                 *o = g / (1.0 + (-g).exp()) * u;
             }
         };
-        if rows * width >= PAR_MIN_ELEMS {
-            out[..rows * width].par_chunks_mut(width).zip(x.par_chunks(row)).for_each(f);
-        } else {
-            out[..rows * width].chunks_mut(width).zip(x.chunks(row)).for_each(f);
-        }
+        out[..rows * width].par_chunks_mut(width).zip(x.par_chunks(row)).with_min_len(min_items(ELEM_WORK * width)).for_each(f);
         Ok(())
     }
 
@@ -95,16 +92,12 @@ impl DenseOps for CpuBackend {
         }
         let total = crate::check::split_columns(OP, src.len(), rows, &shape)?;
         let src = &src[..rows * total];
-        let par = rows * total >= PAR_MIN_ELEMS;
+        // Rows of the whole source per task, so that the parts split alike.
+        let per = min_items(ELEM_WORK * total);
         let mut offset = 0;
         for (out, width) in outs {
             let copy = |(o, s): (&mut [f32], &[f32])| o.copy_from_slice(&s[offset..offset + width]);
-            let out = &mut out[..rows * width];
-            if par {
-                out.par_chunks_exact_mut(width).zip(src.par_chunks_exact(total)).for_each(copy);
-            } else {
-                out.chunks_exact_mut(width).zip(src.chunks_exact(total)).for_each(copy);
-            }
+            out[..rows * width].par_chunks_exact_mut(width).zip(src.par_chunks_exact(total)).with_min_len(per).for_each(copy);
             offset += width;
         }
         Ok(())
@@ -117,11 +110,10 @@ impl DenseOps for CpuBackend {
         ensure_len(OP, "x", x.len(), acc.len())?;
         let n = acc.len();
         let path = self.path;
-        if n >= PAR_MIN_ELEMS {
-            acc.par_chunks_mut(PAR_MIN_ELEMS / 2).zip(x[..n].par_chunks(PAR_MIN_ELEMS / 2)).for_each(|(acc, x)| path.run(AddAssign { acc, x }));
-        } else {
-            path.run(AddAssign { acc, x: &x[..n] });
-        }
+        acc.par_chunks_mut(ADD_CHUNK)
+            .zip(x[..n].par_chunks(ADD_CHUNK))
+            .with_min_len(min_items(ELEM_WORK * ADD_CHUNK))
+            .for_each(|(acc, x)| path.run(AddAssign { acc, x }));
         Ok(())
     }
 
