@@ -94,23 +94,11 @@ impl Store {
     async fn read_principal(&self, hash: String) -> Result<Option<Arc<Principal>>, StoreError> {
         let read_at = Instant::now();
         let generation = self.auth.generation.load(Ordering::Acquire);
-        let Some(key) = self.key_by_hash(&hash).await? else {
+        let Some(row) = self.principal_row(&hash).await? else {
             self.auth.entries.invalidate(&hash);
             return Ok(None);
         };
-        let tenant = match &key.tenant_id {
-            None => None,
-            Some(id) => {
-                // Deleted between the two reads: the key is no longer live.
-                let Some(tenant) = self.tenant(id).await? else {
-                    self.auth.entries.invalidate(&hash);
-                    return Ok(None);
-                };
-                let plan =
-                    self.plan(&tenant.plan).await?.ok_or_else(|| StoreError::Inconsistent(format!("tenant {} has no plan {:?}", tenant.id, tenant.plan)))?;
-                Some((tenant, plan))
-            }
-        };
+        let (key, tenant) = row.split()?;
         let principal = Arc::new(Principal { key, tenant });
         // A change that committed while this was read may not be in it: keep it only if none
         // did, checked again after the insert for a change that came between the check and it.
@@ -122,5 +110,85 @@ impl Store {
             }
         }
         Ok(Some(principal))
+    }
+}
+
+/// A live key with its tenant and the tenant's plan, read in one statement (so one snapshot
+/// and one round trip): the tenant's and plan's columns are NULL for an operator's key.
+#[derive(Debug, sqlx::FromRow)]
+struct PrincipalRow {
+    id: String,
+    tenant_id: Option<String>,
+    prefix: String,
+    scopes: String,
+    created_at: i64,
+    t_name: Option<String>,
+    t_weight: Option<f64>,
+    t_plan: Option<String>,
+    t_requests_per_min: Option<i64>,
+    t_tokens_per_min: Option<i64>,
+    t_max_concurrent: Option<i64>,
+    t_max_adapters: Option<i64>,
+    t_max_adapter_bytes: Option<i64>,
+    t_max_pinned_pages: Option<i64>,
+    t_created_at: Option<i64>,
+    p_name: Option<String>,
+    p_prompt_price: Option<i64>,
+    p_cached_prompt_price: Option<i64>,
+    p_completion_price: Option<i64>,
+    p_batch_percent: Option<i64>,
+}
+
+impl PrincipalRow {
+    fn split(self) -> Result<(ApiKey, Option<(Tenant, Plan)>), StoreError> {
+        let key = ApiKey { id: self.id, tenant_id: self.tenant_id, prefix: self.prefix, scopes: self.scopes, created_at: self.created_at };
+        let Some(tenant_id) = key.tenant_id.clone() else { return Ok((key, None)) };
+        let missing = |what: &str| StoreError::Inconsistent(format!("key {}: its tenant {tenant_id}'s {what} was not read", key.id));
+        let tenant = Tenant {
+            id: tenant_id.clone(),
+            name: self.t_name.ok_or_else(|| missing("name"))?,
+            weight: self.t_weight.ok_or_else(|| missing("weight"))?,
+            plan: self.t_plan.ok_or_else(|| missing("plan"))?,
+            requests_per_min: self.t_requests_per_min,
+            tokens_per_min: self.t_tokens_per_min,
+            max_concurrent: self.t_max_concurrent,
+            max_adapters: self.t_max_adapters,
+            max_adapter_bytes: self.t_max_adapter_bytes,
+            max_pinned_pages: self.t_max_pinned_pages,
+            created_at: self.t_created_at.ok_or_else(|| missing("creation time"))?,
+        };
+        let Some(name) = self.p_name else {
+            return Err(StoreError::Inconsistent(format!("tenant {} has no plan {:?}", tenant.id, tenant.plan)));
+        };
+        let plan = Plan {
+            name,
+            prompt_price: self.p_prompt_price.ok_or_else(|| missing("plan's prompt price"))?,
+            cached_prompt_price: self.p_cached_prompt_price.ok_or_else(|| missing("plan's cached prompt price"))?,
+            completion_price: self.p_completion_price.ok_or_else(|| missing("plan's completion price"))?,
+            batch_percent: self.p_batch_percent.ok_or_else(|| missing("plan's batch percent"))?,
+        };
+        Ok((key, Some((tenant, plan))))
+    }
+}
+
+impl Store {
+    /// The live key whose secret hashes to `hash`, with its tenant (not deleted) and plan, in
+    /// one statement; `None` for an unknown or revoked key or a deleted tenant's.
+    async fn principal_row(&self, hash: &str) -> Result<Option<PrincipalRow>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT k.id, k.tenant_id, k.prefix, k.scopes, k.created_at, \
+                    t.name AS t_name, t.weight AS t_weight, t.plan AS t_plan, t.requests_per_min AS t_requests_per_min, \
+                    t.tokens_per_min AS t_tokens_per_min, t.max_concurrent AS t_max_concurrent, t.max_adapters AS t_max_adapters, \
+                    t.max_adapter_bytes AS t_max_adapter_bytes, t.max_pinned_pages AS t_max_pinned_pages, t.created_at AS t_created_at, \
+                    p.name AS p_name, p.prompt_price AS p_prompt_price, p.cached_prompt_price AS p_cached_prompt_price, \
+                    p.completion_price AS p_completion_price, p.batch_percent AS p_batch_percent \
+             FROM api_keys k \
+             LEFT JOIN tenants t ON t.id = k.tenant_id AND t.deleted_at IS NULL \
+             LEFT JOIN plans p ON p.name = t.plan \
+             WHERE k.secret_hash = $1 AND k.revoked_at IS NULL AND (k.tenant_id IS NULL OR t.id IS NOT NULL)",
+        )
+        .bind(hash)
+        .fetch_optional(&self.pool)
+        .await?)
     }
 }
