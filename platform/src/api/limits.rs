@@ -19,6 +19,11 @@
 //! traffic here (doubled when a lease runs out before its second ends, halved when most of one
 //! is left) and is at most an eighth of the room left under the limits, so near a limit every
 //! request is decided in the database alone, and the sum over replicas never passes a limit.
+//! The call that leases admissions leases that many requests' worth of tokens too (the size of
+//! the class's last reservation), so that steady traffic costs one call per tenant and second;
+//! and a class whose requests keep coming has its next leases asked for in the background
+//! shortly before its second ends ([`AHEAD`]) or its lease runs out, so that its requests do not
+//! wait for the database (near a limit nothing is leased for the next second).
 //! Releases, settlements and returned leases are written behind the requests by a task of the
 //! limiter (in batches), which also marks the replica alive: the slots of a replica that died
 //! stop counting within [`crate::store::limits::REPLICA_TIMEOUT_MS`]. A tenant without any of
@@ -228,6 +233,8 @@ struct Shared {
     leases: Arc<LeaseMap>,
     /// Decisions this replica asked the database for.
     calls: std::sync::atomic::AtomicU64,
+    /// Admissions and reservations that waited for one.
+    waited: std::sync::atomic::AtomicU64,
 }
 
 /// This replica's leases, per (tenant, batch work). A class's lock is held while its lease is
@@ -237,40 +244,74 @@ type LeaseMap = Mutex<HashMap<(String, bool), Arc<tokio::sync::Mutex<Leases>>>>;
 /// The most admissions one lease may ask for.
 const MAX_LEASE: i64 = 64;
 
+/// How long before its lease's second ends a class whose requests keep coming has the next
+/// second's leases asked for, in the background, so that its requests do not wait for them
+/// ([`Leases::renewal_due`]).
+const AHEAD: Duration = Duration::from_millis(250);
+
 #[derive(Debug)]
 struct Leases {
     admissions: Option<Lease>,
     tokens: Option<Lease>,
+    /// The leases that follow the current ones, asked for before those end or run out
+    /// ([`Leases::renewal_due`]): the next second's, or more of this one's.
+    next_admissions: Option<Lease>,
+    next_tokens: Option<Lease>,
+    /// Whether a call for them is under way.
+    renewing: bool,
     /// Admissions the next lease asks for (tokens: that many requests' worth).
     want: i64,
+    /// The tokens the class's last request reserved (0 before its first): what a request's
+    /// worth of tokens is when they are leased with the admissions.
+    tokens_each: i64,
 }
 
 impl Default for Leases {
     fn default() -> Self {
-        Self { admissions: None, tokens: None, want: 1 }
+        Self { admissions: None, tokens: None, next_admissions: None, next_tokens: None, renewing: false, want: 1, tokens_each: 0 }
     }
 }
 
 /// Admissions or tokens counted in the database in `second`, `left` of them not handed out yet;
-/// usable until `until`, this replica's instant for the end of that second.
+/// usable from `from` until `until`, this replica's instants for the start and end of that
+/// second.
 #[derive(Debug, Clone, Copy)]
 struct Lease {
     second: i64,
+    from: Instant,
     until: Instant,
     granted: i64,
     left: i64,
 }
 
 impl Lease {
-    /// A lease granted at the database's `now_ms`, asked for at `sent` (so `until` is never later
-    /// than the end of its second).
-    fn new(now_ms: i64, sent: Instant, granted: i64, used: i64) -> Self {
-        let until = sent + Duration::from_millis((1000 - now_ms.rem_euclid(1000)) as u64);
-        Self { second: now_ms.div_euclid(1000), until, granted, left: granted - used }
+    /// A lease granted at the database's `now_ms`, asked for at `sent` and answered at `got`, for
+    /// the second of `now_ms` or (`ahead`) the one after it. Its instants are taken so that it is
+    /// usable only inside its second: `from` never earlier than the second's start, `until` never
+    /// later than its end.
+    fn new(now_ms: i64, sent: Instant, got: Instant, ahead: bool, granted: i64, used: i64) -> Self {
+        let rest = Duration::from_millis((1000 - now_ms.rem_euclid(1000)) as u64);
+        let second = now_ms.div_euclid(1000);
+        let (second, from, until) = if ahead { (second + 1, got + rest, sent + rest + Duration::from_secs(1)) } else { (second, sent, sent + rest) };
+        Self { second, from, until, granted, left: granted - used }
     }
 
     fn live(&self, now: Instant) -> bool {
-        now < self.until
+        self.from <= now && now < self.until
+    }
+}
+
+/// Gives back what an admissions' lease did not hand out.
+fn unlease(a: &Lease, tenant: &str, batch: bool, changes: &tokio::sync::mpsc::UnboundedSender<Change>) {
+    if a.left > 0 {
+        let _ = changes.send(Change::Unlease { tenant: tenant.to_string(), batch, second: a.second, n: a.left });
+    }
+}
+
+/// Gives back what a tokens' lease did not hand out.
+fn untoken(t: &Lease, tenant: &str, batch: bool, changes: &tokio::sync::mpsc::UnboundedSender<Change>) {
+    if t.left > 0 {
+        let _ = changes.send(Change::Settle { tenant: tenant.to_string(), batch, second: t.second, delta: -t.left });
     }
 }
 
@@ -279,9 +320,7 @@ impl Leases {
     /// the next lease is sized on how this one went.
     fn end_admissions(&mut self, tenant: &str, batch: bool, changes: &tokio::sync::mpsc::UnboundedSender<Change>) {
         if let Some(a) = self.admissions.take() {
-            if a.left > 0 {
-                let _ = changes.send(Change::Unlease { tenant: tenant.to_string(), batch, second: a.second, n: a.left });
-            }
+            unlease(&a, tenant, batch, changes);
             self.want = if a.left == 0 {
                 (self.want * 2).min(MAX_LEASE)
             } else if a.left * 2 > a.granted {
@@ -294,11 +333,58 @@ impl Leases {
 
     /// Ends the tokens' lease: its unused tokens are given back.
     fn end_tokens(&mut self, tenant: &str, batch: bool, changes: &tokio::sync::mpsc::UnboundedSender<Change>) {
-        if let Some(t) = self.tokens.take()
-            && t.left > 0
-        {
-            let _ = changes.send(Change::Settle { tenant: tenant.to_string(), batch, second: t.second, delta: -t.left });
+        if let Some(t) = self.tokens.take() {
+            untoken(&t, tenant, batch, changes);
         }
+    }
+
+    /// Puts the following admissions in place of the current ones once those are of no more
+    /// use (over or used up) and these are live.
+    fn promote_admissions(&mut self, now: Instant, tenant: &str, batch: bool, changes: &tokio::sync::mpsc::UnboundedSender<Change>) {
+        if self.next_admissions.is_some_and(|n| n.live(now)) && !self.admissions.is_some_and(|a| a.live(now) && a.left > 0) {
+            self.end_admissions(tenant, batch, changes);
+            self.admissions = self.next_admissions.take();
+        }
+    }
+
+    /// The same for the tokens, for a request of `need` of them.
+    fn promote_tokens(&mut self, now: Instant, need: i64, tenant: &str, batch: bool, changes: &tokio::sync::mpsc::UnboundedSender<Change>) {
+        if self.next_tokens.is_some_and(|n| n.live(now) && n.left >= need) && !self.tokens.is_some_and(|t| t.live(now) && t.left >= need) {
+            self.end_tokens(tenant, batch, changes);
+            self.tokens = self.next_tokens.take();
+        }
+    }
+
+    /// Ends the following leases whose second is over unused.
+    fn drop_stale_next(&mut self, now: Instant, tenant: &str, batch: bool, changes: &tokio::sync::mpsc::UnboundedSender<Change>) {
+        if let Some(a) = self.next_admissions.take_if(|a| now >= a.until) {
+            unlease(&a, tenant, batch, changes);
+        }
+        if let Some(t) = self.next_tokens.take_if(|t| now >= t.until) {
+            untoken(&t, tenant, batch, changes);
+        }
+    }
+
+    /// Whether leases should be asked for in the background now, and for which second: the
+    /// next one (`Some(true)`) when the current admissions end within [`AHEAD`], the current
+    /// one when a quarter or less of them is left. Only for a class whose lease has handed out
+    /// two admissions or more (a class with a request now and then asks as they come), and
+    /// while none are asked for or held already.
+    fn renewal_due(&self, now: Instant) -> Option<bool> {
+        let a = self.admissions.filter(|a| a.granted - a.left >= 2 && !self.renewing && self.next_admissions.is_none())?;
+        if a.until.saturating_duration_since(now) <= AHEAD {
+            Some(true)
+        } else if a.left * 4 <= a.granted {
+            Some(false)
+        } else {
+            None
+        }
+    }
+
+    /// The tokens to lease with the admissions (0: none): a request's worth per admission, for a
+    /// class under a token limit whose requests' size is known, unless `held` has enough.
+    fn tokens_wanted(&self, token_limits: bool, held: bool) -> i64 {
+        if token_limits && self.tokens_each > 0 && !held { self.tokens_each.saturating_mul(self.want) } else { 0 }
     }
 }
 
@@ -328,13 +414,14 @@ fn sweep(leases: &LeaseMap, changes: &tokio::sync::mpsc::UnboundedSender<Change>
     all.retain(|(tenant, batch), cell| {
         // A class being renewed is left to its next sweep.
         let Ok(mut l) = cell.try_lock() else { return true };
-        if l.admissions.is_some_and(|a| !a.live(now)) {
+        if l.admissions.is_some_and(|a| now >= a.until) {
             l.end_admissions(tenant, *batch, changes);
         }
-        if l.tokens.is_some_and(|t| !t.live(now)) {
+        if l.tokens.is_some_and(|t| now >= t.until) {
             l.end_tokens(tenant, *batch, changes);
         }
-        let idle = l.admissions.is_none() && l.tokens.is_none() && l.want == 1;
+        l.drop_stale_next(now, tenant, *batch, changes);
+        let idle = l.admissions.is_none() && l.tokens.is_none() && l.next_admissions.is_none() && l.next_tokens.is_none() && !l.renewing && l.want == 1;
         drop(l);
         !(idle && Arc::strong_count(cell) == 1)
     });
@@ -392,16 +479,10 @@ async fn maintain(
             requests: table_rows(unleases.iter().map(|((t, b, s), n)| (t, *b, *s, *n))),
             running: table_rows(releases.iter().map(|((t, b), n)| (t, *b, 0, *n))),
         };
-        // Settlements first: a released request's tokens are final. What failed (the database
-        // away) is kept for the next try.
-        let [tokens, requests, running] = store.limit_apply(&replica, &rows).await;
-        if tokens {
+        // What failed (the database away) is kept for the next try.
+        if store.limit_apply(&replica, &rows).await {
             settles.clear();
-        }
-        if requests {
             unleases.clear();
-        }
-        if running {
             releases.clear();
         }
     }
@@ -465,6 +546,40 @@ fn seconds_until(t: Instant, now: Instant) -> u64 {
     left.as_secs() + u64::from(left.subsec_nanos() > 0)
 }
 
+/// Whether a class's requests reserve tokens against a limit: the tenant's tokens per minute, or
+/// its batch work's share of them.
+fn token_limited(limits: &TenantLimits, share: Option<&TenantLimits>) -> bool {
+    limits.tokens_per_min.is_some() || share.is_some_and(|s| s.tokens_per_min.is_some())
+}
+
+/// What the database is asked to decide an admission of `tenant` (batch work with `share`).
+fn admit_ask<'a>(
+    shared: &'a Shared,
+    tenant: &'a str,
+    limits: &TenantLimits,
+    share: Option<&TenantLimits>,
+    want: i64,
+    want_tokens: i64,
+    ahead: bool,
+) -> AdmitAsk<'a> {
+    let bucket_limits = share.unwrap_or(limits);
+    AdmitAsk {
+        tenant,
+        batch: share.is_some(),
+        replica: &shared.replica,
+        max_concurrent: limits.max_concurrent,
+        requests_per_min: limits.requests_per_min,
+        share_concurrent: share.and_then(|s| s.max_concurrent),
+        share_requests_per_min: share.and_then(|s| s.requests_per_min),
+        bucket: bucket_limits.requests_per_min.map(|max| (burst(max), max.max(0) as f64 / 60.0)),
+        want,
+        tokens_per_min: limits.tokens_per_min,
+        share_tokens_per_min: share.and_then(|s| s.tokens_per_min),
+        want_tokens,
+        ahead,
+    }
+}
+
 impl Limiter {
     /// Limits kept in this server's memory.
     pub fn new() -> Arc<Self> {
@@ -481,8 +596,8 @@ impl Limiter {
         let leases = Arc::new(LeaseMap::default());
         let (writer, name, swept, sender) = (store.clone(), replica.to_string(), leases.clone(), changes.downgrade());
         super::on_main_thread(move || maintain(writer, name, swept, sender, rx));
-        let calls = Default::default();
-        Ok(Arc::new(Self { shared: Some(Shared { store, replica: replica.to_string(), changes, leases, calls }), ..Self::default() }))
+        let (calls, waited) = Default::default();
+        Ok(Arc::new(Self { shared: Some(Shared { store, replica: replica.to_string(), changes, leases, calls, waited }), ..Self::default() }))
     }
 
     pub fn is_shared(&self) -> bool {
@@ -492,6 +607,12 @@ impl Limiter {
     /// Decisions this replica asked the shared database for (0 in memory).
     pub fn database_calls(&self) -> u64 {
         self.shared.as_ref().map_or(0, |s| s.calls.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Admissions and reservations that waited for a decision of the shared database (0 in
+    /// memory): those that found no lease to take from.
+    pub fn waits(&self) -> u64 {
+        self.shared.as_ref().map_or(0, |s| s.waited.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Admits one request of `tenant` against its concurrency and requests-per-minute limits,
@@ -524,37 +645,73 @@ impl Limiter {
         let cell = shared.leases(tenant, batch);
         let mut leases = cell.lock().await;
         let now = Instant::now();
+        leases.promote_admissions(now, tenant, batch, &shared.changes);
         if let Some(a) = leases.admissions.as_mut()
             && a.left > 0
             && a.live(now)
         {
             a.left -= 1;
             permit.slot = Some((a.second, 0));
+            self.renew_ahead_if_due(&mut leases, &cell, now, &permit);
             return Ok(permit);
         }
         leases.end_admissions(tenant, batch, &shared.changes);
-        let bucket_limits = permit.share.as_ref().unwrap_or(limits);
-        let ask = AdmitAsk {
-            tenant,
-            batch: permit.share.is_some(),
-            replica: &shared.replica,
-            max_concurrent: limits.max_concurrent,
-            requests_per_min: limits.requests_per_min,
-            share_concurrent: permit.share.as_ref().and_then(|s| s.max_concurrent),
-            share_requests_per_min: permit.share.as_ref().and_then(|s| s.requests_per_min),
-            bucket: bucket_limits.requests_per_min.map(|max| (burst(max), max.max(0) as f64 / 60.0)),
-            want: leases.want,
-        };
+        // The tokens this lease's requests will reserve, asked for in the same call unless the
+        // tokens' lease (this second's or the next's) still has a request's worth.
+        let each = leases.tokens_each;
+        let held = [leases.tokens, leases.next_tokens].iter().flatten().any(|t| t.live(now) && t.left >= each);
+        let want_tokens = leases.tokens_wanted(token_limited(limits, permit.share.as_ref()), held);
+        if want_tokens > 0 {
+            leases.end_tokens(tenant, batch, &shared.changes);
+        }
+        let ask = admit_ask(shared, tenant, limits, permit.share.as_ref(), leases.want, want_tokens, false);
         let sent = Instant::now();
         shared.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        shared.waited.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let v = shared.store.limit_admit(&ask).await?;
         if v.verdict != "ok" {
             return Err(refusal(&v, limits, permit.share.as_ref()));
         }
-        let lease = Lease::new(v.now_ms, sent, v.granted.max(1), 1);
+        let got = Instant::now();
+        let lease = Lease::new(v.now_ms, sent, got, false, v.granted.max(1), 1);
         permit.slot = Some((lease.second, 0));
         leases.admissions = Some(lease);
+        if v.tokens_granted > 0 {
+            leases.tokens = Some(Lease::new(v.now_ms, sent, got, false, v.tokens_granted, 0));
+        }
+        self.renew_ahead_if_due(&mut leases, &cell, got, &permit);
         Ok(permit)
+    }
+
+    /// Has leases of `permit`'s class asked for in the background when its current ones end or
+    /// run out soon ([`Leases::renewal_due`]): requests keep taking from the current ones
+    /// meanwhile, and take the new ones once those are over. A refusal or an error leaves the
+    /// class to decide its next request as it comes.
+    fn renew_ahead_if_due(self: &Arc<Self>, leases: &mut Leases, cell: &Arc<tokio::sync::Mutex<Leases>>, now: Instant, permit: &Permit) {
+        let Some(ahead) = leases.renewal_due(now) else { return };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        leases.renewing = true;
+        let want = leases.want;
+        let want_tokens = leases.tokens_wanted(token_limited(&permit.limits, permit.share.as_ref()), false);
+        let (limiter, cell, tenant, limits, share) = (self.clone(), cell.clone(), permit.tenant.clone(), permit.limits.clone(), permit.share.clone());
+        runtime.spawn(async move {
+            let Some(shared) = &limiter.shared else { return };
+            let ask = admit_ask(shared, &tenant, &limits, share.as_ref(), want, want_tokens, ahead);
+            let sent = Instant::now();
+            shared.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let v = shared.store.limit_admit(&ask).await;
+            let got = Instant::now();
+            let mut leases = cell.lock().await;
+            leases.renewing = false;
+            if let Ok(v) = v
+                && v.verdict == "ok"
+            {
+                leases.next_admissions = Some(Lease::new(v.now_ms, sent, got, ahead, v.granted.max(1), 0));
+                if v.tokens_granted > 0 {
+                    leases.next_tokens = Some(Lease::new(v.now_ms, sent, got, ahead, v.tokens_granted, 0));
+                }
+            }
+        });
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Windows> {
@@ -616,9 +773,12 @@ impl Permit {
         let batch = self.share.is_some();
         let cell = shared.leases(&self.tenant, batch);
         let mut leases = cell.lock().await;
+        leases.tokens_each = wanted;
+        let now = Instant::now();
+        leases.promote_tokens(now, wanted, &self.tenant, batch, &shared.changes);
         if let Some(t) = leases.tokens.as_mut()
             && t.left >= wanted
-            && t.live(Instant::now())
+            && t.live(now)
         {
             t.left -= wanted;
             self.slot = Some((t.second, tokens));
@@ -628,10 +788,11 @@ impl Permit {
         let sent = Instant::now();
         let want = wanted.saturating_mul(leases.want);
         shared.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        shared.waited.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let v = shared.store.limit_reserve(&self.tenant, batch, wanted, self.limits.tokens_per_min, share_max, want).await?;
         let (max, what, batch) = match v.verdict.as_str() {
             "ok" => {
-                let lease = Lease::new(v.now_ms, sent, v.granted.max(wanted), wanted);
+                let lease = Lease::new(v.now_ms, sent, Instant::now(), false, v.granted.max(wanted), wanted);
                 self.slot = Some((lease.second, tokens));
                 leases.tokens = Some(lease);
                 return Ok(());
@@ -1007,6 +1168,108 @@ mod tests {
         counts_become(&store, "t", (40, 4000 - 10 * 70, 0)).await;
     }
 
+    /// Tokens are leased in the admissions' call, a request's worth (its last reservation) per
+    /// admission: after the first request, reservations find tokens leased and ask nothing.
+    #[actix_web::test]
+    async fn tokens_are_leased_with_the_admissions_in_one_call() {
+        let dir = tempfile::tempdir().unwrap();
+        let Some(store) = shared_store(dir.path()).await else {
+            eprintln!("shared limits need PostgreSQL: skipped");
+            return;
+        };
+        let a = Limiter::shared(store.clone(), "rep_a").await.unwrap();
+        let high = limits(Some(1_000_000), Some(1_000_000_000), None);
+        let mut permits = Vec::new();
+        let mut reserve_calls = 0;
+        for i in 0..40 {
+            let mut p = a.admit("t", &high).await.unwrap();
+            let before = a.waits();
+            p.reserve(100).await.unwrap();
+            if i > 0 {
+                reserve_calls += a.waits() - before;
+            }
+            permits.push(p);
+        }
+        // Separate leases would take one call whenever the tokens' lease ran out (five or six
+        // times while it doubles); a second ending between an admission and its reservation
+        // may cost one.
+        assert!(reserve_calls <= 2, "{reserve_calls} of 39 reservations asked the database");
+        drop(permits);
+        // What the leases did not hand out comes back: exactly the 40 requests and their tokens.
+        counts_become(&store, "t", (40, 4000, 0)).await;
+    }
+
+    /// A class whose requests keep coming has its next second's leases asked for before the
+    /// current second ends: at the turn of a second its requests do not wait for a decision.
+    /// What those leases do not hand out is given back like any lease's.
+    #[actix_web::test]
+    async fn steady_traffic_has_the_next_seconds_leases_before_it_needs_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let Some(store) = shared_store(dir.path()).await else {
+            eprintln!("shared limits need PostgreSQL: skipped");
+            return;
+        };
+        let a = Limiter::shared(store.clone(), "rep_a").await.unwrap();
+        let high = limits(Some(1_000_000), Some(1_000_000_000), None);
+        let mut n = 0;
+        let step = async |n: &mut i64| {
+            let mut p = a.admit("t", &high).await.unwrap();
+            p.reserve(10).await.unwrap();
+            *n += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        // A second and a half for the leases to grow to the traffic, then three seconds timed.
+        let began = Instant::now();
+        while began.elapsed() < Duration::from_millis(1500) {
+            step(&mut n).await;
+        }
+        let (waited, calls) = (a.waits(), a.database_calls());
+        let timed = Instant::now();
+        while timed.elapsed() < Duration::from_secs(3) {
+            step(&mut n).await;
+        }
+        let (waited, calls) = (a.waits() - waited, a.database_calls() - calls);
+        // Without leases asked ahead, each of the three turns of a second waits for one call.
+        assert!(waited <= 1, "{waited} requests waited for the database over three seconds of steady traffic");
+        assert!((2..=8).contains(&calls), "{calls} calls over three seconds");
+        counts_become(&store, "t", (n, 10 * n, 0)).await;
+    }
+
+    /// Leases asked for the next second count there, and near a limit none is granted: a
+    /// request there is decided as it comes.
+    #[actix_web::test]
+    async fn leases_asked_ahead_count_in_the_next_second_and_never_near_a_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let Some(store) = shared_store(dir.path()).await else {
+            eprintln!("shared limits need PostgreSQL: skipped");
+            return;
+        };
+        let ask = |tenant: &'static str, rpm: i64| AdmitAsk {
+            tenant,
+            batch: false,
+            replica: "rep_a",
+            max_concurrent: None,
+            requests_per_min: Some(rpm),
+            share_concurrent: None,
+            share_requests_per_min: None,
+            bucket: None,
+            want: 4,
+            tokens_per_min: Some(1_000_000),
+            share_tokens_per_min: None,
+            want_tokens: 400,
+            ahead: true,
+        };
+        let v = store.limit_admit(&ask("far", 1_000_000)).await.unwrap();
+        assert_eq!((v.verdict.as_str(), v.granted, v.tokens_granted), ("ok", 4, 400));
+        let (second,): (i64,) = sqlx::query_as("SELECT second FROM limit_seconds WHERE tenant_id = 'far'").fetch_one(store.pool()).await.unwrap();
+        assert_eq!(second, v.now_ms.div_euclid(1000) + 1, "counted in the next second");
+        assert_eq!(counted(&store, "far").await, (4, 400, 4));
+        // Room for seven more: not leased ahead, nothing counted.
+        let v = store.limit_admit(&ask("near", 7)).await.unwrap();
+        assert_eq!((v.verdict.as_str(), v.granted), ("near", 0));
+        assert_eq!(counted(&store, "near").await, (0, 0, 0));
+    }
+
     /// Each tenant's seconds begin at an offset of their own: asked for at one instant, the
     /// leases of twenty tenants end at instants spread over the second, not all at its end
     /// (where they would all come back to the database together).
@@ -1030,6 +1293,10 @@ mod tests {
                 share_requests_per_min: None,
                 bucket: None,
                 want: 1,
+                tokens_per_min: None,
+                share_tokens_per_min: None,
+                want_tokens: 0,
+                ahead: false,
             };
             let v = store.limit_admit(&ask).await.unwrap();
             assert_eq!(v.verdict, "ok");

@@ -34,10 +34,20 @@ pub struct AdmitAsk<'a> {
     /// Admissions wanted at once (this request's and a lease of the rest); at least one is
     /// granted, at most an eighth of the room every limit has left.
     pub want: i64,
+    /// The tokens-per-minute limits (the tenant's, and batch work's share of it), for a lease of
+    /// tokens granted with the admissions.
+    pub tokens_per_min: Option<i64>,
+    pub share_tokens_per_min: Option<i64>,
+    /// Tokens wanted as a lease (0: none); never a refusal, at most an eighth of the room the
+    /// token limits have left.
+    pub want_tokens: i64,
+    /// Leases for the tenant's next second (counted in it) rather than the current one.
+    pub ahead: bool,
 }
 
 /// What [`Store::limit_admit`] decided: `ok` (the request is counted), or which limit
-/// refused it: `concurrent`, `rpm`, `share_concurrent`, `share_rpm`, `bucket`.
+/// refused it: `concurrent`, `rpm`, `share_concurrent`, `share_rpm`, `bucket`; or, asked
+/// `ahead`, `near` (a limit is too near for a lease: nothing was counted).
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
 pub struct AdmitVerdict {
     pub verdict: String,
@@ -47,8 +57,11 @@ pub struct AdmitVerdict {
     pub oldest_ms: Option<i64>,
     /// The bucket's requests, after this one (`ok`) or as found (`bucket`).
     pub held: Option<f64>,
-    /// Admissions granted and counted (`ok`: at least one), 0 when refused.
+    /// Admissions granted and counted (`ok`: at least one), 0 when refused; counted in the
+    /// second of `now_ms`, or in the next one when asked `ahead`.
     pub granted: i64,
+    /// Tokens granted as a lease and counted with the admissions (perhaps 0).
+    pub tokens_granted: i64,
 }
 
 /// What [`Store::limit_reserve`] decided: `ok` (reserved), `share` (batch work's half would be
@@ -97,7 +110,8 @@ impl Store {
         let (cap, rate) = ask.bucket.unwrap_or((-1.0, 0.0));
         let none = |v: Option<i64>| v.map_or(-1, |v| v.max(0));
         Ok(sqlx::query_as(
-            "SELECT verdict, now_ms, oldest_ms, held, granted FROM loraplex_limit_admit_lease($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+            "SELECT verdict, now_ms, oldest_ms, held, granted, tokens_granted \
+             FROM loraplex_limit_admit_leases($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)",
         )
         .bind(ask.tenant)
         .bind(ask.batch as i32)
@@ -111,6 +125,10 @@ impl Store {
         .bind(WINDOW_MS)
         .bind(REPLICA_TIMEOUT_MS)
         .bind(ask.want.max(1))
+        .bind(none(ask.tokens_per_min))
+        .bind(none(ask.share_tokens_per_min))
+        .bind(ask.want_tokens.max(0))
+        .bind(i32::from(ask.ahead))
         .fetch_one(&self.pool)
         .await?)
     }
@@ -176,61 +194,65 @@ impl Store {
         Ok(())
     }
 
-    /// Writes what requests and leases gave back since the last call, each kind in one
-    /// statement (its rows as one JSON parameter): tokens settled (used less reserved, per second),
-    /// admissions of leases not handed out (per second), and concurrency slots let go on
-    /// `replica`. Each list names the rows themselves: batch work's changes are already added to
-    /// its tenant's totals (class 0). Returns which of the three were written.
-    pub async fn limit_apply(&self, replica: &str, changes: &LimitChanges) -> [bool; 3] {
+    /// Writes what requests and leases gave back since the last call, all of it in one
+    /// statement (so one round trip and one transaction; the rows go as JSON parameters): tokens
+    /// settled (used less reserved, per second), admissions of leases not handed out (per
+    /// second), and concurrency slots let go on `replica`. Each list names the rows themselves:
+    /// batch work's changes are already added to its tenant's totals (class 0). Whether it was
+    /// written (all of it, or none).
+    pub async fn limit_apply(&self, replica: &str, changes: &LimitChanges) -> bool {
         #[derive(serde::Serialize)]
-        struct Row<'a> {
+        struct Second<'a> {
             t: &'a str,
             b: i32,
             s: i64,
+            /// Tokens to add.
+            dt: i64,
+            /// Admissions to take back.
+            dr: i64,
+        }
+        #[derive(serde::Serialize)]
+        struct Running<'a> {
+            t: &'a str,
+            b: i32,
             d: i64,
         }
-        let rows = |list: &[(String, bool, i64, i64)]| {
-            let rows: Vec<Row<'_>> = list.iter().map(|(t, b, s, d)| Row { t, b: i32::from(*b), s: *s, d: *d }).collect();
-            serde_json::to_string(&rows).unwrap_or_else(|_| "[]".into())
-        };
-        // Only the slots' statement names the replica.
-        let run = |sql: &'static str, list: &[(String, bool, i64, i64)], replica: Option<&str>| {
-            let (json, empty) = (rows(list), list.is_empty());
-            let replica = replica.map(str::to_string);
-            async move {
-                if empty {
-                    return true;
-                }
-                let query = sqlx::query(sql).bind(json);
-                let query = match replica {
-                    Some(r) => query.bind(r),
-                    None => query,
-                };
-                query.execute(&self.pool).await.is_ok()
-            }
-        };
-        let tokens = run(
-            "UPDATE limit_seconds s SET tokens = GREATEST(s.tokens + x.d, 0) FROM json_to_recordset($1::json) AS x(t TEXT, b INTEGER, s BIGINT, d BIGINT) \
-             WHERE s.tenant_id = x.t AND s.batch = x.b AND s.second = x.s",
-            &changes.tokens,
-            None,
+        // One row per second counted: an UPDATE may change a row once.
+        let mut seconds: std::collections::BTreeMap<(&str, bool, i64), (i64, i64)> = Default::default();
+        for (t, b, s, d) in &changes.tokens {
+            let e = seconds.entry((t.as_str(), *b, *s)).or_default();
+            e.0 = e.0.saturating_add(*d);
+        }
+        for (t, b, s, d) in &changes.requests {
+            let e = seconds.entry((t.as_str(), *b, *s)).or_default();
+            e.1 = e.1.saturating_add(*d);
+        }
+        let mut running: std::collections::BTreeMap<(&str, bool), i64> = Default::default();
+        for (t, b, _, d) in &changes.running {
+            let e = running.entry((t.as_str(), *b)).or_default();
+            *e = e.saturating_add(*d);
+        }
+        if seconds.is_empty() && running.is_empty() {
+            return true;
+        }
+        let seconds: Vec<Second<'_>> = seconds.into_iter().map(|((t, b, s), (dt, dr))| Second { t, b: i32::from(b), s, dt, dr }).collect();
+        let running: Vec<Running<'_>> = running.into_iter().map(|((t, b), d)| Running { t, b: i32::from(b), d }).collect();
+        let (Ok(seconds), Ok(running)) = (serde_json::to_string(&seconds), serde_json::to_string(&running)) else { return false };
+        sqlx::query(
+            "WITH sec AS (UPDATE limit_seconds s SET tokens = GREATEST(s.tokens + x.dt, 0), requests = GREATEST(s.requests - x.dr, 0) \
+                 FROM json_to_recordset($1::json) AS x(t TEXT, b INTEGER, s BIGINT, dt BIGINT, dr BIGINT) \
+                 WHERE s.tenant_id = x.t AND s.batch = x.b AND s.second = x.s RETURNING 1), \
+             run AS (UPDATE limit_running r SET running = GREATEST(r.running - x.d, 0) \
+                 FROM json_to_recordset($2::json) AS x(t TEXT, b INTEGER, d BIGINT) \
+                 WHERE r.tenant_id = x.t AND r.batch = x.b AND r.replica = $3 RETURNING 1) \
+             SELECT (SELECT COUNT(*) FROM sec) + (SELECT COUNT(*) FROM run)",
         )
-        .await;
-        let requests = run(
-            "UPDATE limit_seconds s SET requests = GREATEST(s.requests - x.d, 0) FROM json_to_recordset($1::json) AS x(t TEXT, b INTEGER, s BIGINT, d BIGINT) \
-             WHERE s.tenant_id = x.t AND s.batch = x.b AND s.second = x.s",
-            &changes.requests,
-            None,
-        )
-        .await;
-        let running = run(
-            "UPDATE limit_running r SET running = GREATEST(r.running - x.d, 0) FROM json_to_recordset($1::json) AS x(t TEXT, b INTEGER, s BIGINT, d BIGINT) \
-             WHERE r.tenant_id = x.t AND r.batch = x.b AND r.replica = $2",
-            &changes.running,
-            Some(replica),
-        )
-        .await;
-        [tokens, requests, running]
+        .bind(seconds)
+        .bind(running)
+        .bind(replica)
+        .execute(&self.pool)
+        .await
+        .is_ok()
     }
 }
 
