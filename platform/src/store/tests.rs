@@ -513,3 +513,27 @@ async fn a_key_in_use_is_read_again_in_the_background_before_its_answer_expires(
         }
     }
 }
+
+/// Connections are not checked before every statement (a round trip each), but one idle for a
+/// second or more is: after the server dropped every connection of a pool, a statement a second
+/// later runs on a fresh one instead of failing.
+#[tokio::test]
+async fn connections_the_server_dropped_are_replaced_after_a_quiet_second() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(url) = test_urls(dir.path()).await.into_iter().find(|u| u.starts_with("postgres")) else {
+        eprintln!("needs PostgreSQL: skipped");
+        return;
+    };
+    let s = Store::connect(&url).await.unwrap();
+    s.tenants().await.unwrap();
+    let admin = Store::connect(&url).await.unwrap();
+    let (dropped,): (i64,) = sqlx::query_as(
+        "SELECT COUNT(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()) AS t",
+    )
+    .fetch_one(admin.pool())
+    .await
+    .unwrap();
+    assert!(dropped >= 1, "no connection of the pool was dropped");
+    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    s.tenants().await.expect("a statement after a quiet second runs on a fresh connection");
+}
