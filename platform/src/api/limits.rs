@@ -645,6 +645,7 @@ impl Limiter {
         let cell = shared.leases(tenant, batch);
         let mut leases = cell.lock().await;
         let now = Instant::now();
+        leases.drop_stale_next(now, tenant, batch, &shared.changes);
         leases.promote_admissions(now, tenant, batch, &shared.changes);
         if let Some(a) = leases.admissions.as_mut()
             && a.left > 0
@@ -1109,6 +1110,25 @@ mod tests {
         Some(Store::connect(&url).await.unwrap())
     }
 
+    /// One interactive admission of `tenant` on replica `rep_a`, under no limit, for no lease.
+    fn plain_ask(tenant: &str) -> AdmitAsk<'_> {
+        AdmitAsk {
+            tenant,
+            batch: false,
+            replica: "rep_a",
+            max_concurrent: None,
+            requests_per_min: None,
+            share_concurrent: None,
+            share_requests_per_min: None,
+            bucket: None,
+            want: 1,
+            tokens_per_min: None,
+            share_tokens_per_min: None,
+            want_tokens: 0,
+            ahead: false,
+        }
+    }
+
     /// (requests, tokens) counted for `tenant`'s interactive class, and its concurrency slots.
     async fn counted(store: &Store, tenant: &str) -> (i64, i64, i64) {
         let (requests, tokens): (i64, i64) = sqlx::query_as(
@@ -1245,19 +1265,12 @@ mod tests {
             return;
         };
         let ask = |tenant: &'static str, rpm: i64| AdmitAsk {
-            tenant,
-            batch: false,
-            replica: "rep_a",
-            max_concurrent: None,
             requests_per_min: Some(rpm),
-            share_concurrent: None,
-            share_requests_per_min: None,
-            bucket: None,
             want: 4,
             tokens_per_min: Some(1_000_000),
-            share_tokens_per_min: None,
             want_tokens: 400,
             ahead: true,
+            ..plain_ask(tenant)
         };
         let v = store.limit_admit(&ask("far", 1_000_000)).await.unwrap();
         assert_eq!((v.verdict.as_str(), v.granted, v.tokens_granted), ("ok", 4, 400));
@@ -1283,21 +1296,7 @@ mod tests {
         let mut tenths = std::collections::BTreeSet::new();
         for i in 0..20 {
             let tenant = format!("tenant-{i}");
-            let ask = AdmitAsk {
-                tenant: &tenant,
-                batch: false,
-                replica: "rep_a",
-                max_concurrent: None,
-                requests_per_min: Some(1_000_000),
-                share_concurrent: None,
-                share_requests_per_min: None,
-                bucket: None,
-                want: 1,
-                tokens_per_min: None,
-                share_tokens_per_min: None,
-                want_tokens: 0,
-                ahead: false,
-            };
+            let ask = AdmitAsk { requests_per_min: Some(1_000_000), ..plain_ask(&tenant) };
             let v = store.limit_admit(&ask).await.unwrap();
             assert_eq!(v.verdict, "ok");
             tenths.insert(v.now_ms.rem_euclid(1000) / 100);
