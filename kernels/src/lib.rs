@@ -93,10 +93,10 @@ pub trait Memory {
         dtype == RowDType::F32
     }
     /// Runs `step` (one engine iteration) where this backend's kernels run best: by default on
-    /// the calling thread. The CPU backend runs it on a thread of its rayon pool, so each
-    /// parallel kernel splits among the pool's threads directly, instead of the calling thread
-    /// handing every kernel to the pool and sleeping until it is done (one hand-off per step
-    /// instead of dozens).
+    /// the calling thread. The CPU backend makes the calling thread the first of a rayon pool
+    /// of its own, so each parallel kernel runs there and splits among the pool's threads
+    /// directly, instead of the calling thread handing every kernel (or every step) to the pool
+    /// and sleeping until it is done.
     fn run_step<R: Send>(&self, step: impl FnOnce() -> R + Send) -> R {
         step()
     }

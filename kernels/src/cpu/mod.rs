@@ -35,8 +35,35 @@ pub(crate) fn min_items(per_item: usize) -> usize {
     PAR_MIN_WORK.div_ceil(per_item.max(1))
 }
 
-/// The CPU device. Work runs on rayon's global pool; size it with `RAYON_NUM_THREADS` or
-/// `rayon::ThreadPoolBuilder` before the first op.
+thread_local! {
+    /// The pool a thread that runs engine steps belongs to, as its first thread (see
+    /// [`join_step_pool`]); `None` when it could not be built.
+    static STEP_POOL: std::cell::OnceCell<Option<rayon::ThreadPool>> = const { std::cell::OnceCell::new() };
+}
+
+/// Makes the calling thread the first thread of a pool of its own, of as many threads as the
+/// global pool, once per thread; whether it is one. An engine's thread steps hundreds of times a
+/// second, and a step handed to another pool's thread costs that thread's wake-up, the caller's
+/// sleep and wake-up, and the pool thread's spinning and yielding before it sleeps again: on a
+/// small model, more CPU than the step. As a pool's own thread it runs each step's kernels
+/// itself, and wakes the pool's other threads only for a kernel large enough to split. The
+/// pool lives as long as the thread (rayon keeps such a thread's registry for good).
+fn join_step_pool() -> bool {
+    STEP_POOL.with(|pool| {
+        pool.get_or_init(|| {
+            let threads = rayon::current_num_threads();
+            let built = rayon::ThreadPoolBuilder::new().num_threads(threads).use_current_thread().thread_name(|i| format!("loraplex-step-{i}")).build();
+            built
+                .map_err(|e| eprintln!("warning: the CPU kernels could not start a pool for this thread's steps ({e}); each step is handed to the global pool"))
+                .ok()
+        })
+        .is_some()
+    })
+}
+
+/// The CPU device. Work runs on rayon's global pool, an engine step's on a pool its thread
+/// joins (of as many threads as the global one; see [`join_step_pool`]); size it with
+/// `RAYON_NUM_THREADS` or `rayon::ThreadPoolBuilder` before the first op.
 #[derive(Debug, Default, Clone)]
 pub struct CpuBackend {
     path: Path,
@@ -182,10 +209,11 @@ impl Memory for CpuBackend {
     }
 
     fn run_step<R: Send>(&self, step: impl FnOnce() -> R + Send) -> R {
-        if rayon::current_thread_index().is_some() {
+        if rayon::current_thread_index().is_some() || join_step_pool() {
             return step();
         }
-        // Called from outside the pool: one hand-off for the whole step.
+        // The thread could not join a pool of its own: one hand-off to the global pool for
+        // the whole step.
         rayon::scope(|_| step())
     }
 
@@ -282,6 +310,7 @@ pub(crate) fn advise_huge_pages<T>(buf: &mut [T]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rayon::prelude::*;
 
     #[test]
     fn copy_within_copies_one_range_and_checks_bounds() {
@@ -295,16 +324,40 @@ mod tests {
     }
 
     #[test]
-    fn a_step_runs_on_a_pool_thread() {
+    fn a_step_runs_on_its_own_thread_as_the_first_of_a_pool() {
         let cpu = CpuBackend::new();
-        // From a thread outside the pool (the test's own), the step moves into it ...
+        let global = rayon::current_num_threads();
+        let caller = std::thread::current().id();
         assert_eq!(rayon::current_thread_index(), None);
-        let (outer, inner) = cpu.run_step(|| {
-            let outer = rayon::current_thread_index();
-            // ... and a step started inside the pool stays on its thread.
-            (outer, cpu.run_step(rayon::current_thread_index))
-        });
-        assert!(outer.is_some(), "the step ran outside the pool");
+        // A kernel large enough to split: which threads ran its parts.
+        let split = || -> std::collections::HashSet<std::thread::ThreadId> {
+            (0..64)
+                .into_par_iter()
+                .map(|_| {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                    std::thread::current().id()
+                })
+                .collect()
+        };
+        let mut helpers = std::collections::HashSet::new();
+        for _ in 0..3 {
+            let (thread, index, threads, parts) =
+                cpu.run_step(|| (std::thread::current().id(), rayon::current_thread_index(), rayon::current_num_threads(), split()));
+            // The step stays on the calling thread, the first of a pool as large as the global one ...
+            assert_eq!(thread, caller, "the step was handed to another thread");
+            assert_eq!(index, Some(0));
+            assert_eq!(threads, global);
+            assert!(parts.contains(&caller));
+            if global > 1 {
+                assert!(parts.len() > 1, "a large kernel did not split");
+            }
+            helpers.extend(parts);
+        }
+        // ... the same pool every time.
+        assert!(helpers.len() <= global, "{} threads ran the steps' kernels, the pool has {global}", helpers.len());
+        // A step started on a thread of another pool stays on it.
+        let other = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let (outer, inner) = other.install(|| (std::thread::current().id(), cpu.run_step(|| std::thread::current().id())));
         assert_eq!(inner, outer);
         // The step's result and panics come back to the caller.
         assert_eq!(cpu.run_step(|| 7), 7);
