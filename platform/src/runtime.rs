@@ -17,8 +17,9 @@ use loraplex_adapters::{AdapterLimits, BaseShape};
 use loraplex_kernels::Backend;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
+use crate::actors::routes::Routes;
 pub use crate::actors::{AdapterCounters, Event, HoldError, Holder, RequestId, RuntimeError, TokenOut, Usage, WorkerLocations, WorkerStats};
-use crate::actors::{Cancel, GetStats, InjectFault, LoadAdapter, LocateAdapters, Submit, Supervisor, UnloadAdapter};
+use crate::actors::{Cancel, GetRoutes, GetStats, InjectFault, LoadAdapter, LocateAdapters, Submit, Supervisor, UnloadAdapter};
 use crate::engine::EngineConfig;
 use crate::memory::{AdapterRef, Residency};
 use crate::model::{Model, ModelConfig};
@@ -29,6 +30,8 @@ use crate::tokenizer::Tokenizer;
 /// The running actors and the way to reach them.
 pub struct Runtime<B: Backend> {
     supervisor: Addr<Supervisor<B>>,
+    /// Each worker's mailbox and load: requests go straight there.
+    routes: Arc<Routes<B>>,
     system: System,
     thread: Option<JoinHandle<()>>,
     next_id: AtomicU64,
@@ -90,12 +93,15 @@ impl<B: Backend> Runtime<B> {
             let system = System::new();
             system.block_on(async move {
                 let supervisor = Supervisor::new(devices, tokenizer, config).start();
-                let _ = tx.send((supervisor, System::current()));
+                // Answered once the supervisor has started its workers.
+                let routes = supervisor.send(GetRoutes(std::marker::PhantomData)).await.ok().flatten();
+                let _ = tx.send(routes.map(|routes| (supervisor, routes, System::current())));
             });
             let _ = system.run();
         })?;
-        let (supervisor, system) = rx.recv().map_err(|_| std::io::Error::other("the runtime thread did not start"))?;
-        Ok(Self { supervisor, system, thread: Some(thread), next_id: AtomicU64::new(0), model, shape, adapter_limits, device, pool })
+        let not_started = || std::io::Error::other("the runtime thread did not start");
+        let (supervisor, routes, system) = rx.recv().map_err(|_| not_started())?.ok_or_else(not_started)?;
+        Ok(Self { supervisor, routes, system, thread: Some(thread), next_id: AtomicU64::new(0), model, shape, adapter_limits, device, pool })
     }
 
     /// The base model's configuration (what requests are validated against).
@@ -150,8 +156,9 @@ impl<B: Backend> Runtime<B> {
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (events, rx) = unbounded_channel();
         let n = request.get().n;
+        let route = self.routes.pick(request.get().adapter.as_ref().map(|a| &*a.key)).ok_or_else(no_worker)?;
         let msg = Submit { id, request, placement, events, submitted: Instant::now() };
-        self.supervisor.send(msg).await.map_err(|e| RuntimeError::Unavailable(e.to_string().into()))??;
+        route.addr.send(msg).await.map_err(|e| RuntimeError::Unavailable(e.to_string().into()))??;
         Ok(RequestHandle { id, n, events: rx, finished: false })
     }
 
@@ -162,7 +169,12 @@ impl<B: Backend> Runtime<B> {
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (events, rx) = unbounded_channel();
         let n = request.get().n;
-        self.supervisor.do_send(Submit { id, request, placement, events, submitted: Instant::now() });
+        match self.routes.pick(request.get().adapter.as_ref().map(|a| &*a.key)) {
+            Some(route) => route.addr.do_send(Submit { id, request, placement, events, submitted: Instant::now() }),
+            None => {
+                let _ = events.send(Event::Error(no_worker()));
+            }
+        }
         RequestHandle { id, n, events: rx, finished: false }
     }
 
@@ -259,6 +271,10 @@ impl<B: Backend> Drop for Runtime<B> {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+fn no_worker() -> RuntimeError {
+    RuntimeError::Unavailable("no device worker is healthy; they are being rebuilt".into())
 }
 
 fn check_adapter_dir(key: &Arc<str>, dir: &Path) -> Result<(), SubmitError> {

@@ -5,9 +5,10 @@
 //!   while work remains, so submits, cancels and stats requests are handled between steps.
 //! - The [`Loader`] reads, validates and packs adapters from disk into the machine's one host
 //!   tier, on threads of its own (a `SyncArbiter`); every worker's adapters come through it.
-//! - The [`Supervisor`] starts one worker per device, each on its own arbiter (thread), routes
-//!   each request to a worker where its adapter is resident (else to the least loaded one) and
-//!   has actix restart a worker whose step failed.
+//! - The [`Supervisor`] starts one worker per device, each on its own arbiter (thread), and has
+//!   actix restart a worker whose step failed. A request goes from its caller straight to a
+//!   worker where its adapter is resident (else the least loaded one), chosen by what each
+//!   worker publishes of itself ([`routes`]), not through the supervisor's thread.
 //!
 //! Supervision is explicit: a failed step (an error, or a panic caught around the step) sends
 //! an error event to every request in flight on that worker, which then stops; actix restarts
@@ -18,6 +19,7 @@
 //! [`crate::runtime::Runtime`] is the handle the rest of the program uses.
 
 mod loader;
+pub(crate) mod routes;
 mod supervisor;
 mod text;
 mod worker;
@@ -111,7 +113,7 @@ pub enum RuntimeError {
     Unavailable(Arc<str>),
 }
 
-/// Queues a request on a worker (to the supervisor: on the worker it routes to).
+/// Queues a request on a worker (the one [`routes::Routes::pick`] chose).
 #[derive(Message)]
 #[rtype(result = "Result<(), RuntimeError>")]
 pub struct Submit {
@@ -184,17 +186,10 @@ pub struct InjectFault {
 #[rtype(result = "()")]
 pub(crate) struct Step;
 
-/// A worker's state after a step, for routing.
+/// Asks the supervisor for the workers' routes (none before it started them).
 #[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct WorkerReport {
-    pub worker: usize,
-    /// Whether it has an engine and takes requests.
-    pub healthy: bool,
-    pub in_flight: usize,
-    /// The adapters resident in its pool, when they changed.
-    pub resident: Option<Vec<Arc<str>>>,
-}
+#[rtype(result = "Option<Arc<routes::Routes<B>>>")]
+pub(crate) struct GetRoutes<B: loraplex_kernels::Backend>(pub std::marker::PhantomData<B>);
 
 /// One worker's counters.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]

@@ -1,14 +1,13 @@
 //! Starts the workers, routes requests to them, and has actix restart the ones that fail.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
-use actix::{Actor, Addr, Arbiter, AsyncContext, Context, Handler, ResponseFuture, SyncArbiter};
+use actix::{Actor, Addr, Arbiter, Context, Handler, MessageResult, ResponseFuture, SyncArbiter};
 use loraplex_kernels::Backend;
 
+use super::routes::{Route, Routes, WorkerLoad};
 use super::{
-    Cancel, GetStats, HoldError, InjectFault, LoadAdapter, Loader, LocateAdapters, RunLoad, RuntimeError, Submit, UnloadAdapter, Worker, WorkerLocations,
-    WorkerReport, WorkerStats,
+    Cancel, GetRoutes, GetStats, HoldError, InjectFault, LoadAdapter, Loader, LocateAdapters, RunLoad, UnloadAdapter, Worker, WorkerLocations, WorkerStats,
 };
 use crate::engine::EngineConfig;
 use crate::memory::{LoaderPool, Residency};
@@ -19,12 +18,6 @@ struct Slot<B: Backend> {
     addr: Addr<Worker<B>>,
     /// The worker's own thread; kept so that it lives as long as the supervisor.
     _arbiter: Arbiter,
-    /// Requests routed there and not finished, as of its last report plus routes since.
-    in_flight: usize,
-    /// Adapters resident in its pool, as of its last report.
-    resident: HashSet<Arc<str>>,
-    /// It has an engine (as of its last report); an unhealthy worker gets no requests.
-    healthy: bool,
 }
 
 /// The actor that owns the workers (see the [module docs](super)).
@@ -33,30 +26,21 @@ pub struct Supervisor<B: Backend> {
     tokenizer: Arc<Tokenizer>,
     config: EngineConfig,
     workers: Vec<Slot<B>>,
+    /// What callers route requests by; the workers keep it current.
+    routes: Option<Arc<Routes<B>>>,
 }
 
 impl<B: Backend> Supervisor<B> {
     /// One worker per entry of `devices`: the base model as loaded on that device.
     pub fn new(devices: Vec<Arc<Model<B>>>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Self {
-        Self { devices, tokenizer, config, workers: Vec::new() }
-    }
-
-    /// A healthy worker where the request's adapter is resident, the least loaded of those;
-    /// else the least loaded healthy worker.
-    fn route(&self, submit: &Submit) -> Option<usize> {
-        let key = submit.request.get().adapter.as_ref().map(|a| a.key.clone());
-        let least = |pick: &dyn Fn(&Slot<B>) -> bool| {
-            self.workers.iter().enumerate().filter(|(_, w)| w.healthy && pick(w)).min_by_key(|(i, w)| (w.in_flight, *i)).map(|(i, _)| i)
-        };
-        key.and_then(|k| least(&|w| w.resident.contains(&k))).or_else(|| least(&|_| true))
+        Self { devices, tokenizer, config, workers: Vec::new(), routes: None }
     }
 }
 
 impl<B: Backend> Actor for Supervisor<B> {
     type Context = Context<Self>;
 
-    fn started(&mut self, ctx: &mut Self::Context) {
-        let me = ctx.address().recipient();
+    fn started(&mut self, _ctx: &mut Self::Context) {
         // One host tier for the machine, filled by the loader actor's threads.
         let threads = self.config.adapters.threads.max(1);
         let loader = SyncArbiter::start(threads, || Loader);
@@ -72,12 +56,16 @@ impl<B: Backend> Actor for Supervisor<B> {
                 alive
             })
         });
+        let mut routes = Vec::with_capacity(self.devices.len());
         for (index, model) in self.devices.iter().enumerate() {
             let arbiter = Arbiter::new();
-            let (model, tokenizer, config, host, me) = (model.clone(), self.tokenizer.clone(), self.config.clone(), host.clone(), me.clone());
-            let addr = actix::Supervisor::start_in_arbiter(&arbiter.handle(), move |_| Worker::new(index, model, tokenizer, config, host, Some(me)));
-            self.workers.push(Slot { addr, _arbiter: arbiter, in_flight: 0, resident: HashSet::new(), healthy: true });
+            let load = Arc::new(WorkerLoad::default());
+            let (model, tokenizer, config, host, worker_load) = (model.clone(), self.tokenizer.clone(), self.config.clone(), host.clone(), load.clone());
+            let addr = actix::Supervisor::start_in_arbiter(&arbiter.handle(), move |_| Worker::new(index, model, tokenizer, config, host, worker_load.clone()));
+            routes.push(Route { addr: addr.clone(), load });
+            self.workers.push(Slot { addr, _arbiter: arbiter });
         }
+        self.routes = Some(Arc::new(Routes(routes)));
     }
 
     fn stopped(&mut self, _ctx: &mut Self::Context) {
@@ -87,16 +75,11 @@ impl<B: Backend> Actor for Supervisor<B> {
     }
 }
 
-impl<B: Backend> Handler<Submit> for Supervisor<B> {
-    type Result = ResponseFuture<Result<(), RuntimeError>>;
+impl<B: Backend> Handler<GetRoutes<B>> for Supervisor<B> {
+    type Result = MessageResult<GetRoutes<B>>;
 
-    fn handle(&mut self, msg: Submit, _ctx: &mut Self::Context) -> Self::Result {
-        let Some(i) = self.route(&msg) else {
-            return Box::pin(async { Err(RuntimeError::Unavailable("no device worker is healthy; they are being rebuilt".into())) });
-        };
-        self.workers[i].in_flight += 1;
-        let addr = self.workers[i].addr.clone();
-        Box::pin(async move { addr.send(msg).await.map_err(|e| RuntimeError::Unavailable(format!("worker {i}: {e}").into()))? })
+    fn handle(&mut self, _: GetRoutes<B>, _ctx: &mut Self::Context) -> Self::Result {
+        MessageResult(self.routes.clone())
     }
 }
 
@@ -165,18 +148,5 @@ impl<B: Backend> Handler<InjectFault> for Supervisor<B> {
         let Some(w) = self.workers.get(msg.worker) else { return Box::pin(async { false }) };
         let send = w.addr.send(msg);
         Box::pin(async move { send.await.unwrap_or(false) })
-    }
-}
-
-impl<B: Backend> Handler<WorkerReport> for Supervisor<B> {
-    type Result = ();
-
-    fn handle(&mut self, msg: WorkerReport, _ctx: &mut Self::Context) {
-        let Some(w) = self.workers.get_mut(msg.worker) else { return };
-        w.in_flight = msg.in_flight;
-        w.healthy = msg.healthy;
-        if let Some(resident) = msg.resident {
-            w.resident = resident.into_iter().collect();
-        }
     }
 }

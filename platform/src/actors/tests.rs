@@ -171,3 +171,46 @@ fn a_stream_ends_with_its_tokens_then_done_and_its_usage() {
     settles(&rt);
     rt.shutdown();
 }
+
+/// Requests go from the caller straight to a worker, chosen by what the workers publish of
+/// themselves: spread over the idle ones, and none to a worker whose engine is being rebuilt.
+#[test]
+fn requests_spread_over_the_workers_and_skip_one_without_an_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, tokenizer) = model(dir.path());
+    let config = EngineConfig { pool_bytes: 16 << 20, ..EngineConfig::default() };
+    let rt = Runtime::start(vec![model.clone(), model.clone()], tokenizer.clone(), config).unwrap();
+    let generated = |rt: &Runtime<CpuBackend>| rt.stats_blocking().iter().map(|s| s.generated_tokens).collect::<Vec<_>>();
+    // Two long requests sent back to back: the second finds the first counted on worker 0.
+    let long = || rt.validate(request(vec![1, 40], 64, &[], Default::default(), 1)).unwrap();
+    let handles: Vec<_> = (0..2).map(|_| rt.submit_detached(long(), Default::default())).collect();
+    for h in handles {
+        h.collect_blocking().unwrap();
+    }
+    assert_eq!(generated(&rt), [64, 64]);
+
+    // Worker 1 fails and its rebuilds keep failing for a while: it gets nothing meanwhile.
+    assert!(futures::executor::block_on(rt.inject_fault(1, "drill", 3)));
+    let began = Instant::now();
+    while rt.stats_blocking()[1].unhealthy.is_none() {
+        assert!(began.elapsed() < Duration::from_secs(10), "worker 1 never became unhealthy");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let handles: Vec<_> = (0..4).map(|_| rt.submit_blocking(request(vec![1, 40], 2, &[], Default::default(), 1), Default::default()).unwrap()).collect();
+    for h in handles {
+        h.collect_blocking().unwrap();
+    }
+    let now = generated(&rt);
+    assert_eq!(now, [64 + 8, 64]);
+    // Rebuilt, it takes requests again.
+    let began = Instant::now();
+    while rt.stats_blocking()[1].unhealthy.is_some() {
+        assert!(began.elapsed() < Duration::from_secs(20), "worker 1 was never rebuilt");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let handles: Vec<_> = (0..2).map(|_| rt.submit_detached(long(), Default::default())).collect();
+    for h in handles {
+        h.collect_blocking().unwrap();
+    }
+    assert_eq!(generated(&rt), [64 + 8 + 64, 64 + 64]);
+}

@@ -5,14 +5,15 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Instant;
 
-use actix::{Actor, ActorContext, AsyncContext, Context, Handler, Recipient, Supervised};
+use actix::{Actor, ActorContext, AsyncContext, Context, Handler, Supervised};
 use loraplex_kernels::Backend;
 use tokio::sync::mpsc::UnboundedSender;
 
+use super::routes::WorkerLoad;
 use super::text::{TextEnded, TextJob, TextStage};
 use super::{
     AdapterCounters, Cancel, Event, GetStats, HoldError, InjectFault, LoadAdapter, LocateAdapters, RequestId, RuntimeError, Step, Submit, UnloadAdapter,
-    WorkerLocations, WorkerReport, WorkerStats,
+    WorkerLocations, WorkerStats,
 };
 use crate::engine::{Engine, EngineConfig, EngineError, SeqId, TokenEvent};
 use crate::memory::{LoaderPool, Residency};
@@ -53,7 +54,8 @@ pub struct Worker<B: Backend> {
     failing_rebuilds: u32,
     /// Failed rebuilds in a row, for the backoff.
     rebuild_attempts: u32,
-    supervisor: Option<Recipient<WorkerReport>>,
+    /// What routing reads of this worker (see [`super::routes`]).
+    load: Arc<WorkerLoad>,
     steps: u64,
     generated: u64,
     restarts: u64,
@@ -69,7 +71,7 @@ impl<B: Backend> Worker<B> {
         tokenizer: Arc<Tokenizer>,
         config: EngineConfig,
         host: Option<Arc<LoaderPool>>,
-        supervisor: Option<Recipient<WorkerReport>>,
+        load: Arc<WorkerLoad>,
     ) -> Self {
         let engine = Self::build(&model, &tokenizer, &config, &host);
         Self {
@@ -86,7 +88,7 @@ impl<B: Backend> Worker<B> {
             fault: None,
             failing_rebuilds: 0,
             rebuild_attempts: 0,
-            supervisor,
+            load,
             steps: 0,
             generated: 0,
             restarts: 0,
@@ -179,13 +181,15 @@ impl<B: Backend> Worker<B> {
         }
     }
 
+    /// Publishes this worker's load and health for routing, and its resident adapters when
+    /// they changed.
     fn report(&mut self, resident_changed: bool) {
-        let Some(sup) = &self.supervisor else { return };
-        let resident = match (&self.engine, resident_changed) {
-            (Ok(engine), true) => Some(engine.resident_adapters()),
-            _ => None,
-        };
-        sup.do_send(WorkerReport { worker: self.index, healthy: self.engine.is_ok(), in_flight: self.flights.len(), resident });
+        self.load.set(self.flights.len(), self.engine.is_ok());
+        match (&self.engine, resident_changed) {
+            (Ok(engine), true) => self.load.set_resident(engine.resident_adapters()),
+            (Err(_), _) => self.load.set_resident(Vec::new()),
+            _ => {}
+        }
     }
 
     /// One engine iteration; `Err` means the engine can no longer be trusted.
