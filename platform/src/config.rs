@@ -789,6 +789,11 @@ pub struct BenchClusterArgs {
     /// Tokens each request generates.
     #[arg(long, default_value_t = 1)]
     pub max_tokens: u32,
+    /// Compute and HTTP threads of each replica (`--threads`, `--http-workers`); default: the
+    /// machine's cores divided among the replicas, at least one, as pods with CPU limits would
+    /// have. The one SQLite server has all the cores.
+    #[arg(long)]
+    pub replica_threads: Option<usize>,
     /// Seconds each phase is measured (after a warm-up of a fifth of it).
     #[arg(long, default_value_t = 20.0)]
     pub seconds: f64,

@@ -8,6 +8,11 @@
 //! The replicas also serve tenants without limits, apart: what the key and the ledger cost
 //! alone, without the limits' rows.
 //!
+//! The one server runs with the machine's cores; each replica with its share of them
+//! (`--replica-threads`, by default the cores divided among the replicas, at least one), as a
+//! replica in a pod with a CPU limit would: the thread counts a server picks by default follow
+//! the limit.
+//!
 //! Reported for each: requests per second, how busy the machine's cores were, the clients' latency, and the time each request spent
 //! on database-backed state (its key, its tenant's limits, its ledger row), from the servers'
 //! `loraplex_state_seconds` histograms over the timed window (quantiles are bucket upper bounds).
@@ -281,12 +286,19 @@ pub fn run(args: &BenchClusterArgs) -> anyhow::Result<()> {
     // Both configurations run side by side: first each one's capacity (clients back to back),
     // then each at the same offered load, a fraction of the smaller capacity, where the time on
     // shared state is compared.
+    // The one server has the machine; each replica its share of it, as a pod with a CPU
+    // limit sees it (the thread counts a server picks by default follow the limit).
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let replica_count = args.replicas.max(1);
+    let replica_threads = args.replica_threads.unwrap_or(cores / replica_count).max(1);
+    let threads = replica_threads.to_string();
     let one = vec![start(&exe, &scratch.path().join("sqlite"), &model, &[])?];
     let db = fresh_database(&pg)?;
     let mut replicas = Vec::new();
-    for i in 0..args.replicas.max(1) {
+    for i in 0..replica_count {
         let host = format!("127.0.0.{}", i + 1);
-        replicas.push(start(&exe, &scratch.path().join(format!("pg{i}")), &model, &["--database-url", &db, "--host", &host])?);
+        let extra = ["--database-url", &db, "--host", &host, "--threads", &threads, "--http-workers", &threads];
+        replicas.push(start(&exe, &scratch.path().join(format!("pg{i}")), &model, &extra)?);
     }
     let (sqlite_name, pg_name) = ("SQLite, 1 server".to_string(), format!("PostgreSQL, {} replicas", replicas.len()));
     let sqlite_keys = Arc::new(tenants(&one[0].client(), args.tenants.max(1), true)?);
@@ -312,6 +324,7 @@ pub fn run(args: &BenchClusterArgs) -> anyhow::Result<()> {
     drop((one, replicas));
 
     println!("machine: {machine}");
+    println!("each replica: {replica_threads} compute and {replica_threads} HTTP threads (the one server: {cores} of each)");
     println!(
         "{} clients over {} tenants, {} new tokens each request; paced phases offer a fraction of the smaller capacity ({capacity:.0}/s)",
         args.clients, args.tenants, args.max_tokens
@@ -344,6 +357,8 @@ pub fn run(args: &BenchClusterArgs) -> anyhow::Result<()> {
         "clients": args.clients,
         "tenants": args.tenants,
         "max_tokens": args.max_tokens,
+        "replica_threads": replica_threads,
+        "server_threads": cores,
         "capacity_per_s": capacity,
         "phases": phases,
         "overheads": overheads,
