@@ -45,6 +45,11 @@ impl WorkerLoad {
         *self.resident.write().unwrap_or_else(|e| e.into_inner()) = resident;
     }
 
+    /// Counts one more request sent here, until the worker's next count.
+    fn routed(&self) {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+    }
+
     fn holds(&self, key: &str) -> bool {
         self.resident.read().unwrap_or_else(|e| e.into_inner()).contains(key)
     }
@@ -73,7 +78,7 @@ impl<B: Backend> Routes<B> {
     /// count.
     pub(crate) fn pick(&self, adapter: Option<&str>) -> Option<&Route<B>> {
         let route = &self.0[choose(self.0.iter().map(|r| &*r.load), adapter)?];
-        route.load.in_flight.fetch_add(1, Ordering::Relaxed);
+        route.load.routed();
         Some(route)
     }
 }
@@ -98,7 +103,7 @@ mod tests {
     /// [`choose`], counted as [`Routes::pick`] counts it.
     fn pick(loads: &[WorkerLoad], adapter: Option<&str>) -> Option<usize> {
         let i = choose(loads.iter(), adapter)?;
-        loads[i].in_flight.fetch_add(1, Ordering::Relaxed);
+        loads[i].routed();
         Some(i)
     }
 

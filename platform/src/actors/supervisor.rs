@@ -1,4 +1,5 @@
-//! Starts the workers, routes requests to them, and has actix restart the ones that fail.
+//! Starts the workers (and the routes callers send requests by), and has actix restart the ones
+//! that fail.
 
 use std::sync::Arc;
 
