@@ -216,7 +216,7 @@ fn paged_attention_matches_the_cpu() {
                 attention_case(&g, &c, &mut r, dtype, Case { what: &what, ..case });
             }
         }
-        g.set_grouped_decode(false);
+        g.set_grouped_decode(true);
         // Prefill with a cached prefix, chunks not multiples of the tile, mixed with decode rows.
         attention_case(
             &g,

@@ -1045,10 +1045,11 @@ pub struct BenchEngineArgs {
     /// Prompt tokens per prefill measurement.
     #[arg(long, default_value_t = 512)]
     pub prefill_tokens: usize,
-    /// CUDA: decode attention through the grouped kernels (a block per KV head for the query
-    /// heads that share it) where the model's grouping has one; off by default until measured.
+    /// CUDA: decode attention a block per query head, not through the grouped kernels (a block
+    /// per KV head for the query heads that share it), which are the default where the model's
+    /// grouping has one.
     #[arg(long)]
-    pub grouped_decode: bool,
+    pub no_grouped_decode: bool,
     /// Where the JSON report goes.
     #[arg(long, default_value = "bench-engine.json")]
     pub out: PathBuf,

@@ -189,8 +189,7 @@ pub struct CudaBackend {
     /// The type of activations and weights (f32 or bf16).
     compute: DType,
     /// Decode attention with the grouped kernels (a block per KV head for its query heads) where
-    /// the model's grouping has one; off by default until measured to pay (see
-    /// [`CudaBackend::set_grouped_decode`]).
+    /// the model's grouping has one; on by default (see [`CudaBackend::set_grouped_decode`]).
     grouped_decode: AtomicBool,
     /// The copy queue for [`crate::Memory::start_upload`]: a second, non-blocking stream, made
     /// at the first upload.
@@ -305,7 +304,7 @@ impl CudaBackend {
             lora_scratch: Mutex::new(None),
             attn_scratch: Mutex::new(None),
             compute: DType::F32,
-            grouped_decode: AtomicBool::new(false),
+            grouped_decode: AtomicBool::new(true),
             copy_stream: OnceLock::new(),
             staging: Arc::new(Mutex::new(Vec::new())),
         })
@@ -416,7 +415,9 @@ impl CudaBackend {
 
     /// Whether decode attention uses the grouped kernels (one block per KV head reading each
     /// key and value row once for the query heads that share it) where the heads' grouping has
-    /// one (groups of 2, 4 and 8); otherwise one block per query head.
+    /// one (groups of 2, 4 and 8); otherwise one block per query head. On by default: on an
+    /// H200 they made 7b decode steps with 8 KV heads 34% and 41% faster at batch 8 and 32, and
+    /// 1% slower at batch 1.
     pub fn set_grouped_decode(&self, on: bool) {
         self.grouped_decode.store(on, Ordering::Relaxed);
     }

@@ -117,8 +117,9 @@ struct Report {
     host: super::Machine,
     model: ModelInfo,
     rows: Vec<Row>,
-    /// CUDA: decode attention through the grouped kernels.
-    grouped_decode: bool,
+    /// CUDA: whether decode attention went through the grouped kernels where the model's
+    /// grouping has one (the default) or a block per query head; absent on the CPU.
+    grouped_decode: Option<bool>,
     mfu_target_at_largest_batch: f64,
     mbu_target_at_batch_1: f64,
 }
@@ -173,7 +174,7 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<()> {
             crate::config::check_cuda_dtypes(args.matmul_dtype, args.kv_dtype).map_err(anyhow::Error::msg)?;
             let compute = args.matmul_dtype.cuda_compute();
             let g = Arc::new(super::open_cuda(n.unwrap_or(0), compute, &format!("bench engine --device {}", args.device))?);
-            g.set_grouped_decode(args.grouped_decode);
+            g.set_grouped_decode(!args.no_grouped_decode);
             // The CUDA backend stores every weight in the type it computes in.
             measure(g, Machine::measure_cuda, super::Machine::here(), &dir, source, compute.size(), args)
         }
@@ -210,7 +211,7 @@ fn measure<B: Backend>(
     }
     eprintln!("prefill, {} tokens ...", args.prefill_tokens);
     rows.push(prefill_row(&model, &tokenizer, &costs, limits(&backend)?, args)?);
-    let grouped_decode = args.grouped_decode && matches!(args.device, Device::Cuda(_));
+    let grouped_decode = matches!(args.device, Device::Cuda(_)).then_some(!args.no_grouped_decode);
     let report = Report { host, model: info, rows, grouped_decode, mfu_target_at_largest_batch: MFU_TARGET, mbu_target_at_batch_1: MBU_TARGET };
     print_table(&report);
     std::fs::write(&args.out, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", args.out.display()))?;
@@ -352,8 +353,10 @@ impl Measured {
 
 fn print_table(r: &Report) {
     println!("machine: {}", r.host);
-    if r.grouped_decode {
-        println!("decode attention: the grouped kernels");
+    match r.grouped_decode {
+        Some(true) => println!("decode attention: the grouped kernels where the heads' grouping has one"),
+        Some(false) => println!("decode attention: a block per query head (--no-grouped-decode)"),
+        None => {}
     }
     println!(
         "model: {} ({:.1} M parameters, {:.0} MB of weights read per step), KV pool in {:?}",
