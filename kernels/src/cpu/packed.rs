@@ -9,8 +9,8 @@
 //! loads of the panel, one broadcast per row, and two FMAs per row. `MR` is 12 on paths with 32
 //! vector registers (AVX-512, NEON) and 6 on those with 16 (AVX2).
 //!
-//! A single row (decode at batch 1) takes another loop over the same panels, several side by
-//! side, to keep more loads in flight (see [`matvec`]).
+//! One or two rows (decode at batch 1 or 2) take another loop over the same panels, several
+//! side by side, to keep more loads in flight (see [`few_rows`]).
 //!
 //! Every output element is accumulated in the same order (bias, then `kk = 0, 1, ..`) whatever
 //! the tile height, and in the single-row loop, so a row's result does not depend on which other
@@ -30,6 +30,13 @@ mod pairs;
 const ROW_CHUNK: usize = 96;
 /// The largest tile height of any path.
 const MAX_MR: usize = 12;
+
+/// Batches of at most this many rows take [`few_rows`] instead of tiles: on a 2-core AVX2
+/// machine two rows there took 0.4x to 0.8x the time of a two-row tile, from weights in L2 to
+/// weights in memory; three rows (two passes) were no faster than a tile.
+const FEW_ROWS: usize = 2;
+/// Rows [`few_rows`] takes in one pass over the weight.
+const FEW_ROWS_PER_PASS: usize = 2;
 
 /// Tile height on `path`.
 fn mr(path: Path) -> usize {
@@ -196,8 +203,8 @@ fn matmul_typed<E: Elem + Send + Sync>(x: &[f32], packed: &[E], panels: &Panels,
     let mr = mr(path);
     let dst = OutPtr(out.as_mut_ptr());
     let count = n.div_ceil(nr);
-    if rows == 1 {
-        matvec(x, packed, panels, bias, out, k, n);
+    if rows <= FEW_ROWS {
+        few_rows(x, packed, panels, bias, out, rows, k, n);
         return;
     }
     let mut xp = Vec::new();
@@ -297,29 +304,41 @@ impl<E: Elem> Kernel for PanelTask<'_, E> {
     }
 }
 
-/// One row times the weight (a decode step at batch 1, bound by how fast the panels stream
-/// from memory). A tile of one row keeps only two FMA chains in flight and one panel streaming
-/// at a time, which leaves most of the memory bandwidth unused; here each task walks `G`
-/// neighbouring panels side by side (`2 G` accumulators, `G` streams). Every output element
-/// still starts from its bias and adds `kk = 0, 1, ..` in order, exactly as in a tile, so the
-/// row's result is the same bits as when it shares a batch.
-fn matvec<E: Elem + Send + Sync>(x: &[f32], packed: &[E], panels: &Panels, bias: Option<&[f32]>, out: &mut [f32], k: usize, n: usize) {
+/// A few rows times the weight (decode at a small batch, bound by how fast the panels stream
+/// from memory). A tile keeps one panel streaming at a time, which leaves most of the memory
+/// bandwidth unused; here each task walks `G` neighbouring panels side by side for `R` rows
+/// (`2 R G` accumulators, `G` streams), the rows taken a few at a time, so that the weight is
+/// read `rows / R` times at a rate near the machine's. Every output element still starts from
+/// its bias and adds `kk = 0, 1, ..` in order, exactly as in a tile, so a row's result is the
+/// same bits as when it shares a batch of any size.
+#[allow(clippy::too_many_arguments)] // `matmul`'s operands with the panels' typed data
+fn few_rows<E: Elem + Send + Sync>(x: &[f32], packed: &[E], panels: &Panels, bias: Option<&[f32]>, out: &mut [f32], rows: usize, k: usize, n: usize) {
     let (nr, path) = (panels.nr, panels.path);
     let count = n.div_ceil(nr);
-    // Accumulators and the broadcast row value must fit in the registers; every thread gets
-    // at least one group (a small weight is not left to one thread).
-    let most = if path.registers() >= 32 { 8 } else { 6 };
-    let per = count.div_ceil(rayon::current_num_threads()).clamp(1, most);
+    // Panels side by side for one row and for two: the accumulators, the rows' broadcasts and
+    // a panel's two loads fit in the registers.
+    let most = if path.registers() >= 32 { [8, 6] } else { [6, 3] };
+    let passes = rows.div_ceil(FEW_ROWS_PER_PASS);
+    let fullest = rows.min(FEW_ROWS_PER_PASS);
+    // Every thread gets at least one group (a small weight is not left to one thread); a pass
+    // of one row (the last, for an odd count) takes the same groups as a pass of two.
+    let threads = rayon::current_num_threads();
+    let per = (count * passes).div_ceil(threads).div_ceil(passes).clamp(1, most[fullest - 1]);
+    let groups = count.div_ceil(per);
     let dst = OutPtr(out.as_mut_ptr());
-    (0..count.div_ceil(per)).into_par_iter().with_min_len(min_items(per * k * nr)).for_each(|g| {
-        let p0 = g * per;
+    (0..passes * groups).into_par_iter().with_min_len(min_items(fullest * per * k * nr)).for_each(|t| {
+        let (c, g) = (t / groups, t % groups);
+        let (r0, p0) = (c * FEW_ROWS_PER_PASS, g * per);
+        let r = FEW_ROWS_PER_PASS.min(rows - r0);
         let group = per.min(count - p0);
-        path.run(RowGroup {
-            x: &x[..k],
+        path.run(RowsGroup {
+            x: &x[r0 * k..(r0 + r) * k],
+            rows: r,
             panels: &packed[p0 * k * nr..(p0 + group) * k * nr],
             bias: bias.map(|b| &b[p0 * nr..n]),
-            // SAFETY: column p0 * nr lies inside out (n elements).
-            out: unsafe { dst.at(p0 * nr) },
+            // SAFETY: row r0, column p0 * nr lies inside out (rows * n elements).
+            out: unsafe { dst.at(r0 * n + p0 * nr) },
+            out_rs: n,
             cols: n - p0 * nr,
             k,
             group,
@@ -327,41 +346,51 @@ fn matvec<E: Elem + Send + Sync>(x: &[f32], packed: &[E], panels: &Panels, bias:
     });
 }
 
-/// One row against `group` neighbouring panels (at most 8).
-struct RowGroup<'a, E> {
+/// One or two rows against `group` neighbouring panels (at most 8 for one row, 6 for two).
+struct RowsGroup<'a, E> {
+    /// The rows, `k` values each, one after the other.
     x: &'a [f32],
+    rows: usize,
     panels: &'a [E],
     /// The bias from the group's first column on.
     bias: Option<&'a [f32]>,
-    /// The group's first output column.
+    /// The first row's output at the group's first column.
     out: OutPtr,
+    /// Distance between output rows.
+    out_rs: usize,
     /// Output columns from the group's first one to the end of the row.
     cols: usize,
     k: usize,
     group: usize,
 }
 
-impl<E: Elem> Kernel for RowGroup<'_, E> {
+impl<E: Elem> Kernel for RowsGroup<'_, E> {
     type Output = ();
 
     #[inline(always)]
     fn run<S: Isa>(self, s: S) {
-        match self.group {
-            8 => self.panels_side_by_side::<S, 8>(s),
-            7 => self.panels_side_by_side::<S, 7>(s),
-            6 => self.panels_side_by_side::<S, 6>(s),
-            5 => self.panels_side_by_side::<S, 5>(s),
-            4 => self.panels_side_by_side::<S, 4>(s),
-            3 => self.panels_side_by_side::<S, 3>(s),
-            2 => self.panels_side_by_side::<S, 2>(s),
-            _ => self.panels_side_by_side::<S, 1>(s),
+        match (self.rows, self.group) {
+            (1, 8) => self.side_by_side::<S, 1, 8>(s),
+            (1, 7) => self.side_by_side::<S, 1, 7>(s),
+            (1, 6) => self.side_by_side::<S, 1, 6>(s),
+            (1, 5) => self.side_by_side::<S, 1, 5>(s),
+            (1, 4) => self.side_by_side::<S, 1, 4>(s),
+            (1, 3) => self.side_by_side::<S, 1, 3>(s),
+            (1, 2) => self.side_by_side::<S, 1, 2>(s),
+            (1, _) => self.side_by_side::<S, 1, 1>(s),
+            (_, 6) => self.side_by_side::<S, 2, 6>(s),
+            (_, 5) => self.side_by_side::<S, 2, 5>(s),
+            (_, 4) => self.side_by_side::<S, 2, 4>(s),
+            (_, 3) => self.side_by_side::<S, 2, 3>(s),
+            (_, 2) => self.side_by_side::<S, 2, 2>(s),
+            (_, _) => self.side_by_side::<S, 2, 1>(s),
         }
     }
 }
 
-impl<E: Elem> RowGroup<'_, E> {
+impl<E: Elem> RowsGroup<'_, E> {
     #[inline(always)]
-    fn panels_side_by_side<S: Isa, const G: usize>(&self, s: S) {
+    fn side_by_side<S: Isa, const R: usize, const G: usize>(&self, s: S) {
         let lanes = S::F32_LANES;
         let nr = 2 * lanes;
         let k = self.k;
@@ -370,7 +399,7 @@ impl<E: Elem> RowGroup<'_, E> {
             let c = nr.min(self.cols - g * nr);
             (c.min(lanes), c.saturating_sub(lanes))
         };
-        let mut acc: [[S::f32s; 2]; G] = std::array::from_fn(|g| match self.bias {
+        let start: [[S::f32s; 2]; G] = std::array::from_fn(|g| match self.bias {
             Some(b) => {
                 let (lo, hi) = split(g);
                 let b = &b[g * nr..];
@@ -378,26 +407,34 @@ impl<E: Elem> RowGroup<'_, E> {
             }
             None => [s.splat_f32s(0.0); 2],
         });
-        assert!(self.panels.len() >= G * k * nr && self.x.len() >= k && self.cols > (G - 1) * nr);
-        let w = self.panels.as_ptr();
-        // SAFETY: reads are x[kk] for kk < k and panel g's row kk, w[g * k * nr + kk * nr ..
-        // + nr] for g < G (checked above); the writes are panel g's real columns, inside the
-        // output row, which only this task writes.
+        let mut acc = [start; R];
+        assert!(self.rows == R && self.panels.len() >= G * k * nr && self.x.len() >= R * k && self.cols > (G - 1) * nr);
+        let (x, w) = (self.x.as_ptr(), self.panels.as_ptr());
+        // SAFETY: reads are x[r * k + kk] for r < R, kk < k, and panel g's row kk, w[g * k * nr
+        // + kk * nr .. + nr] for g < G (checked above); the writes are panel g's real columns
+        // of the R output rows, which only this task writes.
         unsafe {
             for kk in 0..k {
-                let xv = s.splat_f32s(*self.x.as_ptr().add(kk));
-                for (g, a) in acc.iter_mut().enumerate() {
+                let xv: [S::f32s; R] = std::array::from_fn(|r| s.splat_f32s(*x.add(r * k + kk)));
+                for g in 0..G {
                     let p = w.add(g * k * nr + kk * nr);
-                    a[0] = s.mul_add_e_f32s(xv, E::load(s, p), a[0]);
-                    a[1] = s.mul_add_e_f32s(xv, E::load(s, p.add(lanes)), a[1]);
+                    let (w0, w1) = (E::load(s, p), E::load(s, p.add(lanes)));
+                    // Each panel row is loaded once and used for every row.
+                    for (row_acc, &xr) in acc.iter_mut().zip(&xv) {
+                        let a = &mut row_acc[g];
+                        a[0] = s.mul_add_e_f32s(xr, w0, a[0]);
+                        a[1] = s.mul_add_e_f32s(xr, w1, a[1]);
+                    }
                 }
             }
-            for (g, a) in acc.iter().enumerate() {
-                let (lo, hi) = split(g);
-                let row = std::slice::from_raw_parts_mut(self.out.0.add(g * nr), lo + hi);
-                let (l, h) = row.split_at_mut(lo);
-                s.partial_store_f32s(l, a[0]);
-                s.partial_store_f32s(h, a[1]);
+            for (r, row_acc) in acc.iter().enumerate() {
+                for (g, a) in row_acc.iter().enumerate() {
+                    let (lo, hi) = split(g);
+                    let row = std::slice::from_raw_parts_mut(self.out.0.add(r * self.out_rs + g * nr), lo + hi);
+                    let (l, h) = row.split_at_mut(lo);
+                    s.partial_store_f32s(l, a[0]);
+                    s.partial_store_f32s(h, a[1]);
+                }
             }
         }
     }
