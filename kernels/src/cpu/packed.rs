@@ -13,7 +13,7 @@
 //! side by side, to keep more loads in flight (see [`few_rows`]).
 //!
 //! Every output element is accumulated in the same order (bias, then `kk = 0, 1, ..`) whatever
-//! the tile height, and in the single-row loop, so a row's result does not depend on which other
+//! the tile height, and in the few-rows loop, so a row's result does not depend on which other
 //! rows share its batch, on every path.
 
 use rayon::prelude::*;
@@ -32,8 +32,8 @@ const ROW_CHUNK: usize = 96;
 const MAX_MR: usize = 12;
 
 /// Batches of at most this many rows take [`few_rows`] instead of tiles: on a 2-core AVX2
-/// machine two rows there took 0.4x to 0.8x the time of a two-row tile, from weights in L2 to
-/// weights in memory; three rows (two passes) were no faster than a tile.
+/// machine two rows there took 0.25x to 0.6x the time of a two-row tile on weights in cache and
+/// 0.4x to 0.85x on weights in memory; three rows (two passes) were no faster than a tile.
 const FEW_ROWS: usize = 2;
 /// Rows [`few_rows`] takes in one pass over the weight.
 const FEW_ROWS_PER_PASS: usize = 2;
