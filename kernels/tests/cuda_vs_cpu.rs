@@ -351,6 +351,76 @@ fn uploads_on_the_copy_stream_land_in_order() {
     assert!(g.start_upload(&mut half, &[(0, &[1.0])]).is_err(), "only f32 buffers");
 }
 
+/// Where an adapter's residency from host memory goes (printed, not asserted: a measurement):
+/// 80 MB in 160 pool-page writes of 512 KiB, as a 7b rank-16 adapter lands. The upload call
+/// itself (filling the page-locked chunks and queueing their copies) against the wait for the
+/// copies after it returns, beside a plain host copy of the same values (what filling costs at
+/// best) and a synchronous write from pageable memory.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn upload_time_is_split_between_filling_and_copying() {
+    let (g, mut r) = (gpu(), rng());
+    let (page, pages) = (1 << 17, 160);
+    let n = page * pages;
+    let mut pool = g.zeros_f32(2 * n).unwrap();
+    // Half the pages one after another, the other half every other page, as in a pool in use.
+    let dst: Vec<usize> = (0..pages).map(|i| if i < pages / 2 { i * page } else { (2 * i - pages / 2) * page }).collect();
+    let values: Vec<Vec<f32>> = (0..pages).map(|_| randn(&mut r, page, 1.0)).collect();
+    let writes: Vec<(usize, &[f32])> = dst.iter().zip(&values).map(|(d, v)| (*d, v.as_slice())).collect();
+    let ms = |t: std::time::Instant| t.elapsed().as_secs_f64() * 1e3;
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (mut call, mut total, mut host, mut pageable) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut scratch = vec![0f32; n];
+    for round in 0..7 {
+        g.synchronize().unwrap();
+        let t = std::time::Instant::now();
+        let mut up = g.start_upload(&mut pool, &writes).unwrap();
+        let returned = ms(t);
+        while !up.is_landed().unwrap() {
+            std::hint::spin_loop();
+        }
+        let landed = ms(t);
+        let t = std::time::Instant::now();
+        for (i, v) in values.iter().enumerate() {
+            scratch[i * page..(i + 1) * page].copy_from_slice(v);
+        }
+        std::hint::black_box(&scratch);
+        let copied = ms(t);
+        let t = std::time::Instant::now();
+        for (d, v) in &writes {
+            g.write_f32(&mut pool, *d, v).unwrap();
+        }
+        g.synchronize().unwrap();
+        let written = ms(t);
+        if round > 0 {
+            // The first round allocates the staging chunks.
+            call.push(returned);
+            total.push(landed);
+            host.push(copied);
+            pageable.push(written);
+        } else {
+            println!("upload of {} MB, first (allocates staging): call {returned:.2} ms, landed {landed:.2} ms", (n * 4) >> 20);
+        }
+    }
+    let got = g.download_f32(&pool).unwrap();
+    for (d, v) in &writes {
+        assert_eq!(&got[*d..*d + v.len()], *v);
+    }
+    let (call, total) = (median(call), median(total));
+    println!(
+        "upload of {} MB, median of 6: call (fill + queue) {call:.2} ms, landed {total:.2} ms ({:.2} after the call; {:.1} GB/s end to end); \
+         plain host copy {:.2} ms; synchronous pageable writes {:.2} ms",
+        (n * 4) >> 20,
+        total - call,
+        (n * 4) as f64 / total / 1e6,
+        median(host),
+        median(pageable)
+    );
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn sampling_helpers_match_the_cpu() {

@@ -19,7 +19,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use crate::actors::routes::Routes;
 pub use crate::actors::{AdapterCounters, Event, HoldError, Holder, RequestId, RuntimeError, TokenOut, Usage, WorkerLocations, WorkerStats};
-use crate::actors::{Cancel, GetRoutes, GetStats, InjectFault, LoadAdapter, LocateAdapters, Submit, Supervisor, UnloadAdapter};
+use crate::actors::{Cancel, GetRoutes, GetStats, InjectFault, LoadAdapter, LocateAdapters, Submit, Supervisor, UnloadAdapter, WorkerThreads, join_workers};
 use crate::engine::EngineConfig;
 use crate::memory::{AdapterRef, Residency};
 use crate::model::{Model, ModelConfig};
@@ -91,13 +91,17 @@ impl<B: Backend> Runtime<B> {
         let (tx, rx) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new().name("loraplex-runtime".into()).spawn(move || {
             let system = System::new();
+            let threads = WorkerThreads::default();
+            let workers = threads.clone();
             system.block_on(async move {
-                let supervisor = Supervisor::new(devices, tokenizer, config).start();
+                let supervisor = Supervisor::new(devices, tokenizer, config, workers).start();
                 // Answered once the supervisor has started its workers.
                 let routes = supervisor.send(GetRoutes(std::marker::PhantomData)).await.ok().flatten();
                 let _ = tx.send(routes.map(|routes| (supervisor, routes, System::current())));
             });
             let _ = system.run();
+            // Stopping the system stops the workers' threads without waiting for them.
+            join_workers(&threads);
         })?;
         let not_started = || std::io::Error::other("the runtime thread did not start");
         let (supervisor, routes, system) = rx.recv().map_err(|_| not_started())?.ok_or_else(not_started)?;

@@ -39,7 +39,7 @@ use crate::scheduler::Placement;
 
 pub use crate::memory::{HoldError, Holder};
 pub use loader::{Loader, RunLoad};
-pub use supervisor::Supervisor;
+pub use supervisor::{Supervisor, WorkerThreads, join_workers};
 pub use worker::Worker;
 
 /// Names one submitted request for as long as the runtime runs.

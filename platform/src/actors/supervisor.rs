@@ -1,9 +1,9 @@
 //! Starts the workers (and the routes callers send requests by), and has actix restart the ones
 //! that fail.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use actix::{Actor, Addr, Arbiter, Context, Handler, MessageResult, ResponseFuture, SyncArbiter};
+use actix::{Actor, Addr, Arbiter, ArbiterHandle, Context, Handler, MessageResult, ResponseFuture, SyncArbiter};
 use loraplex_kernels::Backend;
 
 use super::routes::{Route, Routes, WorkerLoad};
@@ -17,8 +17,22 @@ use crate::tokenizer::Tokenizer;
 
 struct Slot<B: Backend> {
     addr: Addr<Worker<B>>,
-    /// The worker's own thread; kept so that it lives as long as the supervisor.
-    _arbiter: Arbiter,
+    /// The worker's own thread.
+    arbiter: ArbiterHandle,
+}
+
+/// The workers' threads, which whoever stops the actor system joins: a worker drops its engine
+/// (and with it the device's buffers) on its own thread, which must be over before the process
+/// exits or the device's driver is torn down under it.
+pub type WorkerThreads = Arc<Mutex<Vec<Arbiter>>>;
+
+/// Stops every thread of `threads` and waits for each to end.
+pub fn join_workers(threads: &WorkerThreads) {
+    let arbiters = std::mem::take(&mut *threads.lock().unwrap_or_else(|p| p.into_inner()));
+    for a in arbiters {
+        a.stop();
+        let _ = a.join();
+    }
 }
 
 /// The actor that owns the workers (see the [module docs](super)).
@@ -27,14 +41,16 @@ pub struct Supervisor<B: Backend> {
     tokenizer: Arc<Tokenizer>,
     config: EngineConfig,
     workers: Vec<Slot<B>>,
+    threads: WorkerThreads,
     /// What callers route requests by; the workers keep it current.
     routes: Option<Arc<Routes<B>>>,
 }
 
 impl<B: Backend> Supervisor<B> {
-    /// One worker per entry of `devices`: the base model as loaded on that device.
-    pub fn new(devices: Vec<Arc<Model<B>>>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Self {
-        Self { devices, tokenizer, config, workers: Vec::new(), routes: None }
+    /// One worker per entry of `devices`: the base model as loaded on that device. The
+    /// workers' threads go into `threads`, for [`join_workers`] once the actor system stopped.
+    pub fn new(devices: Vec<Arc<Model<B>>>, tokenizer: Arc<Tokenizer>, config: EngineConfig, threads: WorkerThreads) -> Self {
+        Self { devices, tokenizer, config, workers: Vec::new(), threads, routes: None }
     }
 }
 
@@ -64,14 +80,15 @@ impl<B: Backend> Actor for Supervisor<B> {
             let (model, tokenizer, config, host, worker_load) = (model.clone(), self.tokenizer.clone(), self.config.clone(), host.clone(), load.clone());
             let addr = actix::Supervisor::start_in_arbiter(&arbiter.handle(), move |_| Worker::new(index, model, tokenizer, config, host, worker_load.clone()));
             routes.push(Route { addr: addr.clone(), load });
-            self.workers.push(Slot { addr, _arbiter: arbiter });
+            self.workers.push(Slot { addr, arbiter: arbiter.handle() });
+            self.threads.lock().unwrap_or_else(|p| p.into_inner()).push(arbiter);
         }
         self.routes = Some(Arc::new(Routes(routes)));
     }
 
     fn stopped(&mut self, _ctx: &mut Self::Context) {
         for w in &self.workers {
-            w._arbiter.stop();
+            w.arbiter.stop();
         }
     }
 }

@@ -214,3 +214,21 @@ fn requests_spread_over_the_workers_and_skip_one_without_an_engine() {
     }
     assert_eq!(generated(&rt), [64 + 8 + 64, 64 + 64]);
 }
+
+#[test]
+fn shutdown_returns_once_every_worker_has_dropped_its_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, tokenizer) = model(dir.path());
+    for round in 0..3 {
+        let config = EngineConfig { pool_bytes: 16 << 20, ..EngineConfig::default() };
+        let rt = Runtime::start(vec![model.clone(), model.clone()], tokenizer.clone(), config).unwrap();
+        // Work in flight on both workers when the runtime stops.
+        let handles: Vec<_> =
+            (0..6).map(|i| rt.submit_blocking(request(vec![1, 2, 3 + i], 500, &[], SamplingParams::greedy(), 1), Default::default()).unwrap()).collect();
+        std::thread::sleep(Duration::from_millis(20));
+        rt.shutdown();
+        // The workers' engines hold the model: with their threads over, only this test does.
+        assert_eq!(Arc::strong_count(&model), 1, "round {round}: a worker still held the model after shutdown returned");
+        drop(handles);
+    }
+}

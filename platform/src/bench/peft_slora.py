@@ -73,9 +73,11 @@ class Counter(BaseStreamer):
 
     def __init__(self, lengths):
         self.lengths, self.step, self.first, self.counted = lengths, 0, True, 0
+        self.times = []
 
     def put(self, value):
         global streamed
+        self.times.append(time.perf_counter())
         if self.first:  # the prompt
             self.first = False
             return
@@ -154,10 +156,17 @@ while True:
     sync()
     batches += 1
     took = time.perf_counter() - generating
+    # The first new token (the prompt's forward) apart from the steps after it, whose median says
+    # whether the batch ran at one steady pace or paid a one-time cost somewhere.
+    times = [generating] + counter.times
+    gaps = sorted(b - a for a, b in zip(times[2:], times[3:]))
+    first_ms = 1e3 * (times[2] - generating) if len(times) > 2 else float("nan")
+    median_ms = 1e3 * gaps[len(gaps) // 2] if gaps else float("nan")
+    slowest_ms = 1e3 * gaps[-1] if gaps else float("nan")
     print(
         f"peft batch {batches} at {began - start:.2f} s: {len(batch)} request(s) of adapter {head}, prompts up to {width} tokens, "
         f"activate {load_s:.2f} s, {counter.step} of {new} steps in {took:.2f} s ({1e3 * took / max(1, counter.step):.1f} ms a step), "
-        f"{counter.counted} tokens counted",
+        f"{counter.counted} tokens counted; the first token {first_ms:.1f} ms, then {median_ms:.1f} ms a step (median, slowest {slowest_ms:.1f})",
         file=sys.stderr,
     )
     done = time.perf_counter() - start
