@@ -35,8 +35,6 @@ const MAX_MR: usize = 12;
 /// machine two rows there took 0.25x to 0.6x the time of a two-row tile on weights in cache and
 /// 0.4x to 0.85x on weights in memory; three rows (two passes) were no faster than a tile.
 const FEW_ROWS: usize = 2;
-/// Rows [`few_rows`] takes in one pass over the weight.
-const FEW_ROWS_PER_PASS: usize = 2;
 
 /// Tile height on `path`.
 fn mr(path: Path) -> usize {
@@ -304,40 +302,35 @@ impl<E: Elem> Kernel for PanelTask<'_, E> {
     }
 }
 
-/// A few rows times the weight (decode at a small batch, bound by how fast the panels stream
-/// from memory). A tile keeps one panel streaming at a time, which leaves most of the memory
-/// bandwidth unused; here each task walks `G` neighbouring panels side by side for `R` rows
-/// (`2 R G` accumulators, `G` streams), the rows taken a few at a time, so that the weight is
-/// read `rows / R` times at a rate near the machine's. Every output element still starts from
-/// its bias and adds `kk = 0, 1, ..` in order, exactly as in a tile, so a row's result is the
-/// same bits as when it shares a batch of any size.
+/// One or two rows times the weight (decode at a small batch, bound by how fast the panels
+/// stream from memory). A tile keeps one panel streaming at a time, which leaves most of the
+/// memory bandwidth unused; here each task walks `G` neighbouring panels side by side for both
+/// rows (`2 R G` accumulators, `G` streams), so that the weight is read once at a rate near the
+/// machine's. Every output element still starts from its bias and adds `kk = 0, 1, ..` in
+/// order, exactly as in a tile, so a row's result is the same bits as when it shares a batch of
+/// any size.
 #[allow(clippy::too_many_arguments)] // `matmul`'s operands with the panels' typed data
 fn few_rows<E: Elem + Send + Sync>(x: &[f32], packed: &[E], panels: &Panels, bias: Option<&[f32]>, out: &mut [f32], rows: usize, k: usize, n: usize) {
+    debug_assert!((1..=FEW_ROWS).contains(&rows), "few_rows takes one or two rows, not {rows}");
     let (nr, path) = (panels.nr, panels.path);
     let count = n.div_ceil(nr);
     // Panels side by side for one row and for two: the accumulators, the rows' broadcasts and
     // a panel's two loads fit in the registers.
     let most = if path.registers() >= 32 { [8, 6] } else { [6, 3] };
-    let passes = rows.div_ceil(FEW_ROWS_PER_PASS);
-    let fullest = rows.min(FEW_ROWS_PER_PASS);
-    // Every thread gets at least one group (a small weight is not left to one thread); a pass
-    // of one row (the last, for an odd count) takes the same groups as a pass of two.
-    let threads = rayon::current_num_threads();
-    let per = (count * passes).div_ceil(threads).div_ceil(passes).clamp(1, most[fullest - 1]);
+    // Every thread gets at least one group: a small weight is not left to one thread.
+    let per = count.div_ceil(rayon::current_num_threads()).clamp(1, most[rows - 1]);
     let groups = count.div_ceil(per);
     let dst = OutPtr(out.as_mut_ptr());
-    (0..passes * groups).into_par_iter().with_min_len(min_items(fullest * per * k * nr)).for_each(|t| {
-        let (c, g) = (t / groups, t % groups);
-        let (r0, p0) = (c * FEW_ROWS_PER_PASS, g * per);
-        let r = FEW_ROWS_PER_PASS.min(rows - r0);
+    (0..groups).into_par_iter().with_min_len(min_items(rows * per * k * nr)).for_each(|g| {
+        let p0 = g * per;
         let group = per.min(count - p0);
         path.run(RowsGroup {
-            x: &x[r0 * k..(r0 + r) * k],
-            rows: r,
+            x,
+            rows,
             panels: &packed[p0 * k * nr..(p0 + group) * k * nr],
             bias: bias.map(|b| &b[p0 * nr..n]),
-            // SAFETY: row r0, column p0 * nr lies inside out (rows * n elements).
-            out: unsafe { dst.at(r0 * n + p0 * nr) },
+            // SAFETY: column p0 * nr of the first row lies inside out (rows * n elements).
+            out: unsafe { dst.at(p0 * nr) },
             out_rs: n,
             cols: n - p0 * nr,
             k,
