@@ -7,7 +7,9 @@ Usage: python peft_trace_profile.py TRACE.json [NEW_TOKENS]
 Prints the facts that differ between the two (the base model's and the adapter's dtypes and
 devices, the adapter's rank, the attention implementation, the cache), then ms a token for: the
 base alone, the trace's adapter 0 loaded from its file (as the baseline does), the same cast to
-the base's dtype, and a fresh rank-16 adapter made by `get_peft_model` (as the profile does).
+the base's dtype, and a fresh rank-16 adapter made by `get_peft_model` (as the profile does); and
+the adapter's generate call with and without the baseline's streamer and stopping criterion,
+interleaved three times.
 """
 
 import dataclasses
@@ -20,7 +22,8 @@ import time
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
 
 trace = json.load(open(sys.argv[1]))
 new = int(sys.argv[2]) if len(sys.argv) > 2 else 32
@@ -39,11 +42,39 @@ mask = torch.ones_like(ids)
 print(f"request: adapter {req['adapter']}, prompt {len(req['prompt_ids'])} tokens")
 
 
-def timed(model, tokens):
+class Counter(BaseStreamer):
+    """What the baseline attaches: counts tokens as generate makes them, reading the clock."""
+
+    def __init__(self):
+        self.steps, self.first = 0, True
+
+    def put(self, value):
+        if self.first:
+            self.first = False
+            return
+        if time.perf_counter() - clock < 1e9:
+            self.steps += 1
+
+    def end(self):
+        pass
+
+
+class Deadline(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return time.perf_counter() - clock > 1e9
+
+
+clock = time.perf_counter()
+
+
+def timed(model, tokens, extras=False):
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    if extras:
+        kwargs.update(streamer=Counter(), stopping_criteria=StoppingCriteriaList([Deadline()]))
     torch.cuda.synchronize()
     t = time.perf_counter()
     with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+        model.generate(**kwargs)
     torch.cuda.synchronize()
     return time.perf_counter() - t
 
@@ -65,6 +96,12 @@ model = PeftModel.from_pretrained(base, dst, adapter_name="a0").eval()
 lora = [(n, p) for n, p in model.named_parameters() if "lora_A" in n]
 print(f"adapter: rank {acfg['r']}, targets {acfg['target_modules']}, {len(lora)} lora_A tensors, {lora[0][1].dtype} on {lora[0][1].device}")
 report("peft, the trace's adapter from its file", model)
+# The baseline's call (its streamer and stopping criterion) and the plain one, interleaved: the
+# host's speed may swing between calls as much as the difference being looked for.
+for i in range(3):
+    plain = timed(model, new)
+    extras = timed(model, new, extras=True)
+    print(f"round {i}: plain {1e3 * plain / new:.1f} ms a token, with the baseline's streamer and stopping criterion {1e3 * extras / new:.1f}", flush=True)
 for _, p in model.named_parameters():
     if p.dtype != dtype:
         p.data = p.data.to(dtype)
