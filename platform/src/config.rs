@@ -447,6 +447,12 @@ pub struct ServeArgs {
     /// is opened, durably, before it is queued (a database round trip before each request).
     #[arg(long, env = "LORAPLEX_OPEN_ROW_AFTER_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
     pub open_row_after_ms: u64,
+    /// While ledger rows arrive back to back (the last commit ended less than this long ago),
+    /// the ledger's writer gathers rows this long before committing them together: fewer
+    /// commits (each a write to the database's log) for at most this much more wait at a
+    /// request's end. 0: commit whatever is waiting at once.
+    #[arg(long, env = "LORAPLEX_LEDGER_GATHER_MS", default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=1000))]
+    pub ledger_gather_ms: u64,
     /// Percent of each pool that adapter loads (pins) may take together; the rest stays for
     /// requests, and a request that could need more than the rest is refused when it arrives.
     #[arg(long, env = "LORAPLEX_MAX_PINNED_PERCENT", default_value_t = 25, value_parser = clap::value_parser!(u32).range(0..=90))]

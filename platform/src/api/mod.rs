@@ -46,6 +46,9 @@ use crate::tokenizer::Tokenizer;
 /// [`ApiSettings::open_row_after`]).
 pub const OPEN_ROW_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// `loraplex serve`'s default [`ApiSettings::ledger_gather`].
+pub const LEDGER_GATHER: std::time::Duration = std::time::Duration::from_millis(2);
+
 /// Limits of the HTTP layer.
 #[derive(Debug, Clone)]
 pub struct ApiSettings {
@@ -71,6 +74,9 @@ pub struct ApiSettings {
     /// one that ends sooner is written once, when it ends. Zero: every row is opened, durably,
     /// before its request is queued.
     pub open_row_after: std::time::Duration,
+    /// How long the ledger's writer gathers rows that arrive back to back before a commit
+    /// (see [`Ledger::start`]).
+    pub ledger_gather: std::time::Duration,
     /// What one structured-output grammar may cost to compile and to run.
     pub grammar: crate::grammar::GrammarLimits,
     /// The Batch API's bounds.
@@ -110,6 +116,7 @@ impl ApiSettings {
             tenant_pinned_percent: 10,
             instance: instance.into(),
             open_row_after: OPEN_ROW_AFTER,
+            ledger_gather: LEDGER_GATHER,
             grammar: crate::grammar::GrammarLimits::default(),
             batch: BatchSettings::default(),
         }
@@ -159,7 +166,7 @@ impl AppState {
         // Normalization may shrink text a little (composed characters): twice the bound.
         let max_bytes = context.saturating_mul(tokenizer.longest_token_bytes()).saturating_mul(2);
         Self {
-            ledger: Ledger::start(store.clone()),
+            ledger: Ledger::start(store.clone(), settings.ledger_gather),
             admission: Admission::new(settings.admission),
             blocking: Arc::new(BlockingPool::new(settings.blocking_threads, settings.blocking_queue)),
             background: Arc::new(BlockingPool::background(settings.blocking_threads, settings.blocking_queue).unwrap_or_else(|e| {

@@ -134,6 +134,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         tenant_pinned_percent: args.tenant_pinned_percent,
         instance: instance_id(&data_dir)?,
         open_row_after: Duration::from_millis(args.open_row_after_ms),
+        ledger_gather: Duration::from_millis(args.ledger_gather_ms),
         grammar: crate::grammar::GrammarLimits::default(),
         batch: args.batch.settings(),
     };

@@ -112,13 +112,32 @@ impl Ledger {
     /// being written go out together in the next one. On PostgreSQL the writer has a connection
     /// of its own: a request's end waits for its row, and must not also wait for a connection
     /// of the shared pool behind other work (limit decisions queued on a tenant's lock).
-    pub fn start(store: Store) -> Self {
+    ///
+    /// While rows arrive back to back (the last commit ended less than `gather` ago), the
+    /// writer waits `gather` after the first before committing, so that one commit serves
+    /// several requests: at half of a server's capacity, three replicas on PostgreSQL spent a
+    /// fifth of two cores in their ledger connections committing one row at a time. A flush
+    /// is never held back; zero `gather` never waits.
+    pub fn start(store: Store, gather: std::time::Duration) -> Self {
         let own = store.own_pool(1);
         let store = own.clone().unwrap_or(store);
         let (tx, mut rx) = mpsc::unbounded_channel::<Pending>();
         tokio::spawn(async move {
             let mut batch = Vec::with_capacity(GROUP);
+            let mut last_commit: Option<std::time::Instant> = None;
             while rx.recv_many(&mut batch, GROUP).await > 0 {
+                // Rows flowing back to back (the last group ended a moment ago): gather a
+                // little longer, so that one commit serves several requests.
+                let flowing = !gather.is_zero() && last_commit.is_some_and(|t| t.elapsed() < gather);
+                if flowing && batch.len() < GROUP && !batch.iter().any(|p| matches!(p, Pending::Flush(_))) {
+                    tokio::time::sleep(gather).await;
+                    while batch.len() < GROUP {
+                        match rx.try_recv() {
+                            Ok(p) => batch.push(p),
+                            Err(_) => break,
+                        }
+                    }
+                }
                 let rows: Vec<&UsageRecord> = batch
                     .iter()
                     .filter_map(|p| match p {
@@ -127,6 +146,7 @@ impl Ledger {
                     })
                     .collect();
                 let outcome = if rows.is_empty() { Ok(()) } else { store.upsert_usage(&rows).await.map_err(|e| e.to_string()) };
+                last_commit = Some(std::time::Instant::now());
                 for p in batch.drain(..) {
                     match p {
                         Pending::Row(_, done) => {

@@ -158,7 +158,7 @@ async fn the_ledger_commits_in_groups_and_the_report_adds_up() {
         let kind = s.kind();
         let a = s.create_tenant(&tenant("acme")).await.unwrap();
         let b = s.create_tenant(&NewTenant { plan: "free".into(), ..tenant("globex") }).await.unwrap();
-        let ledger = Ledger::start(s.clone());
+        let ledger = Ledger::start(s.clone(), std::time::Duration::ZERO);
         let (standard, free) = (s.plan("standard").await.unwrap().unwrap(), s.plan("free").await.unwrap().unwrap());
         let day0 = 20_000 * DAY;
         let mut tasks = Vec::new();
@@ -273,7 +273,7 @@ async fn a_flush_waits_for_every_row_sent_before_it() {
         let kind = s.kind();
         let t = s.create_tenant(&tenant("acme")).await.unwrap();
         let plan = s.plan("standard").await.unwrap().unwrap();
-        let ledger = Ledger::start(s.clone());
+        let ledger = Ledger::start(s.clone(), std::time::Duration::ZERO);
         let n: i64 = 3 * 256 + 100;
         let written: Vec<_> = (0..n).map(|i| ledger.send(row(&format!("r{i}"), &t, &plan, outcome::OK, "me", 1000 + i)).unwrap()).collect();
         ledger.flush().await;
@@ -282,6 +282,43 @@ async fn a_flush_waits_for_every_row_sent_before_it() {
         for w in written {
             w.await.unwrap();
         }
+    }
+}
+
+/// While rows arrive back to back, the writer holds a row for its gather time so that rows
+/// sent meanwhile share its commit; a row after a quiet spell, and a flush, wait for nothing.
+#[tokio::test]
+async fn rows_arriving_back_to_back_are_gathered_into_one_commit() {
+    use std::time::{Duration, Instant};
+    let gather = Duration::from_millis(400);
+    for (s, _dir) in stores().await {
+        let kind = s.kind();
+        let t = s.create_tenant(&tenant("acme")).await.unwrap();
+        let plan = s.plan("standard").await.unwrap().unwrap();
+        let ledger = Ledger::start(s.clone(), gather);
+        // The first row: nothing was flowing, so it is committed at once.
+        let began = Instant::now();
+        ledger.commit(row("first", &t, &plan, outcome::OK, "me", 1000)).await.unwrap();
+        assert!(began.elapsed() < gather, "{kind:?}: the first row waited {:?}", began.elapsed());
+        // Right after that commit: held for the gather time, and a row sent meanwhile joins it.
+        let began = Instant::now();
+        let held = ledger.send(row("held", &t, &plan, outcome::OK, "me", 1001)).unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let joined = ledger.send(row("joined", &t, &plan, outcome::OK, "me", 1002)).unwrap();
+        held.await.unwrap();
+        assert!(began.elapsed() >= gather, "{kind:?}: a row while rows flow was committed after {:?}", began.elapsed());
+        tokio::time::timeout(Duration::from_millis(50), joined).await.expect("the row sent during the gather shares its commit").unwrap();
+        // After a quiet spell longer than the gather time: at once again.
+        tokio::time::sleep(gather + Duration::from_millis(100)).await;
+        let began = Instant::now();
+        ledger.commit(row("quiet", &t, &plan, outcome::OK, "me", 1003)).await.unwrap();
+        assert!(began.elapsed() < gather, "{kind:?}: a row after a quiet spell waited {:?}", began.elapsed());
+        // A flush right after a commit is not held back.
+        let began = Instant::now();
+        ledger.flush().await;
+        assert!(began.elapsed() < gather, "{kind:?}: a flush waited {:?}", began.elapsed());
+        let (count,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM usage").fetch_one(s.pool()).await.unwrap();
+        assert_eq!(count, 4, "{kind:?}");
     }
 }
 
@@ -297,7 +334,7 @@ async fn the_ledger_writes_while_every_connection_of_the_pool_is_taken() {
         }
         let t = s.create_tenant(&tenant("acme")).await.unwrap();
         let plan = s.plan("standard").await.unwrap().unwrap();
-        let ledger = Ledger::start(s.clone());
+        let ledger = Ledger::start(s.clone(), std::time::Duration::ZERO);
         let mut held = Vec::new();
         while held.len() < s.pool().options().get_max_connections() as usize {
             held.push(s.pool().acquire().await.unwrap());
@@ -321,7 +358,7 @@ async fn a_plan_change_never_rewrites_a_past_bill_and_unfinished_requests_are_no
         let kind = s.kind();
         let t = s.create_tenant(&tenant("acme")).await.unwrap();
         let (standard, enterprise) = (s.plan("standard").await.unwrap().unwrap(), s.plan("enterprise").await.unwrap().unwrap());
-        let ledger = Ledger::start(s.clone());
+        let ledger = Ledger::start(s.clone(), std::time::Duration::ZERO);
         ledger.commit(row("old", &t, &standard, outcome::OK, "me", 1000)).await.unwrap();
         let before = s.billing_report(0, i64::MAX, None).await.unwrap();
         // $0.50 x 1000 + $1.50 x 100 per million tokens.
