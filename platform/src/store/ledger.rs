@@ -126,16 +126,14 @@ impl Ledger {
             let mut batch = Vec::with_capacity(GROUP);
             let mut last_commit: Option<std::time::Instant> = None;
             while rx.recv_many(&mut batch, GROUP).await > 0 {
-                // Rows flowing back to back (the last group ended a moment ago): gather a
-                // little longer, so that one commit serves several requests.
+                // Rows flowing (the last commit ended a moment ago): gather (see above).
                 let flowing = !gather.is_zero() && last_commit.is_some_and(|t| t.elapsed() < gather);
                 if flowing && batch.len() < GROUP && !batch.iter().any(|p| matches!(p, Pending::Flush(_))) {
                     tokio::time::sleep(gather).await;
-                    while batch.len() < GROUP {
-                        match rx.try_recv() {
-                            Ok(p) => batch.push(p),
-                            Err(_) => break,
-                        }
+                    while batch.len() < GROUP
+                        && let Ok(p) = rx.try_recv()
+                    {
+                        batch.push(p);
                     }
                 }
                 let rows: Vec<&UsageRecord> = batch
