@@ -599,6 +599,10 @@ async fn finalize(state: &AppState, batch: &BatchRecord, status: &str) -> Result
     for f in output.iter().chain(&errors) {
         state.adapter_files.put_file(&f.path).await?;
     }
+    // A line stopped while its opening was on its way to the ledger (the writer gathers rows)
+    // must have its row written before the rows no result records are voided, or it would stay
+    // `running`.
+    state.ledger.flush().await;
     state.store.finish_batch(&batch.id, status, output.as_ref(), errors.as_ref(), (sizes[0][0], sizes[1][0])).await?;
     Ok(())
 }
