@@ -100,6 +100,23 @@ pub trait Memory {
     fn run_step<R: Send>(&self, step: impl FnOnce() -> R + Send) -> R {
         step()
     }
+    /// Whether [`Memory::join`] runs its two halves side by side, so that a caller gains by
+    /// giving it independent work (the CPU backend: a LoRA delta, which streams adapter rows
+    /// from memory, beside the base matmul, which is bound by the FMA units).
+    fn overlaps(&self) -> bool {
+        false
+    }
+    /// Runs `a` and `b` and returns both results: by default one after the other. The CPU
+    /// backend lets another thread of the step's pool take `b` while the calling thread starts
+    /// `a`; whichever finishes first helps with the other's parallel kernels.
+    fn join<RA: Send, RB: Send>(&self, a: impl FnOnce() -> RA + Send, b: impl FnOnce() -> RB + Send) -> (RA, RB) {
+        let ra = a();
+        (ra, b())
+    }
+    /// Sets the first `len` elements of a float buffer to zero.
+    fn fill_zero(&self, buf: &mut Self::Buffer, len: usize) -> Result<()> {
+        self.write_f32(buf, 0, &vec![0.0; len])
+    }
     /// The element type of the activations, weights and logits this backend computes on:
     /// what [`Memory::zeros`], [`Memory::upload_f32`] and [`Memory::load_weight`] make (f32
     /// storage on the CPU backend; f32 or bf16 on CUDA). Arithmetic accumulates in f32 either way.

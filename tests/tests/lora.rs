@@ -52,12 +52,18 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
+/// The CPU backend as it runs (each LoRA delta computed beside its base matmul, then added)
+/// and as a GPU backend runs the model (the deltas added in place after the matmul).
+fn both_lora_paths() -> [(&'static str, CpuBackend); 2] {
+    [("beside", CpuBackend::new()), ("in place", CpuBackend::new().serial())]
+}
+
 /// Logits with each adapter, at the last prompt position (prefill: SGMV) and at every decode
-/// step (BGMV), are within tolerance of PEFT's.
+/// step (BGMV), are within tolerance of PEFT's, on both ways of adding the deltas.
 #[test]
 fn adapter_logits_match_peft_at_prefill_and_every_decode_step() {
-    for arch in ARCHS {
-        let (model, _) = load(arch);
+    for (arch, (path, backend)) in ARCHS.into_iter().flat_map(|a| both_lora_paths().map(|b| (a, b))) {
+        let (model, _) = load_on(arch, backend);
         let reference = common::reference(arch);
         for name in ADAPTERS {
             let dir = common::fixtures().join(arch).join("adapters").join(name);
@@ -68,10 +74,10 @@ fn adapter_logits_match_peft_at_prefill_and_every_decode_step() {
                 let (shape, decode) = common::read_npy(&logits.join(format!("p{i}_decode.npy")));
                 let rows = scoring::greedy_logits(&model, prompt, shape[0], 16, RowDType::F32, Some(&adapter)).unwrap();
                 let err = max_abs_diff(&rows[0], &last);
-                assert!(err <= LOGIT_TOL, "{arch} {name} prompt {i}: last-position logits differ by {err}");
+                assert!(err <= LOGIT_TOL, "{arch} {path} {name} prompt {i}: last-position logits differ by {err}");
                 for (k, row) in rows.iter().enumerate() {
                     let err = max_abs_diff(row, &decode[k * shape[1]..(k + 1) * shape[1]]);
-                    assert!(err <= LOGIT_TOL, "{arch} {name} prompt {i}: decode step {k} logits differ by {err}");
+                    assert!(err <= LOGIT_TOL, "{arch} {path} {name} prompt {i}: decode step {k} logits differ by {err}");
                 }
                 let (_, base_last) = common::read_npy(&common::fixtures().join(arch).join("logits/base").join(format!("p{i}_last.npy")));
                 assert!(max_abs_diff(&rows[0], &base_last) > 1e-2, "{arch} {name}: the adapter must change the logits");
@@ -99,11 +105,12 @@ fn adapter_greedy_tokens_match_peft_one_by_one() {
 
 /// Every adapter and the base model, every prompt, all in one continuous batch (with a budget
 /// that splits prompts into chunks, so prefill segments and decodes of different adapters
-/// share steps): each request gets exactly its one-by-one tokens.
+/// share steps): each request gets exactly its one-by-one tokens, on both ways of adding the
+/// deltas.
 #[test]
 fn a_mixed_batch_equals_each_request_alone() {
-    for arch in ARCHS {
-        let (model, tok) = load(arch);
+    for (arch, (path, backend)) in ARCHS.into_iter().flat_map(|a| both_lora_paths().map(|b| (a, b))) {
+        let (model, tok) = load_on(arch, backend);
         let reference = common::reference(arch);
         for budget in [4096, 11] {
             let config = EngineConfig { max_batch_tokens: budget, ..EngineConfig::default() };
@@ -120,7 +127,7 @@ fn a_mixed_batch_equals_each_request_alone() {
             assert_eq!(done.len(), want.len());
             for c in &done {
                 let (variant, i) = want[&c.seq];
-                assert_eq!(c.tokens, expected(&reference, variant, i), "{arch} {variant} prompt {i}, budget {budget}");
+                assert_eq!(c.tokens, expected(&reference, variant, i), "{arch} {path} {variant} prompt {i}, budget {budget}");
             }
             let stats = engine.pool_stats();
             assert_eq!(stats.kv, 0, "every KV page returned");

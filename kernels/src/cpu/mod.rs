@@ -70,6 +70,8 @@ pub struct CpuBackend {
     inputs: MatmulInputs,
     /// Checks an upload reports in flight before it lands (see [`CpuBackend::with_upload_polls`]).
     upload_polls: u32,
+    /// Runs [`Memory::join`]'s halves one after the other (see [`CpuBackend::serial`]).
+    serial: bool,
 }
 
 /// What the activations enter a matmul with bf16 weights as.
@@ -88,12 +90,12 @@ pub enum MatmulInputs {
 impl CpuBackend {
     /// A backend on the widest instruction set of this CPU (or the one [`isa::ISA_ENV`] names).
     pub fn new() -> Self {
-        Self { path: Path::detect(), inputs: MatmulInputs::F32, upload_polls: 0 }
+        Self { path: Path::detect(), ..Self::default() }
     }
 
     /// A backend on one instruction set (from [`Path::available`]): to test or measure each.
     pub fn with_path(path: Path) -> Self {
-        Self { path, inputs: MatmulInputs::F32, upload_polls: 0 }
+        Self { path, ..Self::default() }
     }
 
     /// This backend with bf16 weights multiplied by `inputs` (weights loaded afterwards).
@@ -106,6 +108,12 @@ impl CpuBackend {
     /// at once: for tests of code that must not use an upload before it lands.
     pub fn with_upload_polls(self, polls: u32) -> Self {
         Self { upload_polls: polls, ..self }
+    }
+
+    /// This backend running [`Memory::join`]'s halves one after the other and reporting that it
+    /// does not overlap work, as a GPU backend does: for tests of the callers' sequential path.
+    pub fn serial(self) -> Self {
+        Self { serial: true, ..self }
     }
 
     /// The instruction set this backend's kernels run with.
@@ -221,6 +229,26 @@ impl Memory for CpuBackend {
         true
     }
 
+    fn overlaps(&self) -> bool {
+        !self.serial
+    }
+
+    fn join<RA: Send, RB: Send>(&self, a: impl FnOnce() -> RA + Send, b: impl FnOnce() -> RB + Send) -> (RA, RB) {
+        if self.serial {
+            let ra = a();
+            return (ra, b());
+        }
+        rayon::join(a, b)
+    }
+
+    fn fill_zero(&self, buf: &mut CpuBuffer, len: usize) -> Result<()> {
+        const OP: &str = "fill_zero";
+        let data = buf.f32_mut(OP)?;
+        ensure_len(OP, "buf", data.len(), len)?;
+        data[..len].fill(0.0);
+        Ok(())
+    }
+
     fn zeros(&self, len: usize) -> Result<CpuBuffer> {
         let mut v = Vec::new();
         v.try_reserve_exact(len).map_err(|_| KernelError::OutOfMemory { device: self.device_name(), bytes: len.saturating_mul(4) })?;
@@ -311,6 +339,29 @@ pub(crate) fn advise_huge_pages<T>(buf: &mut [T]) {
 mod tests {
     use super::*;
     use rayon::prelude::*;
+
+    #[test]
+    fn fill_zero_clears_the_front_and_join_runs_both_halves() {
+        let cpu = CpuBackend::new();
+        let mut buf = cpu.upload_f32(&[1.0; 6]).unwrap();
+        cpu.fill_zero(&mut buf, 4).unwrap();
+        assert_eq!(cpu.download_f32(&buf).unwrap(), [0.0, 0.0, 0.0, 0.0, 1.0, 1.0]);
+        let err = cpu.fill_zero(&mut buf, 7).unwrap_err();
+        assert!(err.to_string().contains("6 elements, 7 needed"), "{err}");
+        for (cpu, overlaps) in [(CpuBackend::new(), true), (CpuBackend::new().serial(), false)] {
+            assert_eq!(cpu.overlaps(), overlaps);
+            let (mut a, mut b) = (vec![0u32; 1000], vec![0u32; 1000]);
+            let (ra, rb) = cpu.join(
+                || a.par_iter_mut().enumerate().for_each(|(i, v)| *v = i as u32),
+                || {
+                    b.iter_mut().for_each(|v| *v = 7);
+                    'b'
+                },
+            );
+            assert_eq!((ra, rb), ((), 'b'));
+            assert!(a.iter().enumerate().all(|(i, &v)| v == i as u32) && b.iter().all(|&v| v == 7));
+        }
+    }
 
     #[test]
     fn copy_within_copies_one_range_and_checks_bounds() {

@@ -52,13 +52,17 @@ impl<B: Backend> Linear<B> {
     /// `out[rows, out_features] = x[rows, in_features] · Wᵀ (+ b)`, plus the LoRA delta of each
     /// row's adapter when `lora` is given and this layer is a target module.
     pub fn forward(&self, backend: &B, x: &B::Buffer, out: &mut B::Buffer, rows: usize, lora: Option<&LoraContext<'_, B>>) -> Result<(), KernelError> {
-        backend.matmul(x, &self.weight, self.bias.as_ref(), out, rows)?;
+        let matmul = |out: &mut B::Buffer| backend.matmul(x, &self.weight, self.bias.as_ref(), out, rows);
         match (self.module, lora) {
-            (Some(module), Some(l)) => {
+            (Some(module), Some(l)) if l.batch.targets(l.layer, module) => {
                 let site = LoraSite { layer: l.layer, module, in_features: self.in_features, out_features: self.out_features, tokens: rows };
+                if backend.overlaps() {
+                    return l.batch.beside(backend, l.pool, x, &[site], out, matmul, |out, deltas| backend.add_assign(out, deltas[0]));
+                }
+                matmul(out)?;
                 l.batch.apply(backend, l.pool, &site, x, out)
             }
-            _ => Ok(()),
+            _ => matmul(out),
         }
     }
 }
@@ -126,6 +130,22 @@ impl<B: Backend> FusedLinear<B> {
     ) -> Result<(), KernelError> {
         if outs.len() != self.parts.len() {
             return Err(KernelError::Shape { op: "fused_linear", detail: format!("{} outputs for {} parts", outs.len(), self.parts.len()) });
+        }
+        if let Some(l) = lora.filter(|&l| backend.overlaps() && self.has_lora(Some(l))) {
+            let sites: Vec<LoraSite> = self
+                .parts
+                .iter()
+                .map(|&(module, out_features)| LoraSite { layer: l.layer, module, in_features: self.in_features, out_features, tokens: rows })
+                .collect();
+            let base = |fused: &mut B::Buffer| self.matmul(backend, x, fused, rows);
+            return l.batch.beside(backend, l.pool, x, &sites, fused, base, |fused, deltas| {
+                let mut split: Vec<(&mut B::Buffer, usize)> = outs.iter_mut().zip(&self.parts).map(|(o, &(_, w))| (&mut **o, w)).collect();
+                backend.split_columns(fused, rows, &mut split)?;
+                for (out, delta) in outs.iter_mut().zip(deltas) {
+                    backend.add_assign(out, delta)?;
+                }
+                Ok(())
+            });
         }
         self.matmul(backend, x, fused, rows)?;
         let mut split: Vec<(&mut B::Buffer, usize)> = outs.iter_mut().zip(&self.parts).map(|(o, &(_, w))| (&mut **o, w)).collect();
