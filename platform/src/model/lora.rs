@@ -28,8 +28,9 @@ pub struct LoraBatch<B: Backend> {
     /// every other site of the batch: the shrink writes it whole before the expand reads it.
     /// Kept with its length in values.
     scratch: Mutex<Option<(usize, B::Buffer)>>,
-    /// Deltas computed beside a base projection ([`LoraBatch::beside`]), one per part of the
-    /// projection, each kept with its length in values and zeroed before every use.
+    /// Deltas computed beside a base projection ([`LoraBatch::beside`]), each kept with its
+    /// length in values (a site's `tokens * out_features`: a site takes one of its exact
+    /// length) and zeroed before every use.
     deltas: Mutex<Vec<(usize, B::Buffer)>>,
 }
 
@@ -140,7 +141,7 @@ impl<B: Backend> LoraBatch<B> {
     /// Runs `base` (the projection, writing `out`) and, beside it where the backend overlaps
     /// work ([`loraplex_kernels::Memory::overlaps`]), the deltas of `sites` (all of one input
     /// `x`) into zeroed buffers of their own; then `finish` gets `out` and the deltas, one per
-    /// site, each at least `tokens * out_features` values long, to add them in.
+    /// site, each `tokens * out_features` values long, to add them in.
     ///
     /// On the CPU the base matmul is bound by the FMA units and the LoRA kernels by memory (no
     /// adapter row serves two tokens of a decode batch), so one thread streaming the rows while
@@ -158,35 +159,34 @@ impl<B: Backend> LoraBatch<B> {
         base: impl FnOnce(&mut T) -> Result<(), KernelError> + Send,
         finish: impl FnOnce(&mut T, &[&B::Buffer]) -> Result<(), KernelError>,
     ) -> Result<(), KernelError> {
-        let mut deltas = self.deltas.lock().unwrap_or_else(|p| p.into_inner());
-        let mut needs = Vec::with_capacity(sites.len());
-        for (i, site) in sites.iter().enumerate() {
-            let need = site
-                .tokens
-                .checked_mul(site.out_features)
-                .ok_or_else(|| KernelError::Shape { op: "lora_delta", detail: format!("{} tokens of {} values overflow", site.tokens, site.out_features) })?;
-            match deltas.get_mut(i) {
-                Some((len, _)) if *len >= need => {}
-                Some(slot) => *slot = (need, backend.zeros(need)?),
-                None => deltas.push((need, backend.zeros(need)?)),
+        let mut mine = Vec::with_capacity(sites.len());
+        {
+            let mut kept = self.deltas.lock().unwrap_or_else(|p| p.into_inner());
+            for site in sites {
+                let need = site.tokens.checked_mul(site.out_features).ok_or_else(|| KernelError::Shape {
+                    op: "lora_delta",
+                    detail: format!("{} tokens of {} values overflow", site.tokens, site.out_features),
+                })?;
+                let buf = match kept.iter().position(|(len, _)| *len == need) {
+                    Some(i) => kept.swap_remove(i).1,
+                    None => backend.zeros(need)?,
+                };
+                mine.push((need, buf));
             }
-            needs.push(need);
         }
-        let bufs = &mut deltas[..sites.len()];
         let (done, added) = backend.join(
             || base(out),
             || {
-                for (((_, delta), site), &need) in bufs.iter_mut().zip(sites).zip(&needs) {
-                    backend.fill_zero(delta, need)?;
+                for ((need, delta), site) in mine.iter_mut().zip(sites) {
+                    backend.fill_zero(delta, *need)?;
                     self.apply(backend, pool, site, x, delta)?;
                 }
                 Ok::<_, KernelError>(())
             },
         );
-        done?;
-        added?;
-        let refs: Vec<&B::Buffer> = deltas[..sites.len()].iter().map(|(_, d)| d).collect();
-        finish(out, &refs)
+        let result = done.and(added).and_then(|()| finish(out, &mine.iter().map(|(_, d)| d).collect::<Vec<_>>()));
+        self.deltas.lock().unwrap_or_else(|p| p.into_inner()).extend(mine);
+        result
     }
 }
 
