@@ -806,6 +806,11 @@ pub struct BenchClusterArgs {
     /// The paced phases' offered loads, as fractions of the smaller capacity the run measures.
     #[arg(long, value_delimiter = ',', default_value = "0.25,0.5")]
     pub loads: Vec<f64>,
+    /// Times each offered load runs its phases (SQLite, PostgreSQL, PostgreSQL without limits,
+    /// in turn); the overhead reported is the median round's, so that one stall of the
+    /// machine's disk in one phase does not decide it (every round's is reported too).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub rounds: u32,
     #[arg(long, default_value = "bench-cluster.json")]
     pub out: PathBuf,
 }
