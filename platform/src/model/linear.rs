@@ -117,6 +117,12 @@ impl<B: Backend> FusedLinear<B> {
         lora.is_some_and(|l| self.parts.iter().any(|&(m, _)| l.batch.targets(l.layer, m)))
     }
 
+    /// Copies each part's columns of `fused` into its buffer of `outs`.
+    fn split(&self, backend: &B, fused: &B::Buffer, outs: &mut [&mut B::Buffer], rows: usize) -> Result<(), KernelError> {
+        let mut split: Vec<(&mut B::Buffer, usize)> = outs.iter_mut().zip(&self.parts).map(|(o, &(_, w))| (&mut **o, w)).collect();
+        backend.split_columns(fused, rows, &mut split)
+    }
+
     /// The fused matmul into `fused`, its columns split into `outs` (one per part, `[rows, out]`),
     /// then each part's LoRA delta added: the same values as one [`Linear`] per part.
     pub fn forward_split(
@@ -139,8 +145,7 @@ impl<B: Backend> FusedLinear<B> {
                 .collect();
             let base = |fused: &mut B::Buffer| self.matmul(backend, x, fused, rows);
             return l.batch.beside(backend, l.pool, x, &sites, fused, base, |fused, deltas| {
-                let mut split: Vec<(&mut B::Buffer, usize)> = outs.iter_mut().zip(&self.parts).map(|(o, &(_, w))| (&mut **o, w)).collect();
-                backend.split_columns(fused, rows, &mut split)?;
+                self.split(backend, fused, outs, rows)?;
                 for (out, delta) in outs.iter_mut().zip(deltas) {
                     backend.add_assign(out, delta)?;
                 }
@@ -148,8 +153,7 @@ impl<B: Backend> FusedLinear<B> {
             });
         }
         self.matmul(backend, x, fused, rows)?;
-        let mut split: Vec<(&mut B::Buffer, usize)> = outs.iter_mut().zip(&self.parts).map(|(o, &(_, w))| (&mut **o, w)).collect();
-        backend.split_columns(fused, rows, &mut split)?;
+        self.split(backend, fused, outs, rows)?;
         if let Some(l) = lora {
             for (out, &(module, out_features)) in outs.iter_mut().zip(&self.parts) {
                 let site = LoraSite { layer: l.layer, module, in_features: self.in_features, out_features, tokens: rows };
