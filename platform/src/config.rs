@@ -137,10 +137,11 @@ pub enum MatmulDType {
     /// weights are widened to f32 (twice the memory and bytes read of bf16).
     F32,
     /// CPU: activations rounded to bf16 at each matmul of a bf16 weight, products summed in f32
-    /// (as PyTorch and llama.cpp run bf16 models); on CPUs with AVX-512 BF16 its dot product
-    /// does twice the multiply-adds of f32. Other weights stay exact. CUDA: the whole forward in
-    /// bf16, as transformers runs a bf16 model (weights, activations, the residual stream and,
-    /// with `--kv-dtype bf16`, the KV pages; every kernel and GEMM sums in f32; logits in f32).
+    /// (as PyTorch and llama.cpp run bf16 models); on CPUs with a bf16 dot product (AVX-512 BF16,
+    /// Arm's BF16 extension) it does twice the multiply-adds of f32. Other weights stay exact.
+    /// CUDA: the whole forward in bf16, as transformers runs a bf16 model (weights, activations,
+    /// the residual stream and, with `--kv-dtype bf16`, the KV pages; every kernel and GEMM sums
+    /// in f32; logits in f32).
     Bf16,
 }
 

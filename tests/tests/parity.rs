@@ -199,7 +199,7 @@ fn argmax(v: &[f32]) -> usize {
 
 /// With bf16 matmul inputs every step's logits stay within [`BF16_MATMUL_LOGIT_TOL`] of
 /// transformers', yet differ from the exact path's (the inputs really are rounded); on the
-/// AVX-512 BF16 dot product where this CPU has one.
+/// bf16 dot product (AVX-512 BF16, Arm's BF16) where this CPU has one.
 #[test]
 fn bf16_matmul_inputs_keep_logits_close_to_reference() {
     let backend = CpuBackend::new().with_matmul_inputs(MatmulInputs::Bf16);

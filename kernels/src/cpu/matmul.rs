@@ -175,6 +175,18 @@ mod tests {
         }
     }
 
+    /// With `LORAPLEX_REQUIRE_BF16_DOT=1` (CI's aarch64 run, whose emulated CPU has Arm's BF16
+    /// extension) the bf16 dot-product kernel must be reachable, so that the test above runs it
+    /// rather than the rounding every other path shares.
+    #[test]
+    fn the_bf16_dot_product_is_there_when_required() {
+        let required = std::env::var("LORAPLEX_REQUIRE_BF16_DOT").is_ok_and(|v| v == "1");
+        let paths: Vec<String> = Path::available().iter().filter(|&&p| packed::bf16_dot(p)).map(|p| p.name().to_string()).collect();
+        assert!(!required || !paths.is_empty(), "LORAPLEX_REQUIRE_BF16_DOT=1 but no path of this CPU has a bf16 dot product");
+        let cpu = CpuBackend::with_path(Path::available()[0]).with_matmul_inputs(MatmulInputs::Bf16);
+        assert_eq!(cpu.describe().contains(packed::BF16_DOT), !paths.is_empty(), "{}", cpu.describe());
+    }
+
     #[test]
     fn rejects_short_buffers() {
         let cpu = CpuBackend::new();

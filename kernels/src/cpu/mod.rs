@@ -81,9 +81,9 @@ pub enum MatmulInputs {
     #[default]
     F32,
     /// Rounded to bf16 (to nearest, ties to even), products summed in f32: what PyTorch and
-    /// llama.cpp do with bf16 weights. Where the CPU has a bf16 dot product (AVX-512 BF16) it
-    /// does twice the multiply-adds per instruction of f32. Weights of other types are
-    /// multiplied exactly, as with `F32`.
+    /// llama.cpp do with bf16 weights. Where the CPU has a bf16 dot product (AVX-512 BF16, Arm's
+    /// BF16 extension) it does twice the multiply-adds per instruction of f32. Weights of other
+    /// types are multiplied exactly, as with `F32`.
     Bf16,
 }
 
@@ -130,7 +130,7 @@ impl CpuBackend {
     pub fn describe(&self) -> String {
         match self.inputs {
             MatmulInputs::F32 => self.path.name().to_string(),
-            MatmulInputs::Bf16 if packed::bf16_dot(self.path) => format!("{}, bf16 matmul inputs on AVX-512 BF16 dot products", self.path.name()),
+            MatmulInputs::Bf16 if packed::bf16_dot(self.path) => format!("{}, bf16 matmul inputs on {} dot products", self.path.name(), packed::BF16_DOT),
             MatmulInputs::Bf16 => format!("{}, bf16 matmul inputs rounded and widened (no bf16 dot product on this path)", self.path.name()),
         }
     }

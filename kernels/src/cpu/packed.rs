@@ -23,7 +23,7 @@ use super::simd::Elem;
 use super::{MatmulInputs, min_items};
 use crate::WeightData;
 
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 mod pairs;
 
 /// Activation rows kept hot in L2 while every panel passes over them.
@@ -92,7 +92,7 @@ enum Data {
     Bf16(Aligned<u16>),
     F16(Aligned<half::f16>),
     /// bf16 weights in pairs of inputs, for the bf16 dot-product kernel (`pairs`).
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     Bf16Pairs(Aligned<u16>),
 }
 
@@ -115,21 +115,31 @@ impl Panels {
             Data::F32(d) => 4 * d.len,
             Data::Bf16(d) => 2 * d.len,
             Data::F16(d) => 2 * d.len,
-            #[cfg(target_arch = "x86_64")]
+            #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
             Data::Bf16Pairs(d) => 2 * d.len,
         }
     }
 }
 
+/// The bf16 dot-product instruction of this architecture, as benchmarks print it.
+#[cfg(target_arch = "x86_64")]
+pub const BF16_DOT: &str = "AVX-512 BF16";
+#[cfg(target_arch = "aarch64")]
+pub const BF16_DOT: &str = "BF16 (BFDOT)";
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+pub const BF16_DOT: &str = "no bf16";
+
 /// Whether `path` multiplies bf16 weights with a bf16 dot-product instruction when asked for
-/// bf16 inputs (AVX-512 BF16); elsewhere the inputs are rounded and widened again.
+/// bf16 inputs (AVX-512 BF16, or NEON with Arm's BF16 extension); elsewhere the inputs are
+/// rounded and widened again.
 pub fn bf16_dot(path: Path) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if matches!(path, Path::Avx512(_)) {
-        return pairs::available();
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx512(_) => pairs::available(),
+        #[cfg(target_arch = "aarch64")]
+        Path::Neon(_) => pairs::available(),
+        _ => false,
     }
-    let _ = path;
-    false
 }
 
 /// Packs `w` (`[n, k]`, row-major) into panels for `path`, in `w`'s own element type. With
@@ -138,7 +148,7 @@ pub fn pack(path: Path, w: WeightData<'_>, n: usize, k: usize, inputs: MatmulInp
     let nr = 2 * path.lanes();
     let bf16_inputs = inputs == MatmulInputs::Bf16 && matches!(w, WeightData::Bf16(_));
     let data = match w {
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         WeightData::Bf16(w) if bf16_inputs && bf16_dot(path) => {
             return Panels { data: Data::Bf16Pairs(pairs::pack(w, n, k)), path, nr: pairs::NR, round_inputs: false };
         }
@@ -188,7 +198,7 @@ pub fn matmul(x: &[f32], panels: &Panels, bias: Option<&[f32]>, out: &mut [f32],
         Data::F32(d) => matmul_typed(x, d.as_slice(), panels, bias, out, rows, k, n),
         Data::Bf16(d) => matmul_typed(x, d.as_slice(), panels, bias, out, rows, k, n),
         Data::F16(d) => matmul_typed(x, d.as_slice(), panels, bias, out, rows, k, n),
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         Data::Bf16Pairs(d) => pairs::matmul(x, d.as_slice(), bias, out, rows, k, n),
     }
 }

@@ -1,35 +1,39 @@
-//! bf16 weights times activations rounded to bf16, on AVX-512 BF16's dot product
-//! (`vdpbf16ps`): each instruction multiplies 16 pairs of bf16 values and adds both products
-//! to 16 f32 accumulators, twice the multiply-adds of an f32 FMA for the same issue slot.
+//! bf16 weights times activations rounded to bf16, on the CPU's bf16 dot product: AVX-512
+//! BF16's `vdpbf16ps` on x86-64 (16 lanes) and the BF16 extension's `BFDOT` on aarch64 (4
+//! lanes; Graviton 3 and 4, Ampere One, Apple M2 and later). Each instruction multiplies a pair
+//! of bf16 values in every lane and adds both products to that lane's f32 accumulator, twice the
+//! multiply-adds of an f32 FMA for the same issue slot.
 //!
 //! The panels hold the weight's pairs of inputs side by side: `panel[p][kp][2 j + h] =
-//! W[p * 32 + j][2 kp + h]` (zero beyond `n` and `k`), so one 64-byte load gives 16 columns'
-//! pairs. The activations are rounded to bf16 (to nearest, ties to even) and paired the same
-//! way, one 32-bit pair broadcast per row. As in the f32 kernels, every output element starts
-//! from its bias and takes the pairs `kp = 0, 1, ..` in order, in the tile and in the
+//! W[p * NR + j][2 kp + h]` (zero beyond `n` and `k`), so one vector load gives a register's
+//! columns' pairs. The activations are rounded to bf16 (to nearest, ties to even) and paired the
+//! same way, one 32-bit pair broadcast per row. As in the f32 kernels, every output element
+//! starts from its bias and takes the pairs `kp = 0, 1, ..` in order, in the tile and in the
 //! single-row loop alike, so a row's result does not depend on its batch.
 //!
-//! The instruction exists only on x86-64 (NEON's `BFDOT` is not yet reachable from stable
-//! Rust), so this is the one kernel written for one instruction set; every other path reaches
-//! the same rounding of the inputs through the generic kernels (see `super::matmul`).
-
-use std::arch::x86_64::*;
+//! The kernel is written once over [`Dot`], the few operations it needs; pulp exposes neither
+//! instruction, so each architecture implements them with its own intrinsics (`BFDOT` through
+//! inline assembly: its intrinsics are not in stable Rust). The two instructions round
+//! differently (x86 adds each product to the accumulator to nearest; Arm adds the two products,
+//! then the accumulator, rounding to odd), so the two architectures' results may differ in the
+//! last bits; on each, a row's result is the same in every batch.
 
 use rayon::prelude::*;
 
 use super::{Aligned, OutPtr, ROW_CHUNK};
 use crate::cpu::min_items;
 
-/// Output columns per panel: two registers of 16 f32 accumulators.
-pub(super) const NR: usize = 32;
-/// Rows per tile: 24 accumulators, two weight registers and a broadcast fit in 32 registers.
+/// Output columns per panel: two registers of f32 accumulators (32 on x86-64, 8 on aarch64).
+pub(super) const NR: usize = 2 * Native::LANES;
+/// Rows per tile: 24 accumulators, two weight registers and a broadcast fit in the 32 vector
+/// registers both architectures have.
 const MR: usize = 12;
 /// Most panels the single-row loop walks side by side.
 const GROUP: usize = 8;
 
 /// Whether this CPU has the instructions.
 pub(super) fn available() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16")
+    Native::available()
 }
 
 /// Inputs `2 kp` and `2 kp + 1` of `row` as one bf16 pair, the first in the low half.
@@ -145,47 +149,252 @@ fn pack_rows(x: &[f32], k: usize, out: &mut Vec<u32>) {
     );
 }
 
+/// What the kernel needs of an instruction set: `LANES` f32 accumulators a register, and a dot
+/// product of bf16 pairs into them.
+///
+/// # Safety
+/// Every function may be called only inside a function built with the set's target features
+/// (`PanelTask::run` and `RowGroup::run`), on a CPU for which `available` holds.
+trait Dot {
+    const LANES: usize;
+    type Acc: Copy;
+    type Pairs: Copy;
+    /// Which of a register's lanes are real columns.
+    type Mask: Copy;
+
+    fn available() -> bool;
+
+    /// The first `cols` lanes (all of them from `LANES` on).
+    fn mask(cols: usize) -> Self::Mask;
+
+    /// # Safety
+    /// See the trait.
+    unsafe fn zero() -> Self::Acc;
+
+    /// The real lanes of `m` from `p`, zero elsewhere.
+    ///
+    /// # Safety
+    /// See the trait; `p` is readable for the real lanes.
+    unsafe fn load_masked(p: *const f32, m: Self::Mask) -> Self::Acc;
+
+    /// `LANES` columns' pairs (`2 LANES` bf16 values) at `p`.
+    ///
+    /// # Safety
+    /// See the trait; `2 LANES` values are readable at `p`.
+    unsafe fn load_pairs(p: *const u16) -> Self::Pairs;
+
+    /// A row's pair in every lane.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn broadcast(pair: u32) -> Self::Pairs;
+
+    /// `acc` plus, in each lane, the products of its two pairs.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn dot(acc: Self::Acc, x: Self::Pairs, w: Self::Pairs) -> Self::Acc;
+
+    /// Stores the real lanes of `m` at `p`.
+    ///
+    /// # Safety
+    /// See the trait; `p` is writable for the real lanes.
+    unsafe fn store_masked(p: *mut f32, m: Self::Mask, v: Self::Acc);
+
+    /// Asks for the cache line at `p` to be brought into L2; never faults, may do nothing.
+    fn prefetch_l2(p: *const u8);
+}
+
+/// AVX-512 BF16 (Intel from Cooper Lake, AMD from Zen 4).
+#[cfg(target_arch = "x86_64")]
+struct Avx512Bf16;
+
+#[cfg(target_arch = "x86_64")]
+impl Dot for Avx512Bf16 {
+    const LANES: usize = 16;
+    type Acc = std::arch::x86_64::__m512;
+    type Pairs = std::arch::x86_64::__m512bh;
+    type Mask = std::arch::x86_64::__mmask16;
+
+    fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+
+    #[inline(always)]
+    fn mask(cols: usize) -> Self::Mask {
+        ((1u32 << cols.min(16)) - 1) as Self::Mask
+    }
+
+    #[inline(always)]
+    unsafe fn zero() -> Self::Acc {
+        // SAFETY: AVX-512F (the trait's contract).
+        unsafe { std::arch::x86_64::_mm512_setzero_ps() }
+    }
+
+    #[inline(always)]
+    unsafe fn load_masked(p: *const f32, m: Self::Mask) -> Self::Acc {
+        // SAFETY: the masked load touches only the real lanes (the contract).
+        unsafe { std::arch::x86_64::_mm512_maskz_loadu_ps(m, p) }
+    }
+
+    #[inline(always)]
+    unsafe fn load_pairs(p: *const u16) -> Self::Pairs {
+        use std::arch::x86_64::*;
+        // SAFETY: 64 bytes are readable (the contract); `__m512bh` and `__m512i` are both 64
+        // plain bytes.
+        unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const __m512i)) }
+    }
+
+    #[inline(always)]
+    unsafe fn broadcast(pair: u32) -> Self::Pairs {
+        use std::arch::x86_64::*;
+        // SAFETY: as above.
+        unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair as i32)) }
+    }
+
+    #[inline(always)]
+    unsafe fn dot(acc: Self::Acc, x: Self::Pairs, w: Self::Pairs) -> Self::Acc {
+        // SAFETY: AVX-512 BF16 (the contract).
+        unsafe { std::arch::x86_64::_mm512_dpbf16_ps(acc, x, w) }
+    }
+
+    #[inline(always)]
+    unsafe fn store_masked(p: *mut f32, m: Self::Mask, v: Self::Acc) {
+        // SAFETY: the masked store touches only the real lanes (the contract).
+        unsafe { std::arch::x86_64::_mm512_mask_storeu_ps(p, m, v) }
+    }
+
+    #[inline(always)]
+    fn prefetch_l2(p: *const u8) {
+        use std::arch::x86_64::*;
+        // SAFETY: a prefetch never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
+    }
+}
+
+/// The BF16 extension of Armv8.6 (optional from Armv8.2): Neoverse V1, V2 and N2, Ampere One,
+/// Apple M2 and later.
+#[cfg(target_arch = "aarch64")]
+struct NeonBf16;
+
+#[cfg(target_arch = "aarch64")]
+impl Dot for NeonBf16 {
+    const LANES: usize = 4;
+    type Acc = std::arch::aarch64::float32x4_t;
+    type Pairs = std::arch::aarch64::uint32x4_t;
+    /// The number of real lanes.
+    type Mask = usize;
+
+    fn available() -> bool {
+        std::arch::is_aarch64_feature_detected!("neon") && std::arch::is_aarch64_feature_detected!("bf16")
+    }
+
+    #[inline(always)]
+    fn mask(cols: usize) -> usize {
+        cols.min(4)
+    }
+
+    #[inline(always)]
+    unsafe fn zero() -> Self::Acc {
+        // SAFETY: NEON (the trait's contract).
+        unsafe { std::arch::aarch64::vdupq_n_f32(0.0) }
+    }
+
+    #[inline(always)]
+    unsafe fn load_masked(p: *const f32, m: usize) -> Self::Acc {
+        use std::arch::aarch64::*;
+        // SAFETY: a whole register is read only when all four lanes are real; otherwise the
+        // real ones are copied (the contract).
+        unsafe {
+            if m == 4 {
+                return vld1q_f32(p);
+            }
+            let mut v = [0.0f32; 4];
+            std::ptr::copy_nonoverlapping(p, v.as_mut_ptr(), m);
+            vld1q_f32(v.as_ptr())
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn load_pairs(p: *const u16) -> Self::Pairs {
+        use std::arch::aarch64::*;
+        // SAFETY: 16 bytes are readable (the contract).
+        unsafe { vreinterpretq_u32_u16(vld1q_u16(p)) }
+    }
+
+    #[inline(always)]
+    unsafe fn broadcast(pair: u32) -> Self::Pairs {
+        // SAFETY: NEON (the contract).
+        unsafe { std::arch::aarch64::vdupq_n_u32(pair) }
+    }
+
+    #[inline(always)]
+    unsafe fn dot(mut acc: Self::Acc, x: Self::Pairs, w: Self::Pairs) -> Self::Acc {
+        // SAFETY: `BFDOT` only reads and writes these registers; the CPU has the BF16
+        // extension, and the function this is inlined into enables it (the contract).
+        unsafe {
+            std::arch::asm!(
+                "bfdot {acc:v}.4s, {x:v}.8h, {w:v}.8h",
+                acc = inout(vreg) acc,
+                x = in(vreg) x,
+                w = in(vreg) w,
+                options(pure, nomem, nostack, preserves_flags)
+            );
+        }
+        acc
+    }
+
+    #[inline(always)]
+    unsafe fn store_masked(p: *mut f32, m: usize, v: Self::Acc) {
+        use std::arch::aarch64::*;
+        // SAFETY: as in `load_masked`.
+        unsafe {
+            if m == 4 {
+                return vst1q_f32(p, v);
+            }
+            let mut out = [0.0f32; 4];
+            vst1q_f32(out.as_mut_ptr(), v);
+            std::ptr::copy_nonoverlapping(out.as_ptr(), p, m);
+        }
+    }
+
+    #[inline(always)]
+    fn prefetch_l2(p: *const u8) {
+        // SAFETY: a prefetch never faults, whatever the address, and touches no register but
+        // its address operand.
+        unsafe { std::arch::asm!("prfm pldl2keep, [{p}]", p = in(reg) p, options(nostack, preserves_flags, readonly)) }
+    }
+}
+
+/// The instruction set of this architecture.
+#[cfg(target_arch = "x86_64")]
+type Native = Avx512Bf16;
+#[cfg(target_arch = "aarch64")]
+type Native = NeonBf16;
+
+type Acc = <Native as Dot>::Acc;
+type Mask = <Native as Dot>::Mask;
+
 /// The masks of a panel's real columns in its two registers.
 #[inline(always)]
-fn masks(cols: usize) -> [__mmask16; 2] {
-    let lo = cols.min(16);
-    let hi = cols.saturating_sub(16).min(16);
-    [((1u32 << lo) - 1) as __mmask16, ((1u32 << hi) - 1) as __mmask16]
+fn masks(cols: usize) -> [Mask; 2] {
+    let lanes = Native::LANES;
+    [Native::mask(cols.min(lanes)), Native::mask(cols.saturating_sub(lanes).min(lanes))]
 }
 
 /// The accumulators' starting values: the bias of the real columns, zero elsewhere.
 ///
 /// # Safety
-/// Needs AVX-512F; `bias`, when given, holds the real columns `masks` covers.
+/// As [`Dot`]'s; `bias`, when given, holds the real columns `masks` covers.
 #[inline(always)]
-unsafe fn start(bias: Option<&[f32]>, m: [__mmask16; 2]) -> [__m512; 2] {
+unsafe fn start(bias: Option<&[f32]>, m: [Mask; 2]) -> [Acc; 2] {
     // SAFETY: the masked loads touch only the real columns, inside `bias` (the contract).
     unsafe {
         match bias {
-            Some(b) => [_mm512_maskz_loadu_ps(m[0], b.as_ptr()), _mm512_maskz_loadu_ps(m[1], b.as_ptr().wrapping_add(16))],
-            None => [_mm512_setzero_ps(); 2],
+            Some(b) => [Native::load_masked(b.as_ptr(), m[0]), Native::load_masked(b.as_ptr().wrapping_add(Native::LANES), m[1])],
+            None => [Native::zero(); 2],
         }
     }
-}
-
-/// 16 columns' pairs at `p`.
-///
-/// # Safety
-/// Needs AVX-512F; 32 values are readable at `p`.
-#[inline(always)]
-unsafe fn load_pairs(p: *const u16) -> __m512bh {
-    // SAFETY: the contract; `__m512bh` and `__m512i` are both 64 plain bytes.
-    unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const __m512i)) }
-}
-
-/// A row's pair broadcast to every lane.
-///
-/// # Safety
-/// Needs AVX-512F.
-#[inline(always)]
-unsafe fn broadcast(pair: u32) -> __m512bh {
-    // SAFETY: as above.
-    unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair as i32)) }
 }
 
 /// Every tile of one panel against one chunk of packed rows.
@@ -205,9 +414,10 @@ struct PanelTask<'a> {
 
 impl PanelTask<'_> {
     /// # Safety
-    /// The CPU has AVX-512F and AVX-512 BF16; `out` holds the chunk's rows at stride `out_rs`
+    /// [`available`] holds; `out` holds the chunk's rows at stride `out_rs`
     /// with at least `cols` columns each, written by this task alone.
-    #[target_feature(enable = "avx512f,avx512bf16")]
+    #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f,avx512bf16"))]
+    #[cfg_attr(target_arch = "aarch64", target_feature(enable = "neon,bf16"))]
     unsafe fn run(self) {
         let k2 = self.k2;
         let tiles = self.xp.len() / (k2 * MR);
@@ -252,21 +462,21 @@ struct Tile {
     /// `k2 x 2 NR` panel values.
     w: *const u16,
     k2: usize,
-    start: [__m512; 2],
-    masks: [__mmask16; 2],
+    start: [Acc; 2],
+    masks: [Mask; 2],
     /// Where to prefetch from, and every how many iterations.
     prefetch: (*const u16, usize),
 }
 
 impl Tile {
     /// # Safety
-    /// Needs AVX-512F and AVX-512 BF16 (inlined only into [`PanelTask::run`]); the pointers
+    /// As [`Dot`]'s (inlined only into [`PanelTask::run`]); the pointers
     /// hold what the fields say; `out` points at `M` rows, `out_rs` apart, with the real
     /// columns writable.
     #[inline(always)]
     unsafe fn run<const M: usize>(&self, out: *mut f32, out_rs: usize) {
         let mut acc = [self.start; M];
-        let (mut pf, every) = (self.prefetch.0 as *const i8, self.prefetch.1);
+        let (mut pf, every) = (self.prefetch.0 as *const u8, self.prefetch.1);
         let mut count = 0usize;
         // SAFETY: reads are x[kp * MR + i] for i < M <= MR, kp < k2, and w[kp * 2 NR .. + 2 NR]
         // (the contract); prefetches never fault; the stores are masked to the real columns.
@@ -275,22 +485,24 @@ impl Tile {
                 count += 1;
                 if count == every {
                     count = 0;
-                    _mm_prefetch::<_MM_HINT_T1>(pf);
-                    _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(64));
+                    // One pair row of the panel: 4 NR bytes.
+                    for line in (0..4 * NR).step_by(64) {
+                        Native::prefetch_l2(pf.wrapping_add(line));
+                    }
                     pf = pf.wrapping_add(4 * NR);
                 }
-                let w0 = load_pairs(self.w.add(kp * 2 * NR));
-                let w1 = load_pairs(self.w.add(kp * 2 * NR + NR));
+                let w0 = Native::load_pairs(self.w.add(kp * 2 * NR));
+                let w1 = Native::load_pairs(self.w.add(kp * 2 * NR + NR));
                 for (i, a) in acc.iter_mut().enumerate() {
-                    let xv = broadcast(*self.x.add(kp * MR + i));
-                    a[0] = _mm512_dpbf16_ps(a[0], xv, w0);
-                    a[1] = _mm512_dpbf16_ps(a[1], xv, w1);
+                    let xv = Native::broadcast(*self.x.add(kp * MR + i));
+                    a[0] = Native::dot(a[0], xv, w0);
+                    a[1] = Native::dot(a[1], xv, w1);
                 }
             }
             for (i, a) in acc.iter().enumerate() {
                 let row = out.add(i * out_rs);
-                _mm512_mask_storeu_ps(row, self.masks[0], a[0]);
-                _mm512_mask_storeu_ps(row.wrapping_add(16), self.masks[1], a[1]);
+                Native::store_masked(row, self.masks[0], a[0]);
+                Native::store_masked(row.wrapping_add(Native::LANES), self.masks[1], a[1]);
             }
         }
     }
@@ -312,9 +524,10 @@ struct RowGroup<'a> {
 
 impl RowGroup<'_> {
     /// # Safety
-    /// The CPU has AVX-512F and AVX-512 BF16; the output row from `out` on holds `cols`
+    /// [`available`] holds; the output row from `out` on holds `cols`
     /// values, the group's columns written by this task alone.
-    #[target_feature(enable = "avx512f,avx512bf16")]
+    #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f,avx512bf16"))]
+    #[cfg_attr(target_arch = "aarch64", target_feature(enable = "neon,bf16"))]
     unsafe fn run(self, group: usize) {
         // SAFETY: forwarded.
         unsafe {
@@ -337,25 +550,25 @@ impl RowGroup<'_> {
     unsafe fn side_by_side<const G: usize>(&self) {
         let k2 = self.k2;
         assert!(self.panels.len() >= G * k2 * 2 * NR && self.x.len() >= k2 && self.cols > (G - 1) * NR);
-        let m: [[__mmask16; 2]; G] = std::array::from_fn(|g| masks(self.cols - g * NR));
+        let m: [[Mask; 2]; G] = std::array::from_fn(|g| masks(self.cols - g * NR));
         // SAFETY: each panel's bias holds its real columns (the bias runs to the row's end).
-        let mut acc: [[__m512; 2]; G] = std::array::from_fn(|g| unsafe { start(self.bias.map(|b| &b[g * NR..]), m[g]) });
+        let mut acc: [[Acc; 2]; G] = std::array::from_fn(|g| unsafe { start(self.bias.map(|b| &b[g * NR..]), m[g]) });
         let w = self.panels.as_ptr();
         // SAFETY: reads are x[kp] for kp < k2 and panel g's pairs kp, w[g * k2 * 2 NR + kp * 2
         // NR .. + 2 NR] for g < G (checked above); the stores are masked to the real columns.
         unsafe {
             for kp in 0..k2 {
-                let xv = broadcast(*self.x.as_ptr().add(kp));
+                let xv = Native::broadcast(*self.x.as_ptr().add(kp));
                 for (g, a) in acc.iter_mut().enumerate() {
                     let p = w.add(g * k2 * 2 * NR + kp * 2 * NR);
-                    a[0] = _mm512_dpbf16_ps(a[0], xv, load_pairs(p));
-                    a[1] = _mm512_dpbf16_ps(a[1], xv, load_pairs(p.add(NR)));
+                    a[0] = Native::dot(a[0], xv, Native::load_pairs(p));
+                    a[1] = Native::dot(a[1], xv, Native::load_pairs(p.add(NR)));
                 }
             }
             for (g, a) in acc.iter().enumerate() {
                 let row = self.out.0.add(g * NR);
-                _mm512_mask_storeu_ps(row, m[g][0], a[0]);
-                _mm512_mask_storeu_ps(row.wrapping_add(16), m[g][1], a[1]);
+                Native::store_masked(row, m[g][0], a[0]);
+                Native::store_masked(row.wrapping_add(Native::LANES), m[g][1], a[1]);
             }
         }
     }
