@@ -158,32 +158,75 @@ impl Kernel for AttendTask<'_> {
     }
 }
 
+/// The query heads of one (token, kv head) pair against its sequence's keys, then values. The
+/// keys and values are walked once, page by page: each row is read from memory once and serves
+/// every query head of the group from L1, and the same row of the next page is asked for
+/// meanwhile (a sequence's pages lie anywhere in the pool, where the CPU's own prefetcher loses
+/// the stream). Each score is one `dot` and each output element sums its values in position
+/// order, whatever the batch.
 #[inline(always)]
 fn attend<S: Isa, E: Elem>(s: S, task: AttendTask<'_>, cache: &[E]) {
     let AttendTask { ctx, scores, task, out: o } = task;
     let Attend { m, q, token_seq, layout, p, group, .. } = *ctx;
-    let (hd, heads, bs) = (p.head_dim, p.num_heads, layout.block_size);
+    let (hd, heads) = (p.head_dim, p.num_heads);
     let (t, kvh) = (task / p.num_kv_heads, task % p.num_kv_heads);
     let seq = token_seq[t] as usize;
     let last = m.positions[t] as usize;
     let first = p.sliding_window.map_or(0, |w| (last + 1).saturating_sub(w));
     let table = &m.block_tables[seq * m.max_blocks..];
     let n = last + 1 - first;
+    let qs = &q[(t * heads + kvh * group) * hd..][..group * hd];
     scores.resize(group * n, 0.0);
-    for g in 0..group {
-        let h = kvh * group + g;
-        let qh = &q[(t * heads + h) * hd..(t * heads + h + 1) * hd];
-        let sc = &mut scores[g * n..(g + 1) * n];
-        for (j, key_pos) in (first..=last).enumerate() {
-            let off = layout.offset(table[key_pos / bs] as usize, p.layer, 0, kvh, key_pos % bs);
-            sc[j] = simd::dot(s, qh, &cache[off..off + hd]) * p.scale;
+    rows(s, cache, layout, table, p.layer, 0, kvh, first, last, |j, k| {
+        for (g, qh) in qs.chunks_exact(hd).enumerate() {
+            scores[g * n + j] = simd::dot(s, qh, k) * p.scale;
         }
+    });
+    for sc in scores.chunks_exact_mut(n) {
         softmax_in_place(sc);
-        let oh = &mut o[g * hd..(g + 1) * hd];
-        oh.fill(0.0);
-        for (j, key_pos) in (first..=last).enumerate() {
-            let off = layout.offset(table[key_pos / bs] as usize, p.layer, 1, kvh, key_pos % bs);
-            simd::axpy(s, oh, sc[j], &cache[off..off + hd]);
+    }
+    o[..group * hd].fill(0.0);
+    rows(s, cache, layout, table, p.layer, 1, kvh, first, last, |j, v| {
+        for (g, oh) in o[..group * hd].chunks_exact_mut(hd).enumerate() {
+            simd::axpy(s, oh, scores[g * n + j], v);
+        }
+    });
+}
+
+/// Calls `f(j, row)` for the K (`which` 0) or V (1) rows of positions `first..=last` of one
+/// kv head, `j` counting from `first`, walking the sequence's pages (`table`) in order and
+/// prefetching the same row of the next page.
+#[allow(clippy::too_many_arguments)] // a row's address: page table, layer, K or V, head, range
+#[inline(always)]
+fn rows<S: Isa, E: Elem>(
+    s: S,
+    cache: &[E],
+    layout: &KvLayout,
+    table: &[u32],
+    layer: usize,
+    which: usize,
+    kvh: usize,
+    first: usize,
+    last: usize,
+    mut f: impl FnMut(usize, &[E]),
+) {
+    let (bs, hd) = (layout.block_size, layout.head_dim);
+    let row_bytes = hd * std::mem::size_of::<E>();
+    let (b0, b1) = (first / bs, last / bs);
+    let mut j = 0;
+    for b in b0..=b1 {
+        let base = layout.offset(table[b] as usize, layer, which, kvh, 0);
+        let next = (b < b1).then(|| cache[layout.offset(table[b + 1] as usize, layer, which, kvh, 0)..].as_ptr() as *const u8);
+        let lo = if b == b0 { first % bs } else { 0 };
+        let hi = if b == b1 { last % bs } else { bs - 1 };
+        for slot in lo..=hi {
+            if let Some(next) = next {
+                for line in (0..row_bytes).step_by(64) {
+                    s.prefetch_l2(next.wrapping_add(slot * row_bytes + line));
+                }
+            }
+            f(j, &cache[base + slot * hd..base + (slot + 1) * hd]);
+            j += 1;
         }
     }
 }
