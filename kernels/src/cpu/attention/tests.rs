@@ -235,3 +235,61 @@ fn rope_rotates_halves() {
     }
     assert!(cpu.rope(&mut x, &cpu.upload_u32(&[2]).unwrap(), &table, 1, 4).is_err());
 }
+
+/// A token's output does not depend on the batch it is attended in: a prompt's 21 tokens and
+/// the last 3 of a second sequence (at positions 21-23, right after the first's 20) attended
+/// together give each token the same bits as attending it alone, as a decode step would: with
+/// and without a sliding window, with f32 and bf16 pages, on every path.
+#[test]
+fn tokens_attended_together_equal_tokens_attended_alone() {
+    let (heads, kv_heads, hd) = (4, 2, 16);
+    let (lens, max_blocks) = ([21usize, 24], 6);
+    for dtype in [RowDType::F32, RowDType::Bf16] {
+        for cpu in Path::available().into_iter().map(CpuBackend::with_path) {
+            let layout = KvLayout { num_layers: 1, num_kv_heads: kv_heads, head_dim: hd, block_size: 4, dtype };
+            let mut cache = cpu.zeros(16 * layout.page_elems()).unwrap();
+            let mut seed = 7u64;
+            // Sequence 0 on pages 15, 13, .., 5; sequence 1 on pages 14, 12, .., 4.
+            let tables: Vec<u32> = [15u32, 13, 11, 9, 7, 5, 14, 12, 10, 8, 6, 4].to_vec();
+            // Every position of both sequences (written first), and the batch: all of sequence
+            // 0 and the last three of sequence 1.
+            let (mut positions, mut slots, mut seqs) = (vec![], vec![], vec![]);
+            for (s, &len) in lens.iter().enumerate() {
+                for p in 0..len {
+                    positions.push(p as u32);
+                    slots.push(tables[s * max_blocks + p / 4] * 4 + (p % 4) as u32);
+                    seqs.push(s);
+                }
+            }
+            let written: Vec<usize> = (0..positions.len()).collect();
+            let batch: Vec<usize> = (0..lens[0]).chain(lens[0] + lens[1] - 3..lens[0] + lens[1]).collect();
+            let meta = |t: &[usize]| BatchMeta {
+                num_seqs: 2,
+                num_tokens: t.len(),
+                max_blocks_per_seq: max_blocks,
+                positions: cpu.upload_u32(&t.iter().map(|&t| positions[t]).collect::<Vec<_>>()).unwrap(),
+                slots: cpu.upload_u32(&t.iter().map(|&t| slots[t]).collect::<Vec<_>>()).unwrap(),
+                seq_starts: cpu.upload_u32(&[0, t.iter().filter(|&&t| seqs[t] == 0).count() as u32, t.len() as u32]).unwrap(),
+                context_lens: cpu.upload_u32(&[lens[0] as u32, lens[1] as u32]).unwrap(),
+                block_tables: cpu.upload_u32(&tables).unwrap(),
+            };
+            let (k, v) = (rand_vec(written.len() * kv_heads * hd, &mut seed), rand_vec(written.len() * kv_heads * hd, &mut seed));
+            cpu.write_kv(&cpu.upload_f32(&k).unwrap(), &cpu.upload_f32(&v).unwrap(), &mut cache, &meta(&written), &layout, 0).unwrap();
+            let row = heads * hd;
+            let q = rand_vec(batch.len() * row, &mut seed);
+            for window in [None, Some(6)] {
+                let params = AttentionParams { layer: 0, num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: 0.25, sliding_window: window };
+                let mut out = cpu.upload_f32(&vec![f32::NAN; batch.len() * row]).unwrap();
+                cpu.attention(&cpu.upload_f32(&q).unwrap(), &cache, &mut out, &meta(&batch), &layout, &params).unwrap();
+                let together = cpu.download_f32(&out).unwrap();
+                for (i, &t) in batch.iter().enumerate() {
+                    let mut one = cpu.upload_f32(&vec![f32::NAN; row]).unwrap();
+                    cpu.attention(&cpu.upload_f32(&q[i * row..(i + 1) * row]).unwrap(), &cache, &mut one, &meta(&[t]), &layout, &params).unwrap();
+                    let alone = cpu.download_f32(&one).unwrap();
+                    let same = alone.iter().zip(&together[i * row..(i + 1) * row]).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{:?} {dtype:?}, window {window:?}: token {t} differs alone and in the batch", cpu.path());
+                }
+            }
+        }
+    }
+}
