@@ -162,8 +162,10 @@ impl Kernel for AttendTask<'_> {
 /// keys and values are walked once, page by page: each row is read from memory once and serves
 /// every query head of the group from L1, and the same row of the next page is asked for
 /// meanwhile (a sequence's pages lie anywhere in the pool, where the CPU's own prefetcher loses
-/// the stream). Each score is one `dot` and each output element sums its values in position
-/// order, whatever the batch.
+/// the stream). A page's rows go through the batched kernels together: eight scores' sums in
+/// flight at once, and each output row loaded and stored once a page instead of once a value.
+/// Each score depends on its query and key alone, and each output element sums its values in
+/// position order, whatever the batch.
 #[inline(always)]
 fn attend<S: Isa, E: Elem>(s: S, task: AttendTask<'_>, cache: &[E]) {
     let AttendTask { ctx, scores, task, out: o } = task;
@@ -177,30 +179,37 @@ fn attend<S: Isa, E: Elem>(s: S, task: AttendTask<'_>, cache: &[E]) {
     let n = last + 1 - first;
     let qs = &q[(t * heads + kvh * group) * hd..][..group * hd];
     scores.resize(group * n, 0.0);
-    rows(s, cache, layout, table, p.layer, 0, kvh, first, last, |j, k| {
+    page_rows(s, cache, layout, table, p.layer, 0, kvh, first, last, |j, keys| {
         for (g, qh) in qs.chunks_exact(hd).enumerate() {
-            scores[g * n + j] = simd::dot(s, qh, k) * p.scale;
+            let sc = &mut scores[g * n + j..][..keys.len()];
+            simd::dots_rows(s, qh, keys, sc);
+            for v in sc {
+                *v *= p.scale;
+            }
         }
     });
     for sc in scores.chunks_exact_mut(n) {
         softmax_in_place(sc);
     }
     o[..group * hd].fill(0.0);
-    rows(s, cache, layout, table, p.layer, 1, kvh, first, last, |j, v| {
+    page_rows(s, cache, layout, table, p.layer, 1, kvh, first, last, |j, values| {
         for (g, oh) in o[..group * hd].chunks_exact_mut(hd).enumerate() {
-            simd::axpy(s, oh, scores[g * n + j], v);
+            simd::axpys_rows(s, oh, &scores[g * n + j..][..values.len()], values);
         }
     });
 }
 
-/// Calls `f(j, row)` for the K (`which` 0) or V (1) rows of positions `first..=last` of one
-/// kv head, `j` counting from `first`, walking the sequence's pages (`table`) in order and
-/// prefetching the same row of the next page.
+/// Most rows handed over at once by [`page_rows`].
+const PAGE_ROWS: usize = 16;
+
+/// Calls `f(j, rows)` with the K (`which` 0) or V (1) rows of positions `first..=last` of one
+/// kv head, up to [`PAGE_ROWS`] of one page at a time, `j` the first one's index counting from
+/// `first`: the sequence's pages (`table`) in order, the same rows of the next page prefetched.
 #[allow(clippy::too_many_arguments)] // a row's address: page table, layer, K or V, head, range
 #[inline(always)]
-fn rows<S: Isa, E: Elem>(
+fn page_rows<'c, S: Isa, E: Elem>(
     s: S,
-    cache: &[E],
+    cache: &'c [E],
     layout: &KvLayout,
     table: &[u32],
     layer: usize,
@@ -208,25 +217,32 @@ fn rows<S: Isa, E: Elem>(
     kvh: usize,
     first: usize,
     last: usize,
-    mut f: impl FnMut(usize, &[E]),
+    mut f: impl FnMut(usize, &[&'c [E]]),
 ) {
     let (bs, hd) = (layout.block_size, layout.head_dim);
     let row_bytes = hd * std::mem::size_of::<E>();
     let (b0, b1) = (first / bs, last / bs);
+    let mut rows: [&[E]; PAGE_ROWS] = [&[]; PAGE_ROWS];
     let mut j = 0;
     for b in b0..=b1 {
         let base = layout.offset(table[b] as usize, layer, which, kvh, 0);
         let next = (b < b1).then(|| cache[layout.offset(table[b + 1] as usize, layer, which, kvh, 0)..].as_ptr() as *const u8);
-        let lo = if b == b0 { first % bs } else { 0 };
-        let hi = if b == b1 { last % bs } else { bs - 1 };
-        for slot in lo..=hi {
-            if let Some(next) = next {
-                for line in (0..row_bytes).step_by(64) {
-                    s.prefetch_l2(next.wrapping_add(slot * row_bytes + line));
+        let mut slot = if b == b0 { first % bs } else { 0 };
+        let end = if b == b1 { last % bs + 1 } else { bs };
+        while slot < end {
+            let count = PAGE_ROWS.min(end - slot);
+            for (r, row) in rows[..count].iter_mut().enumerate() {
+                let at = slot + r;
+                if let Some(next) = next {
+                    for line in (0..row_bytes).step_by(64) {
+                        s.prefetch_l2(next.wrapping_add(at * row_bytes + line));
+                    }
                 }
+                *row = &cache[base + at * hd..base + (at + 1) * hd];
             }
-            f(j, &cache[base + slot * hd..base + (slot + 1) * hd]);
-            j += 1;
+            f(j, &rows[..count]);
+            j += count;
+            slot += count;
         }
     }
 }

@@ -91,37 +91,6 @@ fn padded<T: Copy + Default>(src: &[T]) -> [T; 64] {
     buf
 }
 
-/// `Σ a[i] * b[i]` over the shorter of the two, `b` of any element type (widened in registers).
-#[inline(always)]
-pub fn dot<S: Isa, E: Elem>(s: S, a: &[f32], b: &[E]) -> f32 {
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let lanes = S::F32_LANES;
-    let (mut acc0, mut acc1) = (s.splat_f32s(0.0), s.splat_f32s(0.0));
-    let mut i = 0;
-    // SAFETY: every full load covers i..i + lanes <= n, inside both slices.
-    unsafe {
-        while i + 2 * lanes <= n {
-            acc0 = s.mul_add_e_f32s(f32::load(s, a.as_ptr().add(i)), E::load(s, b.as_ptr().add(i)), acc0);
-            acc1 = s.mul_add_e_f32s(f32::load(s, a.as_ptr().add(i + lanes)), E::load(s, b.as_ptr().add(i + lanes)), acc1);
-            i += 2 * lanes;
-        }
-    }
-    while i < n {
-        let end = (i + lanes).min(n);
-        acc0 = s.mul_add_e_f32s(s.partial_load_f32s(&a[i..end]), E::load_partial(s, &b[i..end]), acc0);
-        i = end;
-    }
-    s.reduce_sum_f32s(s.add_f32s(acc0, acc1))
-}
-
-/// `y[i] += alpha * x[i]` over the shorter of the two, `x` of any element type (widened in
-/// registers).
-#[inline(always)]
-pub fn axpy<S: Isa, E: Elem>(s: S, y: &mut [f32], alpha: f32, x: &[E]) {
-    axpys_rows(s, y, &[alpha], &[x]);
-}
-
 /// Rows of one element type: the A or B rows of one adapter for one projection.
 #[derive(Debug, Clone, Copy)]
 pub enum Rows<'a> {
@@ -151,7 +120,7 @@ pub fn dots<S: Isa>(s: S, x: &[f32], rows: Rows<'_>, out: &mut [f32]) {
 }
 
 #[inline(always)]
-fn dots_rows<S: Isa, E: Elem>(s: S, x: &[f32], rows: &[&[E]], out: &mut [f32]) {
+pub(super) fn dots_rows<S: Isa, E: Elem>(s: S, x: &[f32], rows: &[&[E]], out: &mut [f32]) {
     let count = rows.len().min(out.len());
     let mut r0 = 0;
     while r0 < count {
@@ -215,7 +184,7 @@ pub fn axpys<S: Isa>(s: S, y: &mut [f32], coeffs: &[f32], rows: Rows<'_>) {
 }
 
 #[inline(always)]
-fn axpys_rows<S: Isa, E: Elem>(s: S, y: &mut [f32], coeffs: &[f32], rows: &[&[E]]) {
+pub(super) fn axpys_rows<S: Isa, E: Elem>(s: S, y: &mut [f32], coeffs: &[f32], rows: &[&[E]]) {
     let count = rows.len().min(coeffs.len());
     let (rows, coeffs) = (&rows[..count], &coeffs[..count]);
     if rows.iter().any(|r| r.len() < y.len()) {
@@ -499,8 +468,10 @@ mod tests {
     }
     impl Body for Small<'_> {
         fn body<S: Isa>(&mut self, s: S) {
-            self.out = [dot(s, self.a, self.b), sum(s, self.a), sum_squares(s, self.a)];
-            axpy(s, &mut self.y, 0.5, self.a);
+            let mut dot = [0.0];
+            dots_rows(s, self.a, &[self.b], &mut dot);
+            self.out = [dot[0], sum(s, self.a), sum_squares(s, self.a)];
+            axpys_rows(s, &mut self.y, &[0.5], &[self.a]);
             add_assign(s, &mut self.y, self.b);
             scale_mul(s, &mut self.scaled, self.a, 2.0, self.b);
         }
