@@ -183,13 +183,10 @@ fn attend<S: Isa, E: Elem>(s: S, task: AttendTask<'_>, cache: &[E]) {
         for (g, qh) in qs.chunks_exact(hd).enumerate() {
             let sc = &mut scores[g * n + j..][..keys.len()];
             simd::dots_rows(s, qh, keys, sc);
-            for v in sc {
-                *v *= p.scale;
-            }
         }
     });
     for sc in scores.chunks_exact_mut(n) {
-        softmax_in_place(sc);
+        simd::softmax_scaled(s, sc, p.scale);
     }
     o[..group * hd].fill(0.0);
     page_rows(s, cache, layout, table, p.layer, 1, kvh, first, last, |j, values| {
@@ -244,19 +241,6 @@ fn page_rows<'c, S: Isa, E: Elem>(
             j += count;
             slot += count;
         }
-    }
-}
-
-fn softmax_in_place(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
-    for v in x.iter_mut() {
-        *v *= inv;
     }
 }
 

@@ -313,6 +313,107 @@ pub fn add_assign<S: Isa>(s: S, acc: &mut [f32], x: &[f32]) {
     }
 }
 
+/// `e^x` in every lane: `x = k ln 2 + r` with `k` an integer and `|r| <= ln 2 / 2`, then
+/// `e^r` from Cephes' `expf` polynomial and `2^k` written straight into the exponent bits.
+/// Within 2 ulp of the exact value where the result is a normal number; 0 below
+/// -87.336 (where e^x falls under f32's normal range: flushed, as the scalar path never needs
+/// those), +inf above 88.723, NaN for NaN. A few instructions a lane instead of a libm call an
+/// element: the softmax of attention and SiLU take one per score and per activation.
+#[inline(always)]
+pub fn exp<S: Isa>(s: S, x: S::f32s) -> S::f32s {
+    // ln of the least normal and of the greatest finite f32.
+    const LO: f32 = -87.336_54;
+    const HI: f32 = 88.722_84;
+    // Adding 1.5 * 2^23 rounds to an integer, which then sits in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    const ROUND_BITS: u32 = 0x4b40_0000;
+    // ln 2 as a part with 9 significant bits (so `k * LN2_HI` is exact) and the rest.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
+    let c = s.min_f32s(s.max_f32s(x, s.splat_f32s(LO)), s.splat_f32s(HI));
+    let t = s.mul_add_e_f32s(c, s.splat_f32s(std::f32::consts::LOG2_E), s.splat_f32s(ROUND));
+    let k = s.sub_f32s(t, s.splat_f32s(ROUND));
+    let r = s.mul_add_e_f32s(k, s.splat_f32s(-LN2_HI), c);
+    let r = s.mul_add_e_f32s(k, s.splat_f32s(-LN2_LO), r);
+    let mut p = s.splat_f32s(P[0]);
+    for &coef in &P[1..] {
+        p = s.mul_add_e_f32s(p, r, s.splat_f32s(coef));
+    }
+    let er = s.add_f32s(s.mul_add_e_f32s(s.mul_f32s(p, r), r, r), s.splat_f32s(1.0));
+    // 2^min(k, 127) from its exponent bits, times 2 more where k is 128 (x near HI).
+    let kb = s.transmute_u32s_f32s(s.min_f32s(t, s.splat_f32s(ROUND + 127.0)));
+    let pow = s.transmute_f32s_u32s(s.wrapping_dyn_shl_u32s(s.add_u32s(kb, s.splat_u32s(127u32.wrapping_sub(ROUND_BITS))), s.splat_u32s(23)));
+    let twice = s.select_f32s(s.greater_than_f32s(t, s.splat_f32s(ROUND + 127.0)), s.splat_f32s(2.0), s.splat_f32s(1.0));
+    let y = s.mul_f32s(s.mul_f32s(er, pow), twice);
+    let y = s.select_f32s(s.less_than_f32s(x, s.splat_f32s(LO)), s.splat_f32s(0.0), y);
+    let y = s.select_f32s(s.greater_than_f32s(x, s.splat_f32s(HI)), s.splat_f32s(f32::INFINITY), y);
+    s.select_f32s(s.equal_f32s(x, x), y, x)
+}
+
+/// `x[i] = e^(scale x[i] - m) / Σ_j e^(scale x[j] - m)`, `m` the largest `scale x[j]`: the
+/// softmax of a row of scores, scaled first. Each value's sum runs over its own row only.
+#[inline(always)]
+pub fn softmax_scaled<S: Isa>(s: S, x: &mut [f32], scale: f32) {
+    let lanes = S::F32_LANES;
+    let n = x.len();
+    let full = n - n % lanes;
+    let sv = s.splat_f32s(scale);
+    let mut mx = s.splat_f32s(f32::NEG_INFINITY);
+    let p = x.as_mut_ptr();
+    // SAFETY: the full loads and stores cover i..i + lanes <= full <= n.
+    unsafe {
+        let mut i = 0;
+        while i < full {
+            let v = s.mul_f32s(f32::load(s, p.add(i)), sv);
+            std::ptr::write_unaligned(p.add(i) as *mut S::f32s, v);
+            mx = s.max_f32s(mx, v);
+            i += lanes;
+        }
+    }
+    let mut m = s.reduce_max_f32s(mx);
+    for v in &mut x[full..] {
+        *v *= scale;
+        m = m.max(*v);
+    }
+    let mv = s.splat_f32s(m);
+    let mut acc = s.splat_f32s(0.0);
+    // SAFETY: as above.
+    unsafe {
+        let mut i = 0;
+        while i < full {
+            let e = exp(s, s.sub_f32s(f32::load(s, p.add(i)), mv));
+            std::ptr::write_unaligned(p.add(i) as *mut S::f32s, e);
+            acc = s.add_f32s(acc, e);
+            i += lanes;
+        }
+    }
+    if full < n {
+        let tail = &mut x[full..];
+        s.partial_store_f32s(tail, exp(s, s.sub_f32s(s.partial_load_f32s(tail), mv)));
+        // Reloaded: the lanes past the row's end read as zeros.
+        acc = s.add_f32s(acc, s.partial_load_f32s(tail));
+    }
+    let inv = s.splat_f32s(1.0 / s.reduce_sum_f32s(acc));
+    for chunk in x.chunks_mut(lanes) {
+        s.partial_store_f32s(chunk, s.mul_f32s(s.partial_load_f32s(chunk), inv));
+    }
+}
+
+/// `out[i] = silu(gate[i]) * up[i]` with `silu(g) = g / (1 + e^-g)`, over the shortest of the
+/// three.
+#[inline(always)]
+pub fn silu_mul<S: Isa>(s: S, out: &mut [f32], gate: &[f32], up: &[f32]) {
+    let lanes = S::F32_LANES;
+    let n = out.len().min(gate.len()).min(up.len());
+    let one = s.splat_f32s(1.0);
+    for ((o, g), u) in out[..n].chunks_mut(lanes).zip(gate[..n].chunks(lanes)).zip(up[..n].chunks(lanes)) {
+        let g = s.partial_load_f32s(g);
+        let silu = s.div_f32s(g, s.add_f32s(one, exp(s, s.neg_f32s(g))));
+        s.partial_store_f32s(o, s.mul_f32s(silu, s.partial_load_f32s(u)));
+    }
+}
+
 /// [`sum`] of `x` as one kernel call.
 pub struct Sum<'a>(pub &'a [f32]);
 
@@ -492,6 +593,70 @@ mod tests {
                 for i in 0..n {
                     assert!((r.y[i] - (b[i] + 0.5 * a[i] + b[i])).abs() < 1e-6, "{path:?} n={n}");
                     assert!((r.scaled[i] - b[i] * (a[i] * 2.0)).abs() < 1e-6, "{path:?} n={n}");
+                }
+            }
+        }
+    }
+
+    struct Exps<'a> {
+        x: &'a [f32],
+        exp: Vec<f32>,
+        softmax: Vec<f32>,
+        silu: Vec<f32>,
+    }
+    impl Body for Exps<'_> {
+        fn body<S: Isa>(&mut self, s: S) {
+            for (o, x) in self.exp.chunks_mut(S::F32_LANES).zip(self.x.chunks(S::F32_LANES)) {
+                s.partial_store_f32s(o, exp(s, s.partial_load_f32s(x)));
+            }
+            softmax_scaled(s, &mut self.softmax, 0.125);
+            silu_mul(s, &mut self.silu, self.x, self.x);
+        }
+    }
+
+    /// The vector `e^x` within 2 ulp of the exact value over f32's normal results (the range
+    /// reduction's edges and `k = 128` included), 0 below, +inf above, NaN for NaN; the
+    /// softmax and SiLU built on it against their f64 formulas, rows of every tail length.
+    #[test]
+    fn exp_softmax_and_silu_match_f64_on_every_path() {
+        let mut x: Vec<f32> = (0..40_000).map(|i| -90.0 + i as f32 * 0.0045).collect();
+        let ln2 = std::f32::consts::LN_2;
+        for k in -126..=128 {
+            for d in [-0.5f32, -0.4999, 0.0, 0.4999, 0.5] {
+                x.push((k as f32 + d) * ln2);
+            }
+        }
+        x.extend([0.0, -0.0, 1e-30, -1e-30, 88.72, 88.7228, 88.72284, 88.7229, 89.0, -87.33, -87.3365, -87.3366, -88.0, -1e4, 1e4]);
+        x.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::MAX, f32::MIN]);
+        for path in Path::available() {
+            let n = x.len();
+            let r = path.run(With(Exps { x: &x, exp: vec![0.0; n], softmax: vec![], silu: vec![0.0; n] }));
+            for (&v, &got) in x.iter().zip(&r.exp) {
+                let want = (v as f64).exp();
+                if v.is_nan() {
+                    assert!(got.is_nan(), "{path:?}: e^NaN = {got}");
+                } else if v < -87.336_54 {
+                    assert_eq!(got, 0.0, "{path:?}: e^{v}");
+                } else if v > 88.722_84 {
+                    assert_eq!(got, f32::INFINITY, "{path:?}: e^{v}");
+                } else {
+                    let ulp = (want as f32).abs().max(f32::MIN_POSITIVE) as f64 * f32::EPSILON as f64;
+                    assert!((got as f64 - want).abs() <= 2.0 * ulp, "{path:?}: e^{v} = {got}, exactly {want}");
+                }
+                if v.is_finite() && v.abs() < 80.0 {
+                    let silu = v as f64 / (1.0 + (-(v as f64)).exp()) * v as f64;
+                    let i = x.iter().position(|&y| y.to_bits() == v.to_bits()).unwrap_or(0);
+                    assert!((r.silu[i] as f64 - silu).abs() <= 1e-6 * silu.abs().max(1e-30), "{path:?}: silu({v}) * {v} = {}", r.silu[i]);
+                }
+            }
+            for len in [1, 5, 16, 17, 31, 100, 333] {
+                let row: Vec<f32> = (0..len).map(|i| ((i * 7919 % 113) as f32 - 56.0) * 0.9).collect();
+                let r = path.run(With(Exps { x: &[], exp: vec![], softmax: row.clone(), silu: vec![] }));
+                let m = row.iter().map(|&v| v as f64 * 0.125).fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = row.iter().map(|&v| (v as f64 * 0.125 - m).exp()).sum();
+                for (&v, &got) in row.iter().zip(&r.softmax) {
+                    let want = (v as f64 * 0.125 - m).exp() / z;
+                    assert!((got as f64 - want).abs() <= 1e-6 * want + 1e-12, "{path:?} len {len}: softmax {got} vs {want}");
                 }
             }
         }
