@@ -229,6 +229,23 @@ impl Path {
         self.run(Facts).registers
     }
 
+    /// f32 lanes per register of the kernels [`Path::run_256`] runs.
+    pub fn lanes_256(self) -> usize {
+        self.run_256(Facts).lanes
+    }
+
+    /// Runs `kernel` with 256-bit vectors on AVX-512 (compiled with AVX-512's features, so with
+    /// its 32 registers); as [`Path::run`] on every other path. For loops bound by how fast
+    /// memory streams in, where Zen 4's 512-bit loads fall behind its 256-bit ones.
+    #[inline]
+    pub fn run_256<K: Kernel>(self, kernel: K) -> K::Output {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx512(s) => s.vectorize(Call(*s, kernel)),
+            other => other.run(kernel),
+        }
+    }
+
     /// Runs `kernel` compiled for this path.
     #[inline]
     pub fn run<K: Kernel>(self, kernel: K) -> K::Output {

@@ -28,12 +28,16 @@ pub(super) const NR: usize = 2 * Native::LANES;
 /// Rows per tile: 24 accumulators, two weight registers and a broadcast fit in the 32 vector
 /// registers both architectures have.
 const MR: usize = 12;
-/// Most panels the single-row loop walks side by side.
+/// Most panels the single-row loop walks side by side: 12 accumulators on x86-64 (four 256-bit
+/// registers a panel), 16 on aarch64.
+#[cfg(target_arch = "x86_64")]
+const GROUP: usize = 3;
+#[cfg(target_arch = "aarch64")]
 const GROUP: usize = 8;
 
 /// Whether this CPU has the instructions.
 pub(super) fn available() -> bool {
-    Native::available()
+    Native::available() && Row::available()
 }
 
 /// Inputs `2 kp` and `2 kp + 1` of `row` as one bf16 pair, the first in the low half.
@@ -272,6 +276,73 @@ impl Dot for Avx512Bf16 {
     }
 }
 
+/// AVX-512 BF16 on 256-bit vectors (with AVX-512VL), for the single-row loop: on Zen 4 a
+/// stream of 512-bit loads from memory runs slower than one of 256-bit loads. The same
+/// instruction on 8 lanes, so each output element gets the same products in the same order.
+#[cfg(target_arch = "x86_64")]
+struct Avx512Bf16Ymm;
+
+#[cfg(target_arch = "x86_64")]
+impl Dot for Avx512Bf16Ymm {
+    const LANES: usize = 8;
+    type Acc = std::arch::x86_64::__m256;
+    type Pairs = std::arch::x86_64::__m256bh;
+    type Mask = std::arch::x86_64::__mmask8;
+
+    fn available() -> bool {
+        Avx512Bf16::available() && std::arch::is_x86_feature_detected!("avx512vl")
+    }
+
+    #[inline(always)]
+    fn mask(cols: usize) -> Self::Mask {
+        ((1u32 << cols.min(8)) - 1) as Self::Mask
+    }
+
+    #[inline(always)]
+    unsafe fn zero() -> Self::Acc {
+        // SAFETY: AVX (implied by AVX-512F, the trait's contract).
+        unsafe { std::arch::x86_64::_mm256_setzero_ps() }
+    }
+
+    #[inline(always)]
+    unsafe fn load_masked(p: *const f32, m: Self::Mask) -> Self::Acc {
+        // SAFETY: the masked load touches only the real lanes (the contract).
+        unsafe { std::arch::x86_64::_mm256_maskz_loadu_ps(m, p) }
+    }
+
+    #[inline(always)]
+    unsafe fn load_pairs(p: *const u16) -> Self::Pairs {
+        use std::arch::x86_64::*;
+        // SAFETY: 32 bytes are readable (the contract); `__m256bh` and `__m256i` are both 32
+        // plain bytes.
+        unsafe { std::mem::transmute::<__m256i, __m256bh>(_mm256_loadu_si256(p as *const __m256i)) }
+    }
+
+    #[inline(always)]
+    unsafe fn broadcast(pair: u32) -> Self::Pairs {
+        use std::arch::x86_64::*;
+        // SAFETY: as above.
+        unsafe { std::mem::transmute::<__m256i, __m256bh>(_mm256_set1_epi32(pair as i32)) }
+    }
+
+    #[inline(always)]
+    unsafe fn dot(acc: Self::Acc, x: Self::Pairs, w: Self::Pairs) -> Self::Acc {
+        // SAFETY: AVX-512 BF16 and VL (the contract).
+        unsafe { std::arch::x86_64::_mm256_dpbf16_ps(acc, x, w) }
+    }
+
+    #[inline(always)]
+    unsafe fn store_masked(p: *mut f32, m: Self::Mask, v: Self::Acc) {
+        // SAFETY: the masked store touches only the real lanes (the contract).
+        unsafe { std::arch::x86_64::_mm256_mask_storeu_ps(p, m, v) }
+    }
+
+    #[inline(always)]
+    fn prefetch_l2(p: *const u8) {
+        Avx512Bf16::prefetch_l2(p)
+    }
+}
+
 /// The BF16 extension of Armv8.6 (optional from Armv8.2): Neoverse V1, V2 and N2, Ampere One,
 /// Apple M2 and later.
 #[cfg(target_arch = "aarch64")]
@@ -371,6 +442,13 @@ impl Dot for NeonBf16 {
 type Native = Avx512Bf16;
 #[cfg(target_arch = "aarch64")]
 type Native = NeonBf16;
+/// The single-row loop's: 256-bit vectors on x86-64 (four a panel row), NEON's (two).
+#[cfg(target_arch = "x86_64")]
+type Row = Avx512Bf16Ymm;
+#[cfg(target_arch = "aarch64")]
+type Row = NeonBf16;
+/// Registers a panel row takes in the single-row loop.
+const ROW_REGS: usize = NR / Row::LANES;
 
 type Acc = <Native as Dot>::Acc;
 type Mask = <Native as Dot>::Mask;
@@ -526,16 +604,21 @@ impl RowGroup<'_> {
     /// # Safety
     /// [`available`] holds; the output row from `out` on holds `cols`
     /// values, the group's columns written by this task alone.
-    #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f,avx512bf16"))]
+    #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f,avx512bf16,avx512vl"))]
     #[cfg_attr(target_arch = "aarch64", target_feature(enable = "neon,bf16"))]
     unsafe fn run(self, group: usize) {
         // SAFETY: forwarded.
         unsafe {
             match group {
+                #[cfg(target_arch = "aarch64")]
                 8 => self.side_by_side::<8>(),
+                #[cfg(target_arch = "aarch64")]
                 7 => self.side_by_side::<7>(),
+                #[cfg(target_arch = "aarch64")]
                 6 => self.side_by_side::<6>(),
+                #[cfg(target_arch = "aarch64")]
                 5 => self.side_by_side::<5>(),
+                #[cfg(target_arch = "aarch64")]
                 4 => self.side_by_side::<4>(),
                 3 => self.side_by_side::<3>(),
                 2 => self.side_by_side::<2>(),
@@ -548,27 +631,38 @@ impl RowGroup<'_> {
     /// As [`RowGroup::run`], into which it is inlined.
     #[inline(always)]
     unsafe fn side_by_side<const G: usize>(&self) {
-        let k2 = self.k2;
+        let (k2, lanes) = (self.k2, Row::LANES);
         assert!(self.panels.len() >= G * k2 * 2 * NR && self.x.len() >= k2 && self.cols > (G - 1) * NR);
-        let m: [[Mask; 2]; G] = std::array::from_fn(|g| masks(self.cols - g * NR));
-        // SAFETY: each panel's bias holds its real columns (the bias runs to the row's end).
-        let mut acc: [[Acc; 2]; G] = std::array::from_fn(|g| unsafe { start(self.bias.map(|b| &b[g * NR..]), m[g]) });
+        // The real columns of panel g's register j.
+        let m: [[<Row as Dot>::Mask; ROW_REGS]; G] =
+            std::array::from_fn(|g| std::array::from_fn(|j| Row::mask(NR.min(self.cols - g * NR).saturating_sub(j * lanes))));
+        let mut acc: [[<Row as Dot>::Acc; ROW_REGS]; G] = std::array::from_fn(|g| {
+            // SAFETY: the masked loads read only real columns, inside the bias (which runs to
+            // the row's end); the target features are this function's caller's (the contract).
+            std::array::from_fn(|j| unsafe {
+                match self.bias {
+                    Some(b) => Row::load_masked(b.as_ptr().wrapping_add(g * NR + j * lanes), m[g][j]),
+                    None => Row::zero(),
+                }
+            })
+        });
         let w = self.panels.as_ptr();
         // SAFETY: reads are x[kp] for kp < k2 and panel g's pairs kp, w[g * k2 * 2 NR + kp * 2
         // NR .. + 2 NR] for g < G (checked above); the stores are masked to the real columns.
         unsafe {
             for kp in 0..k2 {
-                let xv = Native::broadcast(*self.x.as_ptr().add(kp));
+                let xv = Row::broadcast(*self.x.as_ptr().add(kp));
                 for (g, a) in acc.iter_mut().enumerate() {
                     let p = w.add(g * k2 * 2 * NR + kp * 2 * NR);
-                    a[0] = Native::dot(a[0], xv, Native::load_pairs(p));
-                    a[1] = Native::dot(a[1], xv, Native::load_pairs(p.add(NR)));
+                    for (j, a) in a.iter_mut().enumerate() {
+                        *a = Row::dot(*a, xv, Row::load_pairs(p.add(2 * j * lanes)));
+                    }
                 }
             }
             for (g, a) in acc.iter().enumerate() {
-                let row = self.out.0.add(g * NR);
-                Native::store_masked(row, m[g][0], a[0]);
-                Native::store_masked(row.wrapping_add(Native::LANES), m[g][1], a[1]);
+                for (j, &v) in a.iter().enumerate() {
+                    Row::store_masked(self.out.0.add(g * NR + j * lanes), m[g][j], v);
+                }
             }
         }
     }
