@@ -189,6 +189,15 @@ impl MatmulDType {
 }
 
 /// A number that is not negative (or NaN); `inf` is allowed.
+/// A count that must be at least one.
+fn positive(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".to_string()),
+        Ok(v) => Ok(v),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 fn non_negative(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(v) if v >= 0.0 => Ok(v),
@@ -915,29 +924,29 @@ pub struct BenchLoraArgs {
     #[arg(long, default_value = "cpu")]
     pub device: Device,
     /// Decode batch size; also the number of distinct adapters.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = positive)]
     pub batch: usize,
     /// Rank of every adapter (all seven modules targeted).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = positive)]
     pub rank: usize,
     /// Element type the adapters are saved in (bf16 rows are stored as bf16 in the pool; the
     /// distinct-adapter scenario is also run with f32 adapters for comparison).
     #[arg(long, value_enum, default_value_t = FileDType::Bf16)]
     pub adapter_dtype: FileDType,
     /// Prompt length of each sequence.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = positive)]
     pub context: usize,
     /// Sets how long the requests run: each asks for `2 * steps + batch + 3` tokens, and every
     /// decode step while all of a batch's rows are still decoding is timed (at least `steps`,
     /// per adapter group in the naive scenario).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = positive)]
     pub steps: usize,
     /// Rounds of (a), (b), (c) and (e), taken in turn; each reports its median round, so that a
     /// machine whose speed drifts over seconds moves them all alike.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = positive)]
     pub rounds: usize,
     /// Page pool size, in MiB.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 1024, value_parser = positive)]
     pub pool_mb: usize,
     /// Where the JSON report goes.
     #[arg(long, default_value = "bench-lora.json")]
@@ -1046,15 +1055,15 @@ pub struct BenchEngineArgs {
     #[arg(long, default_value = "cpu")]
     pub device: Device,
     /// Decode batch sizes to measure.
-    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64", value_parser = positive)]
     pub batches: Vec<usize>,
     /// Context length of each sequence when decoding is measured.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = positive)]
     pub context: usize,
     /// Decode steps timed per batch size.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = positive)]
     pub steps: usize,
-    /// Prompt tokens per prefill measurement.
+    /// Prompt tokens per prefill measurement (0: no prefill measurement).
     #[arg(long, default_value_t = 512)]
     pub prefill_tokens: usize,
     /// CUDA: decode attention a block per query head, not through the grouped kernels (a block
@@ -1111,5 +1120,24 @@ mod tests {
         assert_eq!(dtypes(&["--matmul-dtype", "bf16", "--kv-dtype", "bf16"], true), Ok((M::Bf16, K::Bf16)));
         let err = dtypes(&["--matmul-dtype", "bf16", "--kv-dtype", "f32"], true).unwrap_err();
         assert!(err.contains("add --kv-dtype bf16"), "{err}");
+    }
+
+    #[derive(Parser)]
+    struct BenchFlags {
+        #[command(flatten)]
+        bench: BenchEngineArgs,
+    }
+
+    /// `bench engine` refuses an empty batch, context or step count when it parses its flags,
+    /// not after synthesizing and loading a model; no prefill tokens skips the prefill row.
+    #[test]
+    fn bench_engine_counts_are_checked_when_parsed() {
+        let parse = |flags: &[&str]| BenchFlags::try_parse_from(std::iter::once("t").chain(flags.iter().copied())).map(|f| f.bench);
+        for bad in [&["--batches", "1,0"][..], &["--context", "0"], &["--steps", "0"]] {
+            let err = parse(bad).err().unwrap_or_else(|| panic!("{bad:?} parsed")).to_string();
+            assert!(err.contains(bad[0]), "{bad:?}: {err}");
+        }
+        let ok = parse(&["--batches", "1,32", "--context", "1", "--steps", "1", "--prefill-tokens", "0"]).unwrap();
+        assert_eq!((ok.batches, ok.context, ok.steps, ok.prefill_tokens), (vec![1, 32], 1, 1, 0));
     }
 }

@@ -209,8 +209,10 @@ fn measure<B: Backend>(
         eprintln!("decode, batch {batch} ...");
         rows.push(decode_row(&model, &tokenizer, &costs, limits(&backend)?, batch, args)?);
     }
-    eprintln!("prefill, {} tokens ...", args.prefill_tokens);
-    rows.push(prefill_row(&model, &tokenizer, &costs, limits(&backend)?, args)?);
+    if args.prefill_tokens > 0 {
+        eprintln!("prefill, {} tokens ...", args.prefill_tokens);
+        rows.push(prefill_row(&model, &tokenizer, &costs, limits(&backend)?, args)?);
+    }
     let grouped_decode = matches!(args.device, Device::Cuda(_)).then_some(!args.no_grouped_decode);
     let report = Report { host, model: info, rows, grouped_decode, mfu_target_at_largest_batch: MFU_TARGET, mbu_target_at_batch_1: MBU_TARGET };
     print_table(&report);
