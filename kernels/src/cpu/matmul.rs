@@ -88,9 +88,18 @@ mod tests {
 
     #[test]
     fn matches_naive_product_on_odd_shapes() {
-        for &(rows, k, n) in
-            &[(1, 7, 5), (3, 33, 17), (17, 64, 48), (64, 130, 97), (5, 1, 1), (200, 40, 33), (1, 70, 16 * 43 + 5), (2, 70, 16 * 43 + 5), (2, 33, 17)]
-        {
+        for &(rows, k, n) in &[
+            (1, 7, 5),
+            (3, 33, 17),
+            (17, 64, 48),
+            (64, 130, 97),
+            (5, 1, 1),
+            (200, 40, 33),
+            (1, 70, 16 * 43 + 5),
+            (2, 70, 16 * 43 + 5),
+            (2, 33, 17),
+            (3, 70, 16 * 43 + 5),
+        ] {
             let x = pseudo_random(rows * k, 1);
             let w = pseudo_random(n * k, 2);
             let b = pseudo_random(n, 3);
@@ -222,7 +231,7 @@ mod batch_invariance {
         }
     }
 
-    /// Shapes of one panel and of many (one or two rows walk several panels side by side, in
+    /// Shapes of one panel and of many (one to three rows walk several panels side by side, in
     /// groups of up to 8, the last panel partly filled), with and without a bias.
     fn rows_do_not_depend_on_their_batch_on(cpu: CpuBackend, bf16: bool) {
         for (k, n) in [(70, 45), (70, 16 * 43 + 5), (67, 16 * 43 + 5)] {
@@ -236,8 +245,9 @@ mod batch_invariance {
                 let mut all = cpu.zeros(30 * n).unwrap();
                 cpu.matmul(&cpu.upload_f32(&x).unwrap(), &weight, bias, &mut all, 30).unwrap();
                 let all = cpu.download_f32(&all).unwrap();
-                // Alone, in a pair (the few-rows loop), and three at once (a tile).
-                for (r, rows) in [(0, 1), (13, 1), (29, 1), (0, 2), (17, 2), (28, 2), (5, 3)] {
+                // Alone, in a pair and three at once (the few-rows loop), and four at once (a
+                // tile).
+                for (r, rows) in [(0, 1), (13, 1), (29, 1), (0, 2), (17, 2), (28, 2), (5, 3), (27, 3), (5, 4)] {
                     let mut few = cpu.upload_f32(&vec![f32::NAN; rows * n]).unwrap();
                     cpu.matmul(&cpu.upload_f32(&x[r * k..(r + rows) * k]).unwrap(), &weight, bias, &mut few, rows).unwrap();
                     let few = cpu.download_f32(&few).unwrap();

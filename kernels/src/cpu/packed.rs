@@ -9,7 +9,7 @@
 //! loads of the panel, one broadcast per row, and two FMAs per row. `MR` is 12 on paths with 32
 //! vector registers (AVX-512, NEON) and 6 on those with 16 (AVX2).
 //!
-//! One or two rows (decode at batch 1 or 2) take another loop over the same panels, several
+//! One to three rows (decode at batch 1 to 3) take another loop over the same panels, several
 //! side by side, to keep more loads in flight, on 256-bit vectors on AVX-512 (see
 //! [`few_rows`]).
 //!
@@ -34,8 +34,9 @@ const MAX_MR: usize = 12;
 
 /// Batches of at most this many rows take [`few_rows`] instead of tiles: on a 2-core AVX2
 /// machine two rows there took 0.25x to 0.6x the time of a two-row tile on weights in cache and
-/// 0.4x to 0.85x on weights in memory; three rows (two passes) were no faster than a tile.
-const FEW_ROWS: usize = 2;
+/// 0.4x to 0.85x on weights in memory; three rows, once in two passes, were no faster than a
+/// tile, and now take one pass.
+const FEW_ROWS: usize = 3;
 
 /// Tile height on `path`.
 fn mr(path: Path) -> usize {
@@ -313,16 +314,16 @@ impl<E: Elem> Kernel for PanelTask<'_, E> {
     }
 }
 
-/// One or two rows times the weight (decode at a small batch, bound by how fast the panels
+/// One to three rows times the weight (decode at a small batch, bound by how fast the panels
 /// stream from memory). A tile keeps one panel streaming at a time, which leaves most of the
-/// memory bandwidth unused; here each task walks `G` neighbouring panels side by side for both
-/// rows (`2 R G` accumulators, `G` streams), so that the weight is read once at a rate near the
+/// memory bandwidth unused; here each task walks `G` neighbouring panels side by side for every
+/// row (`W R G` accumulators for panels `W` registers wide, `G` streams), so that the weight is read once at a rate near the
 /// machine's. Every output element still starts from its bias and adds `kk = 0, 1, ..` in
 /// order, exactly as in a tile, so a row's result is the same bits as when it shares a batch of
 /// any size.
 #[allow(clippy::too_many_arguments)] // `matmul`'s operands with the panels' typed data
 fn few_rows<E: Elem + Send + Sync>(x: &[f32], packed: &[E], panels: &Panels, bias: Option<&[f32]>, out: &mut [f32], rows: usize, k: usize, n: usize) {
-    debug_assert!((1..=FEW_ROWS).contains(&rows), "few_rows takes one or two rows, not {rows}");
+    debug_assert!((1..=FEW_ROWS).contains(&rows), "few_rows takes one to three rows, not {rows}");
     let (nr, path) = (panels.nr, panels.path);
     let count = n.div_ceil(nr);
     // Panels side by side for one row and for two: the accumulators and the rows' broadcasts
@@ -331,9 +332,9 @@ fn few_rows<E: Elem + Send + Sync>(x: &[f32], packed: &[E], panels: &Panels, bia
     // at any number of panels side by side, and as fast as the AVX2 kernel does.
     let narrow = path.lanes_256() < path.lanes();
     let most = match (narrow, path.registers() >= 32) {
-        (true, _) => [3, 3],
-        (false, true) => [8, 6],
-        (false, false) => [6, 3],
+        (true, _) => [3, 3, 2],
+        (false, true) => [8, 6, 4],
+        (false, false) => [6, 3, 2],
     };
     // Every thread gets at least one group: a small weight is not left to one thread.
     let per = count.div_ceil(rayon::current_num_threads()).clamp(1, most[rows - 1]);
@@ -359,8 +360,9 @@ fn few_rows<E: Elem + Send + Sync>(x: &[f32], packed: &[E], panels: &Panels, bia
     });
 }
 
-/// One or two rows against `group` neighbouring panels (at most 8 for one row, 6 for two; 3
-/// when the panels are twice the kernel's vector width).
+/// One to three rows against `group` neighbouring panels (at most 8, 6 and 4 for one, two and
+/// three rows with 32 registers, 6, 3 and 2 with 16; 3, 3 and 2 when the panels are four of
+/// the kernel's registers wide).
 struct RowsGroup<'a, E> {
     /// The rows, `k` values each, one after the other.
     x: &'a [f32],
@@ -391,9 +393,11 @@ impl<E: Elem> Kernel for RowsGroup<'_, E> {
                 (1, 3) => self.side_by_side::<S, 1, 3, 4>(s),
                 (1, 2) => self.side_by_side::<S, 1, 2, 4>(s),
                 (1, _) => self.side_by_side::<S, 1, 1, 4>(s),
-                (_, 3) => self.side_by_side::<S, 2, 3, 4>(s),
-                (_, 2) => self.side_by_side::<S, 2, 2, 4>(s),
-                (_, _) => self.side_by_side::<S, 2, 1, 4>(s),
+                (2, 3) => self.side_by_side::<S, 2, 3, 4>(s),
+                (2, 2) => self.side_by_side::<S, 2, 2, 4>(s),
+                (2, _) => self.side_by_side::<S, 2, 1, 4>(s),
+                (_, 2) => self.side_by_side::<S, 3, 2, 4>(s),
+                (_, _) => self.side_by_side::<S, 3, 1, 4>(s),
             }
             return;
         }
@@ -406,12 +410,16 @@ impl<E: Elem> Kernel for RowsGroup<'_, E> {
             (1, 3) => self.side_by_side::<S, 1, 3, 2>(s),
             (1, 2) => self.side_by_side::<S, 1, 2, 2>(s),
             (1, _) => self.side_by_side::<S, 1, 1, 2>(s),
-            (_, 6) => self.side_by_side::<S, 2, 6, 2>(s),
-            (_, 5) => self.side_by_side::<S, 2, 5, 2>(s),
-            (_, 4) => self.side_by_side::<S, 2, 4, 2>(s),
-            (_, 3) => self.side_by_side::<S, 2, 3, 2>(s),
-            (_, 2) => self.side_by_side::<S, 2, 2, 2>(s),
-            (_, _) => self.side_by_side::<S, 2, 1, 2>(s),
+            (2, 6) => self.side_by_side::<S, 2, 6, 2>(s),
+            (2, 5) => self.side_by_side::<S, 2, 5, 2>(s),
+            (2, 4) => self.side_by_side::<S, 2, 4, 2>(s),
+            (2, 3) => self.side_by_side::<S, 2, 3, 2>(s),
+            (2, 2) => self.side_by_side::<S, 2, 2, 2>(s),
+            (2, _) => self.side_by_side::<S, 2, 1, 2>(s),
+            (_, 4) => self.side_by_side::<S, 3, 4, 2>(s),
+            (_, 3) => self.side_by_side::<S, 3, 3, 2>(s),
+            (_, 2) => self.side_by_side::<S, 3, 2, 2>(s),
+            (_, _) => self.side_by_side::<S, 3, 1, 2>(s),
         }
     }
 }
