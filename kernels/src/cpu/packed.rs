@@ -317,8 +317,8 @@ impl<E: Elem> Kernel for PanelTask<'_, E> {
 /// One to three rows times the weight (decode at a small batch, bound by how fast the panels
 /// stream from memory). A tile keeps one panel streaming at a time, which leaves most of the
 /// memory bandwidth unused; here each task walks `G` neighbouring panels side by side for every
-/// row (`W R G` accumulators for panels `W` registers wide, `G` streams), so that the weight is read once at a rate near the
-/// machine's. Every output element still starts from its bias and adds `kk = 0, 1, ..` in
+/// row (`W R G` accumulators for panels `W` registers wide, `G` streams), so that the weight is
+/// read once at a rate near the machine's. Every output element still starts from its bias and adds `kk = 0, 1, ..` in
 /// order, exactly as in a tile, so a row's result is the same bits as when it shares a batch of
 /// any size.
 #[allow(clippy::too_many_arguments)] // `matmul`'s operands with the panels' typed data
@@ -326,8 +326,8 @@ fn few_rows<E: Elem + Send + Sync>(x: &[f32], packed: &[E], panels: &Panels, bia
     debug_assert!((1..=FEW_ROWS).contains(&rows), "few_rows takes one to three rows, not {rows}");
     let (nr, path) = (panels.nr, panels.path);
     let count = n.div_ceil(nr);
-    // Panels side by side for one row and for two: the accumulators and the rows' broadcasts
-    // fit in the registers. AVX-512 panels are walked with 256-bit vectors, four to a panel row
+    // Panels side by side for one, two and three rows: the accumulators and the rows'
+    // broadcasts fit in the registers. AVX-512 panels are walked with 256-bit vectors, four to a panel row
     // (see `Path::run_256`): on Zen 4 that streams the weight 10-15% faster than 512-bit loads,
     // at any number of panels side by side, and as fast as the AVX2 kernel does.
     let narrow = path.lanes_256() < path.lanes();
@@ -440,7 +440,7 @@ impl<E: Elem> RowsGroup<'_, E> {
             None => [s.splat_f32s(0.0); W],
         });
         let mut acc = [start; R];
-        assert!(self.nr == nr && self.rows == R && self.panels.len() >= G * k * nr && self.x.len() >= R * k && self.cols > (G - 1) * nr);
+        assert!(self.nr == nr && self.rows == R && self.group == G && self.panels.len() >= G * k * nr && self.x.len() >= R * k && self.cols > (G - 1) * nr);
         let (x, w) = (self.x.as_ptr(), self.panels.as_ptr());
         // SAFETY: reads are x[r * k + kk] for r < R, kk < k, and panel g's row kk, w[g * k * nr
         // + kk * nr .. + nr] for g < G (checked above); the writes are panel g's real columns

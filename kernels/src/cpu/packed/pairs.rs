@@ -1,8 +1,8 @@
 //! bf16 weights times activations rounded to bf16, on the CPU's bf16 dot product: AVX-512
-//! BF16's `vdpbf16ps` on x86-64 (16 lanes) and the BF16 extension's `BFDOT` on aarch64 (4
-//! lanes; Graviton 3 and 4, Ampere One, Apple M2 and later). Each instruction multiplies a pair
-//! of bf16 values in every lane and adds both products to that lane's f32 accumulator, twice the
-//! multiply-adds of an f32 FMA for the same issue slot.
+//! BF16's `vdpbf16ps` on x86-64 (16 lanes; 8 in the single-row loop) and the BF16 extension's
+//! `BFDOT` on aarch64 (4 lanes; Graviton 3 and 4, Ampere One, Apple M2 and later). Each
+//! instruction multiplies a pair of bf16 values in every lane and adds both products to that
+//! lane's f32 accumulator, twice the multiply-adds of an f32 FMA for the same issue slot.
 //!
 //! The panels hold the weight's pairs of inputs side by side: `panel[p][kp][2 j + h] =
 //! W[p * NR + j][2 kp + h]` (zero beyond `n` and `k`), so one vector load gives a register's
@@ -607,6 +607,7 @@ impl RowGroup<'_> {
     #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f,avx512bf16,avx512vl"))]
     #[cfg_attr(target_arch = "aarch64", target_feature(enable = "neon,bf16"))]
     unsafe fn run(self, group: usize) {
+        assert!((1..=GROUP).contains(&group), "a group of {group} panels");
         // SAFETY: forwarded.
         unsafe {
             match group {
