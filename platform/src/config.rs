@@ -189,13 +189,9 @@ impl MatmulDType {
 }
 
 /// A number that is not negative (or NaN); `inf` is allowed.
-/// A count that must be at least one.
-fn positive(s: &str) -> Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(0) => Err("must be at least 1".to_string()),
-        Ok(v) => Ok(v),
-        Err(e) => Err(e.to_string()),
-    }
+/// A count that must be at least one (clap's range check, for `usize` flags).
+fn positive() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(1..)
 }
 
 fn non_negative(s: &str) -> Result<f64, String> {
@@ -924,29 +920,29 @@ pub struct BenchLoraArgs {
     #[arg(long, default_value = "cpu")]
     pub device: Device,
     /// Decode batch size; also the number of distinct adapters.
-    #[arg(long, default_value_t = 32, value_parser = positive)]
+    #[arg(long, default_value_t = 32, value_parser = positive())]
     pub batch: usize,
     /// Rank of every adapter (all seven modules targeted).
-    #[arg(long, default_value_t = 16, value_parser = positive)]
+    #[arg(long, default_value_t = 16, value_parser = positive())]
     pub rank: usize,
     /// Element type the adapters are saved in (bf16 rows are stored as bf16 in the pool; the
     /// distinct-adapter scenario is also run with f32 adapters for comparison).
     #[arg(long, value_enum, default_value_t = FileDType::Bf16)]
     pub adapter_dtype: FileDType,
     /// Prompt length of each sequence.
-    #[arg(long, default_value_t = 64, value_parser = positive)]
+    #[arg(long, default_value_t = 64, value_parser = positive())]
     pub context: usize,
     /// Sets how long the requests run: each asks for `2 * steps + batch + 3` tokens, and every
     /// decode step while all of a batch's rows are still decoding is timed (at least `steps`,
     /// per adapter group in the naive scenario).
-    #[arg(long, default_value_t = 8, value_parser = positive)]
+    #[arg(long, default_value_t = 8, value_parser = positive())]
     pub steps: usize,
     /// Rounds of (a), (b), (c) and (e), taken in turn; each reports its median round, so that a
     /// machine whose speed drifts over seconds moves them all alike.
-    #[arg(long, default_value_t = 3, value_parser = positive)]
+    #[arg(long, default_value_t = 3, value_parser = positive())]
     pub rounds: usize,
     /// Page pool size, in MiB.
-    #[arg(long, default_value_t = 1024, value_parser = positive)]
+    #[arg(long, default_value_t = 1024, value_parser = positive())]
     pub pool_mb: usize,
     /// Where the JSON report goes.
     #[arg(long, default_value = "bench-lora.json")]
@@ -1055,13 +1051,13 @@ pub struct BenchEngineArgs {
     #[arg(long, default_value = "cpu")]
     pub device: Device,
     /// Decode batch sizes to measure.
-    #[arg(long, value_delimiter = ',', default_value = "1,16,64", value_parser = positive)]
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64", value_parser = positive())]
     pub batches: Vec<usize>,
     /// Context length of each sequence when decoding is measured.
-    #[arg(long, default_value_t = 128, value_parser = positive)]
+    #[arg(long, default_value_t = 128, value_parser = positive())]
     pub context: usize,
     /// Decode steps timed per batch size.
-    #[arg(long, default_value_t = 16, value_parser = positive)]
+    #[arg(long, default_value_t = 16, value_parser = positive())]
     pub steps: usize,
     /// Prompt tokens per prefill measurement (0: no prefill measurement).
     #[arg(long, default_value_t = 512)]

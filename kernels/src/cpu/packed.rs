@@ -330,7 +330,7 @@ fn few_rows<E: Elem + Send + Sync>(x: &[f32], packed: &[E], panels: &Panels, bia
     // broadcasts fit in the registers. AVX-512 panels are walked with 256-bit vectors, four to a panel row
     // (see `Path::run_256`): on Zen 4 that streams the weight 10-15% faster than 512-bit loads,
     // at any number of panels side by side, and as fast as the AVX2 kernel does.
-    let narrow = path.lanes_256() < path.lanes();
+    let narrow = nr > 2 * path.lanes_256();
     let most = match (narrow, path.registers() >= 32) {
         (true, _) => [3, 3, 2],
         (false, true) => [8, 6, 4],
