@@ -105,17 +105,24 @@ impl AttentionOps for CpuBackend {
         };
         let ctx = Attend { m: &m, q, cache, token_seq: &token_seq, layout, p, group };
         let path = self.path;
-        // One task per (token, kv head): the group of query heads sharing that kv head reuses
-        // each key and value row while it is in cache.
+        // Each sequence's tokens in blocks of at most QUERY_BLOCK, and one task per (kv head,
+        // block): every key and value row a task reads serves the query heads sharing that kv
+        // head for every token of its block. Tasks of one kv head come in turn, so one thread
+        // walks a sequence's rows of one head block after block while they are still in cache.
+        let blocks: Vec<(usize, usize)> = (0..meta.num_seqs)
+            .flat_map(|s| {
+                let (start, end) = (m.seq_starts[s] as usize, m.seq_starts[s + 1] as usize);
+                (start..end).step_by(QUERY_BLOCK).map(move |b| (b, QUERY_BLOCK.min(end - b)))
+            })
+            .collect();
+        let tasks = (blocks.len() * p.num_kv_heads).max(1);
         // A token reads at most the keys up to its position, each twice (scores, then values).
         let work = m.positions.iter().fold(0usize, |w, &pos| w.saturating_add((pos as usize + 1).saturating_mul(2 * heads * hd)));
-        let tasks = (meta.num_tokens * p.num_kv_heads).max(1);
-        out[..meta.num_tokens * heads * hd].par_chunks_mut(group * hd).with_min_len(min_items(work / tasks)).enumerate().for_each_init(
-            Vec::new,
-            |scores: &mut Vec<f32>, (task, o)| {
-                path.run(AttendTask { ctx: &ctx, scores, task, out: o });
-            },
-        );
+        let dst = OutPtr(out.as_mut_ptr());
+        (0..blocks.len() * p.num_kv_heads).into_par_iter().with_min_len(min_items(work / tasks)).for_each_init(Vec::new, |scores: &mut Vec<f32>, i| {
+            let (first, len) = blocks[i % blocks.len()];
+            path.run(AttendTask { ctx: &ctx, scores, tokens: first..first + len, kvh: i / blocks.len(), out: dst });
+        });
         Ok(())
     }
 }
@@ -138,12 +145,29 @@ struct Attend<'a> {
     group: usize,
 }
 
-/// The query heads of one (token, kv head) pair against that sequence's keys and values.
+/// Query tokens of one sequence attended together: each key and value row read serves all of
+/// them (prefill; a decode step has one token a sequence).
+const QUERY_BLOCK: usize = 8;
+
+/// Where the attention output goes, shared by the tasks; each writes only the rows of its own
+/// (token, kv head) pairs.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+
+// SAFETY: the tasks of one `attention` call write disjoint ranges (the query heads of their own
+// kv head, for their own tokens), and the buffer outlives the parallel loop that uses it.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above; a shared `OutPtr` is only ever used to derive those disjoint ranges.
+unsafe impl Sync for OutPtr {}
+
+/// The query heads of one kv head for a block of one sequence's tokens, against that
+/// sequence's keys and values.
 struct AttendTask<'a> {
     ctx: &'a Attend<'a>,
     scores: &'a mut Vec<f32>,
-    task: usize,
-    out: &'a mut [f32],
+    tokens: std::ops::Range<usize>,
+    kvh: usize,
+    out: OutPtr,
 }
 
 impl Kernel for AttendTask<'_> {
@@ -158,89 +182,139 @@ impl Kernel for AttendTask<'_> {
     }
 }
 
-/// The query heads of one (token, kv head) pair against its sequence's keys, then values. The
-/// keys and values are walked once, page by page: each row is read from memory once and serves
-/// every query head of the group from L1, and the same row of the next page is asked for
-/// meanwhile (a sequence's pages lie anywhere in the pool, where the CPU's own prefetcher loses
-/// the stream). A page's rows go through the batched kernels together: eight scores' sums in
-/// flight at once, and each output row loaded and stored once a page instead of once a value.
-/// Each score depends on its query and key alone, and each output element sums its values in
-/// position order, whatever the batch.
+/// The query heads of one kv head, for each token of a block of one sequence, against the
+/// sequence's keys, then values. The keys and values are walked once for the whole block, page by
+/// page, from the block's earliest visible position to its latest: each row is read from memory
+/// once and serves every query head of the group for every token that sees it, from L1, and the
+/// same row of the next page is asked for meanwhile (a sequence's pages lie anywhere in the pool,
+/// where the CPU's own prefetcher loses the stream). A page's rows go through the tiled kernels
+/// together: the scores four query heads by four keys at a time, and the values each loaded once
+/// for four query heads, their outputs held in registers over the page. Each score depends on its
+/// query and key alone, and each output element sums its values in position order, so a token's
+/// result is the same bits whatever its block and batch.
 #[inline(always)]
 fn attend<S: Isa, E: Elem>(s: S, task: AttendTask<'_>, cache: &[E]) {
-    let AttendTask { ctx, scores, task, out: o } = task;
+    // No closures here: a closure is a function of its own, compiled without the path's target
+    // features, and the vector code inlined into it would become calls.
+    let AttendTask { ctx, scores, tokens, kvh, out } = task;
     let Attend { m, q, token_seq, layout, p, group, .. } = *ctx;
     let (hd, heads) = (p.head_dim, p.num_heads);
-    let (t, kvh) = (task / p.num_kv_heads, task % p.num_kv_heads);
-    let seq = token_seq[t] as usize;
-    let last = m.positions[t] as usize;
-    let first = p.sliding_window.map_or(0, |w| (last + 1).saturating_sub(w));
+    let seq = token_seq[tokens.start] as usize;
     let table = &m.block_tables[seq * m.max_blocks..];
-    let n = last + 1 - first;
-    let qs = &q[(t * heads + kvh * group) * hd..][..group * hd];
-    scores.resize(group * n, 0.0);
-    page_rows(s, cache, layout, table, p.layer, 0, kvh, first, last, |j, keys| {
-        for (g, qh) in qs.chunks_exact(hd).enumerate() {
-            let sc = &mut scores[g * n + j..][..keys.len()];
-            simd::dots_rows(s, qh, keys, sc);
-        }
-    });
-    for sc in scores.chunks_exact_mut(n) {
-        simd::softmax_scaled(s, sc, p.scale);
+    let (mut lo, mut hi) = (usize::MAX, 0);
+    for t in tokens.clone() {
+        let (first, last) = span(m, p, t);
+        (lo, hi) = (lo.min(first), hi.max(last));
     }
-    o[..group * hd].fill(0.0);
-    page_rows(s, cache, layout, table, p.layer, 1, kvh, first, last, |j, values| {
-        for (g, oh) in o[..group * hd].chunks_exact_mut(hd).enumerate() {
-            simd::axpys_rows(s, oh, &scores[g * n + j..][..values.len()], values);
+    // The scores of token i (counting from the block's first), query head g, at
+    // (i * group + g) * width + position - its first.
+    let width = hi + 1 - lo;
+    scores.resize(tokens.len() * group * width, 0.0);
+    let mut rows: [&[E]; PAGE_ROWS] = [&[]; PAGE_ROWS];
+    let mut keys = PageRows::new(cache, layout, table, p.layer, 0, kvh, lo, hi);
+    while let Some((j, count)) = keys.next(s, &mut rows) {
+        for (i, t) in tokens.clone().enumerate() {
+            let Some((seen, at)) = visible(m, p, t, lo + j, count) else { continue };
+            let qs = &q[(t * heads + kvh * group) * hd..][..group * hd];
+            simd::dots_queries(s, qs, hd, &rows[seen], &mut scores[i * group * width + at..], width);
         }
-    });
+    }
+    for (i, t) in tokens.clone().enumerate() {
+        let (first, last) = span(m, p, t);
+        for g in 0..group {
+            simd::softmax_scaled(s, &mut scores[(i * group + g) * width..][..last + 1 - first], p.scale);
+        }
+        // SAFETY: token t's query heads of this kv head, (t * heads + kvh * group) * hd and
+        // the group * hd values after it, lie inside the output (`attention` checked its length
+        // for every token of the batch), and no other task writes them; no other reference to
+        // them is live.
+        unsafe { std::slice::from_raw_parts_mut(out.0.add((t * heads + kvh * group) * hd), group * hd) }.fill(0.0);
+    }
+    let mut values = PageRows::new(cache, layout, table, p.layer, 1, kvh, lo, hi);
+    while let Some((j, count)) = values.next(s, &mut rows) {
+        for (i, t) in tokens.clone().enumerate() {
+            let Some((seen, at)) = visible(m, p, t, lo + j, count) else { continue };
+            // SAFETY: as above.
+            let o = unsafe { std::slice::from_raw_parts_mut(out.0.add((t * heads + kvh * group) * hd), group * hd) };
+            simd::axpys_queries(s, o, hd, &scores[i * group * width + at..], width, &rows[seen]);
+        }
+    }
 }
 
-/// Most rows handed over at once by [`page_rows`].
+/// The positions token `t` attends to, `first..=last`.
+#[inline(always)]
+fn span(m: &Batch<'_>, p: &AttentionParams, t: usize) -> (usize, usize) {
+    let last = m.positions[t] as usize;
+    (p.sliding_window.map_or(0, |w| (last + 1).saturating_sub(w)), last)
+}
+
+/// Which of `count` rows at positions `from..` token `t` sees, as a range of them, and where the
+/// first of those falls among the token's own scores; `None` for none.
+#[inline(always)]
+fn visible(m: &Batch<'_>, p: &AttentionParams, t: usize, from: usize, count: usize) -> Option<(std::ops::Range<usize>, usize)> {
+    let (first, last) = span(m, p, t);
+    let (a, b) = (from.max(first), (from + count).min(last + 1));
+    (a < b).then(|| (a - from..b - from, a - first))
+}
+
+/// Most rows handed over at once by [`PageRows`].
 const PAGE_ROWS: usize = 16;
 
-/// Calls `f(j, rows)` with the K (`which` 0) or V (1) rows of positions `first..=last` of one
-/// kv head, up to [`PAGE_ROWS`] of one page at a time, `j` the first one's index counting from
-/// `first`: the sequence's pages (`table`) in order, the same rows of the next page prefetched.
-#[allow(clippy::too_many_arguments)] // a row's address: page table, layer, K or V, head, range
-#[inline(always)]
-fn page_rows<'c, S: Isa, E: Elem>(
-    s: S,
+/// The K (`which` 0) or V (1) rows of positions `first..=last` of one kv head, up to
+/// [`PAGE_ROWS`] of one page at a time: the sequence's pages (`table`) in order, the same rows of
+/// the next page prefetched.
+struct PageRows<'c, 'a, E> {
     cache: &'c [E],
-    layout: &KvLayout,
-    table: &[u32],
+    layout: &'a KvLayout,
+    table: &'a [u32],
     layer: usize,
     which: usize,
     kvh: usize,
-    first: usize,
     last: usize,
-    mut f: impl FnMut(usize, &[&'c [E]]),
-) {
-    let (bs, hd) = (layout.block_size, layout.head_dim);
-    let row_bytes = hd * std::mem::size_of::<E>();
-    let (b0, b1) = (first / bs, last / bs);
-    let mut rows: [&[E]; PAGE_ROWS] = [&[]; PAGE_ROWS];
-    let mut j = 0;
-    for b in b0..=b1 {
-        let base = layout.offset(table[b] as usize, layer, which, kvh, 0);
-        let next = (b < b1).then(|| cache[layout.offset(table[b + 1] as usize, layer, which, kvh, 0)..].as_ptr() as *const u8);
-        let mut slot = if b == b0 { first % bs } else { 0 };
-        let end = if b == b1 { last % bs + 1 } else { bs };
-        while slot < end {
-            let count = PAGE_ROWS.min(end - slot);
-            for (r, row) in rows[..count].iter_mut().enumerate() {
-                let at = slot + r;
-                if let Some(next) = next {
-                    for line in (0..row_bytes).step_by(64) {
-                        s.prefetch_l2(next.wrapping_add(at * row_bytes + line));
-                    }
-                }
-                *row = &cache[base + at * hd..base + (at + 1) * hd];
-            }
-            f(j, &rows[..count]);
-            j += count;
-            slot += count;
+    /// The page (index into the table) and slot of the next row, and its index from `first`.
+    block: usize,
+    slot: usize,
+    j: usize,
+}
+
+impl<'c, 'a, E: Elem> PageRows<'c, 'a, E> {
+    #[allow(clippy::too_many_arguments)] // a row's address: page table, layer, K or V, head, range
+    #[inline(always)]
+    fn new(cache: &'c [E], layout: &'a KvLayout, table: &'a [u32], layer: usize, which: usize, kvh: usize, first: usize, last: usize) -> Self {
+        let bs = layout.block_size;
+        PageRows { cache, layout, table, layer, which, kvh, last, block: first / bs, slot: first % bs, j: 0 }
+    }
+
+    /// Fills the front of `rows` with the next rows and returns the index of the first (counting
+    /// from `first`) and how many; `None` past `last`.
+    #[inline(always)]
+    fn next<S: Isa>(&mut self, s: S, rows: &mut [&'c [E]; PAGE_ROWS]) -> Option<(usize, usize)> {
+        let (bs, hd, b) = (self.layout.block_size, self.layout.head_dim, self.block);
+        let b1 = self.last / bs;
+        if b > b1 {
+            return None;
         }
+        let row_bytes = hd * std::mem::size_of::<E>();
+        let base = self.layout.offset(self.table[b] as usize, self.layer, self.which, self.kvh, 0);
+        let next = (b < b1).then(|| self.cache[self.layout.offset(self.table[b + 1] as usize, self.layer, self.which, self.kvh, 0)..].as_ptr() as *const u8);
+        let end = if b == b1 { self.last % bs + 1 } else { bs };
+        let count = PAGE_ROWS.min(end - self.slot);
+        for (r, row) in rows[..count].iter_mut().enumerate() {
+            let at = self.slot + r;
+            if let Some(next) = next {
+                for line in (0..row_bytes).step_by(64) {
+                    s.prefetch_l2(next.wrapping_add(at * row_bytes + line));
+                }
+            }
+            *row = &self.cache[base + at * hd..base + (at + 1) * hd];
+        }
+        let j = self.j;
+        self.j += count;
+        self.slot += count;
+        if self.slot == end {
+            (self.block, self.slot) = (b + 1, 0);
+        }
+        Some((j, count))
     }
 }
 

@@ -169,6 +169,99 @@ fn dots_group<S: Isa, E: Elem, const G: usize>(s: S, x: &[f32], rows: &[&[E]], n
     }
 }
 
+/// Queries a tile of [`dots_queries`] takes at once.
+const DOT_QUERIES: usize = 4;
+
+/// `out[q * stride + j] = dot(xs[q], rows[j])` for the queries `xs` (`n` values each, one after
+/// another) and every row: for each query what [`dots_rows`] gives (the same products summed in
+/// the same order, so the same bits), computed in tiles of four queries by four rows (two on
+/// machines with 16 vector registers), so that each vector loaded serves several multiply-adds
+/// instead of one: a query's from L1 serves every row of its tile, a row's every query.
+#[inline(always)]
+pub(super) fn dots_queries<S: Isa, E: Elem>(s: S, xs: &[f32], n: usize, rows: &[&[E]], out: &mut [f32], stride: usize) {
+    let queries = xs.len().checked_div(n).unwrap_or(0);
+    assert!(queries == 0 || (out.len() >= (queries - 1) * stride + rows.len() && stride >= rows.len()));
+    if rows.iter().any(|r| r.len() < n) {
+        // Rows shorter than the queries: each sum over its own length.
+        for (x, o) in xs.chunks_exact(n).zip(out.chunks_mut(stride)) {
+            dots_rows(s, x, rows, &mut o[..rows.len()]);
+        }
+        return;
+    }
+    let mut q0 = 0;
+    while q0 < queries {
+        let qs = DOT_QUERIES.min(queries - q0);
+        let x = &xs[q0 * n..(q0 + qs) * n];
+        let o = &mut out[q0 * stride..];
+        let mut r0 = 0;
+        while r0 < rows.len() {
+            let left = rows.len() - r0;
+            let (x, o, rs) = (x, &mut o[r0..], &rows[r0..]);
+            let took = match (qs == DOT_QUERIES, S::REGISTER_COUNT >= 32) {
+                (true, true) if left >= 4 => dots_tile::<S, E, DOT_QUERIES, 4>(s, x, n, rs, o, stride),
+                (true, _) if left >= 2 => dots_tile::<S, E, DOT_QUERIES, 2>(s, x, n, rs, o, stride),
+                (true, _) => dots_tile::<S, E, DOT_QUERIES, 1>(s, x, n, rs, o, stride),
+                (false, _) if left >= 4 => dots_tile::<S, E, 1, 4>(s, &x[..n], n, rs, o, stride),
+                (false, _) => dots_tile::<S, E, 1, 1>(s, &x[..n], n, rs, o, stride),
+            };
+            r0 += took;
+        }
+        // A short tile of queries went one query at a time; the rest of them follow.
+        q0 += if qs == DOT_QUERIES { DOT_QUERIES } else { 1 };
+    }
+}
+
+/// `Q` queries (`n` values each in `x`) against the first `R` rows, each sum as in
+/// [`dots_group`]: lane `l` takes elements `l, l + lanes, ..` in order, the lanes reduced at the
+/// end. Returns `R`. The caller has checked that every row holds at least `n` values and that
+/// `out` holds `(Q - 1) * stride + R`.
+#[inline(always)]
+fn dots_tile<S: Isa, E: Elem, const Q: usize, const R: usize>(s: S, x: &[f32], n: usize, rows: &[&[E]], out: &mut [f32], stride: usize) -> usize {
+    let lanes = S::F32_LANES;
+    assert!(x.len() >= Q * n && rows.len() >= R && rows[..R].iter().all(|r| r.len() >= n));
+    assert!(out.len() >= (Q - 1) * stride + R);
+    let ptrs: [*const E; R] = std::array::from_fn(|r| rows[r].as_ptr());
+    let mut acc = [[s.splat_f32s(0.0); R]; Q];
+    let mut i = 0;
+    // SAFETY: every full load covers i..i + lanes <= n, inside each query of x and each row
+    // (checked above).
+    unsafe {
+        while i + lanes <= n {
+            // Plain loops, no closures: a closure is a function of its own, compiled without
+            // the path's target features.
+            let mut w = [s.splat_f32s(0.0); R];
+            for r in 0..R {
+                w[r] = E::load(s, ptrs[r].add(i));
+            }
+            for (q, a) in acc.iter_mut().enumerate() {
+                let xv = f32::load(s, x.as_ptr().add(q * n + i));
+                for r in 0..R {
+                    a[r] = s.mul_add_e_f32s(xv, w[r], a[r]);
+                }
+            }
+            i += lanes;
+        }
+    }
+    if i < n {
+        let mut w = [s.splat_f32s(0.0); R];
+        for r in 0..R {
+            w[r] = E::load_partial(s, &rows[r][i..n]);
+        }
+        for (q, a) in acc.iter_mut().enumerate() {
+            let xv = s.partial_load_f32s(&x[q * n + i..q * n + n]);
+            for r in 0..R {
+                a[r] = s.mul_add_e_f32s(xv, w[r], a[r]);
+            }
+        }
+    }
+    for (q, a) in acc.iter().enumerate() {
+        for (r, &v) in a.iter().enumerate() {
+            out[q * stride + r] = s.reduce_sum_f32s(v);
+        }
+    }
+    R
+}
+
 /// Output registers kept together while every row passes over them.
 const AXPY_CHUNKS: usize = 8;
 
@@ -195,6 +288,116 @@ pub(super) fn axpys_rows<S: Isa, E: Elem>(s: S, y: &mut [f32], coeffs: &[f32], r
         return;
     }
     axpys_block(s, y, coeffs, rows);
+}
+
+/// Queries a tile of [`axpys_queries`] takes at once.
+const AXPY_QUERIES: usize = 4;
+
+/// `ys[q] += Σ_r coeffs[q * stride + r] · rows[r]` for the queries' outputs `ys` (`n` values
+/// each, one after another): for each query what [`axpys_rows`] gives (each element receives the
+/// rows in order, one multiply-add each, so the same bits), in tiles of four queries by up to
+/// four vectors of columns held in registers, so that each vector of a row loaded serves four
+/// queries and sixteen independent sums are in flight instead of one.
+#[inline(always)]
+pub(super) fn axpys_queries<S: Isa, E: Elem>(s: S, ys: &mut [f32], n: usize, coeffs: &[f32], stride: usize, rows: &[&[E]]) {
+    let queries = ys.len().checked_div(n).unwrap_or(0);
+    assert!(queries == 0 || (coeffs.len() >= (queries - 1) * stride + rows.len() && stride >= rows.len()));
+    if rows.iter().any(|r| r.len() < n) {
+        for (q, y) in ys.chunks_exact_mut(n).enumerate() {
+            axpys_rows(s, y, &coeffs[q * stride..][..rows.len()], rows);
+        }
+        return;
+    }
+    let lanes = S::F32_LANES;
+    let mut q0 = 0;
+    while q0 < queries {
+        let y = &mut ys[q0 * n..];
+        let c = &coeffs[q0 * stride..];
+        let mut i = 0;
+        if queries - q0 >= AXPY_QUERIES {
+            let wide = if S::REGISTER_COUNT >= 32 { 4 } else { 2 };
+            while i + wide * lanes <= n {
+                match wide {
+                    4 => axpys_tile::<S, E, AXPY_QUERIES, 4>(s, y, n, i, c, stride, rows),
+                    _ => axpys_tile::<S, E, AXPY_QUERIES, 2>(s, y, n, i, c, stride, rows),
+                }
+                i += wide * lanes;
+            }
+            while i + lanes <= n {
+                axpys_tile::<S, E, AXPY_QUERIES, 1>(s, y, n, i, c, stride, rows);
+                i += lanes;
+            }
+            if i < n {
+                axpys_tail::<S, E, AXPY_QUERIES>(s, y, n, i, c, stride, rows);
+            }
+            q0 += AXPY_QUERIES;
+        } else {
+            while i + lanes <= n {
+                axpys_tile::<S, E, 1, 1>(s, y, n, i, c, stride, rows);
+                i += lanes;
+            }
+            if i < n {
+                axpys_tail::<S, E, 1>(s, y, n, i, c, stride, rows);
+            }
+            q0 += 1;
+        }
+    }
+}
+
+/// Columns `i .. i + C * lanes` of `Q` queries' outputs (`n` apart in `y`) plus the rows times
+/// their coefficients (`stride` apart in `coeffs`). The caller has checked the lengths: every
+/// row holds `n`, `i + C * lanes <= n`, `y` holds `Q * n` and `coeffs` `(Q - 1) * stride +
+/// rows.len()`.
+#[inline(always)]
+fn axpys_tile<S: Isa, E: Elem, const Q: usize, const C: usize>(s: S, y: &mut [f32], n: usize, i: usize, coeffs: &[f32], stride: usize, rows: &[&[E]]) {
+    let lanes = S::F32_LANES;
+    assert!(i + C * lanes <= n && y.len() >= Q * n && coeffs.len() >= (Q - 1) * stride + rows.len());
+    let yp = y.as_mut_ptr();
+    let mut acc = [[s.splat_f32s(0.0); C]; Q];
+    // SAFETY: the accesses cover columns i .. i + C * lanes <= n of Q outputs n apart and of
+    // each row (all hold >= n), checked above.
+    unsafe {
+        for (q, a) in acc.iter_mut().enumerate() {
+            for (c, v) in a.iter_mut().enumerate() {
+                *v = f32::load(s, yp.add(q * n + i + c * lanes));
+            }
+        }
+        for (r, row) in rows.iter().enumerate() {
+            let mut w = [s.splat_f32s(0.0); C];
+            for (c, v) in w.iter_mut().enumerate() {
+                *v = E::load(s, row.as_ptr().add(i + c * lanes));
+            }
+            for (q, a) in acc.iter_mut().enumerate() {
+                let cv = s.splat_f32s(*coeffs.get_unchecked(q * stride + r));
+                for c in 0..C {
+                    a[c] = s.mul_add_e_f32s(cv, w[c], a[c]);
+                }
+            }
+        }
+        for (q, a) in acc.iter().enumerate() {
+            for (c, v) in a.iter().enumerate() {
+                std::ptr::write_unaligned(yp.add(q * n + i + c * lanes) as *mut S::f32s, *v);
+            }
+        }
+    }
+}
+
+/// Columns `i..n` (fewer than a vector) of `Q` queries' outputs, as [`axpys_tile`].
+#[inline(always)]
+fn axpys_tail<S: Isa, E: Elem, const Q: usize>(s: S, y: &mut [f32], n: usize, i: usize, coeffs: &[f32], stride: usize, rows: &[&[E]]) {
+    let mut acc = [s.splat_f32s(0.0); Q];
+    for (q, a) in acc.iter_mut().enumerate() {
+        *a = s.partial_load_f32s(&y[q * n + i..q * n + n]);
+    }
+    for (r, row) in rows.iter().enumerate() {
+        let w = E::load_partial(s, &row[i..n]);
+        for (q, a) in acc.iter_mut().enumerate() {
+            *a = s.mul_add_e_f32s(s.splat_f32s(coeffs[q * stride + r]), w, *a);
+        }
+    }
+    for (q, a) in acc.iter().enumerate() {
+        s.partial_store_f32s(&mut y[q * n + i..q * n + n], *a);
+    }
 }
 
 /// [`axpys`] where every row holds at least `y.len()` elements.
@@ -555,6 +758,91 @@ mod tests {
                     let (o, _) = dots_axpys(path, &x[..n - 1], rows_of, &coeffs, &x);
                     let exact: f64 = x[..n - 1].iter().zip(&f[0]).map(|(a, b)| *a as f64 * *b as f64).sum();
                     assert!((o[0] as f64 - exact).abs() < 1e-4, "{path:?} n={n}");
+                }
+            }
+        }
+    }
+
+    /// Each query of `xs` (`n` values each) against `rows` through [`dots_queries`] (scores
+    /// `stride` apart) and through [`dots_rows`] one query at a time.
+    struct Queries<'a, E> {
+        xs: &'a [f32],
+        n: usize,
+        rows: &'a [&'a [E]],
+        stride: usize,
+        tiled: Vec<f32>,
+        alone: Vec<f32>,
+    }
+    impl<E: Elem> Body for Queries<'_, E> {
+        fn body<S: Isa>(&mut self, s: S) {
+            dots_queries(s, self.xs, self.n, self.rows, &mut self.tiled, self.stride);
+            for (x, o) in self.xs.chunks_exact(self.n).zip(self.alone.chunks_mut(self.stride)) {
+                dots_rows(s, x, self.rows, &mut o[..self.rows.len()]);
+            }
+        }
+    }
+
+    #[test]
+    fn query_tiles_give_each_query_the_bits_of_its_dots_alone_on_every_path() {
+        for path in Path::available() {
+            for (n, rows) in [(5, 3), (16, 4), (37, 7), (64, 16), (100, 9), (128, 5)] {
+                let (f, h) = rows_both(n, rows);
+                let fr: Vec<&[f32]> = f.iter().map(Vec::as_slice).collect();
+                let hr: Vec<&[u16]> = h.iter().map(Vec::as_slice).collect();
+                for queries in [1, 2, 3, 4, 5, 8, 9] {
+                    let xs: Vec<f32> = (0..queries * n).map(|i| (i as f32 * 0.37).sin()).collect();
+                    let stride = rows + 2;
+                    let len = (queries - 1) * stride + rows;
+                    let f32s = path.run(With(Queries { xs: &xs, n, rows: &fr, stride, tiled: vec![f32::NAN; len], alone: vec![f32::NAN; len] }));
+                    let bf16s = path.run(With(Queries { xs: &xs, n, rows: &hr, stride, tiled: vec![f32::NAN; len], alone: vec![f32::NAN; len] }));
+                    for (q, r) in (0..queries).flat_map(|q| (0..rows).map(move |r| (q, r))) {
+                        let at = q * stride + r;
+                        assert_eq!(f32s.tiled[at].to_bits(), f32s.alone[at].to_bits(), "{path:?} n={n} f32 query {q} row {r}");
+                        assert_eq!(bf16s.tiled[at].to_bits(), f32s.alone[at].to_bits(), "{path:?} n={n} bf16 query {q} row {r}");
+                    }
+                    // The gaps between the queries' scores are left alone.
+                    assert!((0..queries - 1).all(|q| f32s.tiled[q * stride + rows..(q + 1) * stride].iter().all(|v| v.is_nan())));
+                }
+            }
+        }
+    }
+
+    /// Each query's output (`n` values each) plus `rows` weighted by its coefficients (`stride`
+    /// apart) through [`axpys_queries`], and through [`axpys_rows`] one query at a time.
+    struct Weighted<'a, E> {
+        n: usize,
+        coeffs: &'a [f32],
+        stride: usize,
+        rows: &'a [&'a [E]],
+        tiled: Vec<f32>,
+        alone: Vec<f32>,
+    }
+    impl<E: Elem> Body for Weighted<'_, E> {
+        fn body<S: Isa>(&mut self, s: S) {
+            axpys_queries(s, &mut self.tiled, self.n, self.coeffs, self.stride, self.rows);
+            for (q, y) in self.alone.chunks_exact_mut(self.n).enumerate() {
+                axpys_rows(s, y, &self.coeffs[q * self.stride..][..self.rows.len()], self.rows);
+            }
+        }
+    }
+
+    #[test]
+    fn weighted_sums_in_query_tiles_give_each_query_the_bits_of_its_sums_alone_on_every_path() {
+        for path in Path::available() {
+            for (n, rows) in [(5, 3), (16, 4), (37, 7), (64, 16), (100, 9), (128, 5), (200, 2)] {
+                let (f, h) = rows_both(n, rows);
+                let fr: Vec<&[f32]> = f.iter().map(Vec::as_slice).collect();
+                let hr: Vec<&[u16]> = h.iter().map(Vec::as_slice).collect();
+                for queries in [1, 2, 3, 4, 5, 8, 9] {
+                    let stride = rows + 3;
+                    let coeffs: Vec<f32> = (0..(queries - 1) * stride + rows).map(|i| (i as f32 * 0.61).cos()).collect();
+                    let y: Vec<f32> = (0..queries * n).map(|i| (i as f32 * 0.17).sin()).collect();
+                    let f32s = path.run(With(Weighted { n, coeffs: &coeffs, stride, rows: &fr, tiled: y.clone(), alone: y.clone() }));
+                    let bf16s = path.run(With(Weighted { n, coeffs: &coeffs, stride, rows: &hr, tiled: y.clone(), alone: y.clone() }));
+                    for (i, (a, b)) in f32s.tiled.iter().zip(&f32s.alone).enumerate() {
+                        assert_eq!(a.to_bits(), b.to_bits(), "{path:?} n={n} queries={queries} f32 element {i}");
+                        assert_eq!(bf16s.tiled[i].to_bits(), b.to_bits(), "{path:?} n={n} queries={queries} bf16 element {i}");
+                    }
                 }
             }
         }
