@@ -729,53 +729,53 @@ pub struct BenchRuntimeArgs {
     #[arg(long, value_delimiter = ',', default_value = "all")]
     pub scenarios: Vec<String>,
     /// Prompt tokens of each request (fairness, churn, preemption).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = positive())]
     pub prompt: usize,
     /// Tokens generated per request (twice this in the preemption scenario).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = positive())]
     pub max_new_tokens: usize,
     /// Most tokens per step.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = positive())]
     pub max_batch_tokens: usize,
     /// Most sequences running at once.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = positive())]
     pub max_running: usize,
     /// Page pool for the fairness and prefix scenarios, in MiB (churn and preemption size
     /// their own).
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 1024, value_parser = positive())]
     pub pool_mb: usize,
     /// Fairness: tenant B's requests, and its offered load as a fraction of the capacity the
     /// run measures first (fairness-shaped requests, the server kept full).
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, value_parser = positive())]
     pub b_requests: usize,
     #[arg(long, default_value_t = 0.15)]
     pub b_fraction: f64,
     /// Fairness: tenant A sends this many requests for each of B's.
-    #[arg(long, default_value_t = 25)]
+    #[arg(long, default_value_t = 25, value_parser = positive())]
     pub a_factor: usize,
     /// Fairness: prompt tokens per request, and the server's limits (a latency-oriented
     /// setting: a step's length bounds every newcomer's wait).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = positive())]
     pub fairness_prompt: usize,
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = positive())]
     pub fairness_max_running: usize,
-    #[arg(long, default_value_t = 24)]
+    #[arg(long, default_value_t = 24, value_parser = positive())]
     pub fairness_batch_tokens: usize,
     /// Prefix: tokens of the shared system prompt.
     #[arg(long, default_value_t = 1024)]
     pub system_prompt: usize,
     /// Churn: adapters, their popularity exponent, and how many fit in the pool.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, value_parser = positive())]
     pub adapters: usize,
     #[arg(long, default_value_t = 1.0)]
     pub zipf: f64,
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, value_parser = positive())]
     pub adapter_room: usize,
     /// Churn: rank of every adapter (on q and v).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = positive())]
     pub rank: usize,
     /// Churn: requests in the run.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = positive())]
     pub churn_requests: usize,
     /// Where the JSON report goes.
     #[arg(long, default_value = "bench-runtime.json")]
@@ -790,13 +790,13 @@ pub struct BenchClusterArgs {
     #[arg(long, env = "LORAPLEX_BENCH_POSTGRES")]
     pub postgres: Option<String>,
     /// Replicas sharing the PostgreSQL database (on 127.0.0.1, .2, ...).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = positive())]
     pub replicas: usize,
     /// Clients sending requests back to back.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 200, value_parser = positive())]
     pub clients: usize,
     /// Tenants the clients are spread over.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_parser = positive())]
     pub tenants: usize,
     /// Tokens each request generates.
     #[arg(long, default_value_t = 1)]
@@ -1135,5 +1135,38 @@ mod tests {
         }
         let ok = parse(&["--batches", "1,32", "--context", "1", "--steps", "1", "--prefill-tokens", "0"]).unwrap();
         assert_eq!((ok.batches, ok.context, ok.steps, ok.prefill_tokens), (vec![1, 32], 1, 1, 0));
+    }
+
+    #[derive(Parser)]
+    struct RuntimeFlags {
+        #[command(flatten)]
+        bench: BenchRuntimeArgs,
+    }
+
+    #[derive(Parser)]
+    struct ClusterFlags {
+        #[command(flatten)]
+        bench: BenchClusterArgs,
+    }
+
+    /// `bench runtime` and `bench cluster` refuse a count of zero where zero means nothing (no
+    /// requests, no sequences, no replicas) when they parse their flags, not after a scenario or
+    /// two have run; the shared system prompt may be empty.
+    #[test]
+    fn bench_runtime_and_cluster_counts_are_checked_when_parsed() {
+        let runtime = |flags: &[&str]| RuntimeFlags::try_parse_from(std::iter::once("t").chain(flags.iter().copied())).map(|f| f.bench);
+        let cluster = |flags: &[&str]| ClusterFlags::try_parse_from(std::iter::once("t").chain(flags.iter().copied())).map(|f| f.bench);
+        for flag in ["--prompt", "--max-new-tokens", "--max-batch-tokens", "--max-running", "--pool-mb", "--b-requests", "--a-factor", "--fairness-prompt"] {
+            let err = runtime(&[flag, "0"]).err().unwrap_or_else(|| panic!("{flag} 0 parsed")).to_string();
+            assert!(err.contains(flag), "{flag}: {err}");
+        }
+        for flag in ["--fairness-max-running", "--fairness-batch-tokens", "--adapters", "--adapter-room", "--rank", "--churn-requests"] {
+            assert!(runtime(&[flag, "0"]).is_err(), "{flag} 0 parsed");
+        }
+        assert_eq!(runtime(&["--system-prompt", "0", "--rank", "1"]).map(|a| (a.system_prompt, a.rank)).unwrap(), (0, 1));
+        for flag in ["--replicas", "--clients", "--tenants"] {
+            assert!(cluster(&[flag, "0"]).is_err(), "{flag} 0 parsed");
+            assert!(cluster(&[flag, "1"]).is_ok(), "{flag} 1 refused");
+        }
     }
 }
