@@ -245,9 +245,9 @@ mod batch_invariance {
                 let mut all = cpu.zeros(30 * n).unwrap();
                 cpu.matmul(&cpu.upload_f32(&x).unwrap(), &weight, bias, &mut all, 30).unwrap();
                 let all = cpu.download_f32(&all).unwrap();
-                // Alone, in a pair and three at once (the few-rows loop), and four at once (a
-                // tile).
-                for (r, rows) in [(0, 1), (13, 1), (29, 1), (0, 2), (17, 2), (28, 2), (5, 3), (27, 3), (5, 4)] {
+                // Alone, in a pair and three at once (the few-rows loop), and four to seventeen
+                // at once (tiles, some with a short last one).
+                for (r, rows) in [(0, 1), (13, 1), (29, 1), (0, 2), (17, 2), (28, 2), (5, 3), (27, 3), (5, 4), (3, 7), (10, 13), (0, 16), (7, 17)] {
                     let mut few = cpu.upload_f32(&vec![f32::NAN; rows * n]).unwrap();
                     cpu.matmul(&cpu.upload_f32(&x[r * k..(r + rows) * k]).unwrap(), &weight, bias, &mut few, rows).unwrap();
                     let few = cpu.download_f32(&few).unwrap();
