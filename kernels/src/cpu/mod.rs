@@ -209,9 +209,13 @@ impl Memory for CpuBackend {
         "cpu".to_string()
     }
 
-    /// The attention kernels run a dot product and an axpy per query, head and key: about a
-    /// tenth of the packed matmuls' FLOP/s (20 against 180–240 GFLOP/s on a 2-core AVX-512
-    /// machine, measured with `bench engine` on long prompts).
+    /// A tenth: what the attention kernels ran at against the packed matmuls' FLOP/s when the
+    /// schedulers' step budget was tuned with it (20 against 180–240 GFLOP/s on a 2-core AVX-512
+    /// machine, `bench engine` on long prompts). They now run at about half (in a profile of a
+    /// 2,048-token prefill on the `bench` preset, Zen 4, 2026-11-28), but a tenth stays until
+    /// the step budget is tuned again: with the cost at half, one `bench noisy-neighbor
+    /// --patterns huge-prompts:fits` run put the light tenant's p99 time to first token at 2.10x
+    /// its time alone (target 2x), against 1.31x with a tenth.
     fn attention_efficiency(&self) -> f64 {
         0.1
     }
