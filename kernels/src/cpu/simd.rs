@@ -197,14 +197,17 @@ pub(super) fn dots_queries<S: Isa, E: Elem>(s: S, xs: &[f32], n: usize, rows: &[
         while r0 < rows.len() {
             let left = rows.len() - r0;
             let (x, o, rs) = (x, &mut o[r0..], &rows[r0..]);
-            let took = match (qs == DOT_QUERIES, S::REGISTER_COUNT >= 32) {
-                (true, true) if left >= 4 => dots_tile::<S, E, DOT_QUERIES, 4>(s, x, n, rs, o, stride),
-                (true, _) if left >= 2 => dots_tile::<S, E, DOT_QUERIES, 2>(s, x, n, rs, o, stride),
-                (true, _) => dots_tile::<S, E, DOT_QUERIES, 1>(s, x, n, rs, o, stride),
-                (false, _) if left >= 4 => dots_tile::<S, E, 1, 4>(s, &x[..n], n, rs, o, stride),
-                (false, _) => dots_tile::<S, E, 1, 1>(s, &x[..n], n, rs, o, stride),
+            if qs < DOT_QUERIES {
+                // Fewer queries than a tile: one at a time, eight rows' sums in flight.
+                dots_rows(s, &x[..n], rs, &mut o[..left]);
+                r0 = rows.len();
+                continue;
+            }
+            r0 += match left {
+                4.. if S::REGISTER_COUNT >= 32 => dots_tile::<S, E, DOT_QUERIES, 4>(s, x, n, rs, o, stride),
+                2.. => dots_tile::<S, E, DOT_QUERIES, 2>(s, x, n, rs, o, stride),
+                _ => dots_tile::<S, E, DOT_QUERIES, 1>(s, x, n, rs, o, stride),
             };
-            r0 += took;
         }
         // A short tile of queries went one query at a time; the rest of them follow.
         q0 += if qs == DOT_QUERIES { DOT_QUERIES } else { 1 };
@@ -332,13 +335,8 @@ pub(super) fn axpys_queries<S: Isa, E: Elem>(s: S, ys: &mut [f32], n: usize, coe
             }
             q0 += AXPY_QUERIES;
         } else {
-            while i + lanes <= n {
-                axpys_tile::<S, E, 1, 1>(s, y, n, i, c, stride, rows);
-                i += lanes;
-            }
-            if i < n {
-                axpys_tail::<S, E, 1>(s, y, n, i, c, stride, rows);
-            }
+            // Fewer queries than a tile: one at a time, up to eight vectors of it in flight.
+            axpys_block(s, &mut y[..n], &c[..rows.len()], rows);
             q0 += 1;
         }
     }
@@ -424,6 +422,26 @@ fn axpys_block<S: Isa, E: Elem>(s: S, y: &mut [f32], coeffs: &[f32], rows: &[&[E
                 std::ptr::write_unaligned(yp.add(c * lanes) as *mut S::f32s, *a);
             }
             i += width;
+        }
+        // Four vectors at a time where eight do not fit (a head of 64 on AVX-512): four
+        // independent chains instead of one.
+        while i + 4 * lanes <= n {
+            let yp = y.as_mut_ptr().add(i);
+            let mut acc = [s.splat_f32s(0.0); 4];
+            for (c, a) in acc.iter_mut().enumerate() {
+                *a = f32::load(s, yp.add(c * lanes));
+            }
+            for (r, &coef) in rows.iter().zip(coeffs) {
+                let cv = s.splat_f32s(coef);
+                let rp = r.as_ptr().add(i);
+                for (c, a) in acc.iter_mut().enumerate() {
+                    *a = s.mul_add_e_f32s(cv, E::load(s, rp.add(c * lanes)), *a);
+                }
+            }
+            for (c, a) in acc.iter().enumerate() {
+                std::ptr::write_unaligned(yp.add(c * lanes) as *mut S::f32s, *a);
+            }
+            i += 4 * lanes;
         }
         while i + lanes <= n {
             let yp = y.as_mut_ptr().add(i);
