@@ -293,6 +293,34 @@ pub(super) fn axpys_rows<S: Isa, E: Elem>(s: S, y: &mut [f32], coeffs: &[f32], r
     axpys_block(s, y, coeffs, rows);
 }
 
+/// Columns `i .. i + C * lanes` of `y` plus the rows times their coefficients, the `C` vectors
+/// held in registers while every row passes over them. The caller has checked that every row
+/// holds at least `y.len()` elements.
+#[inline(always)]
+fn axpys_columns<S: Isa, E: Elem, const C: usize>(s: S, y: &mut [f32], i: usize, coeffs: &[f32], rows: &[&[E]]) {
+    let lanes = S::F32_LANES;
+    assert!(i + C * lanes <= y.len());
+    // SAFETY: every access covers i..i + C * lanes <= y.len() (checked above), inside y and each
+    // row (all hold >= y.len()).
+    unsafe {
+        let yp = y.as_mut_ptr().add(i);
+        let mut acc = [s.splat_f32s(0.0); C];
+        for (c, a) in acc.iter_mut().enumerate() {
+            *a = f32::load(s, yp.add(c * lanes));
+        }
+        for (r, &coef) in rows.iter().zip(coeffs) {
+            let cv = s.splat_f32s(coef);
+            let rp = r.as_ptr().add(i);
+            for (c, a) in acc.iter_mut().enumerate() {
+                *a = s.mul_add_e_f32s(cv, E::load(s, rp.add(c * lanes)), *a);
+            }
+        }
+        for (c, a) in acc.iter().enumerate() {
+            std::ptr::write_unaligned(yp.add(c * lanes) as *mut S::f32s, *a);
+        }
+    }
+}
+
 /// Queries a tile of [`axpys_queries`] takes at once.
 const AXPY_QUERIES: usize = 4;
 
@@ -403,46 +431,19 @@ fn axpys_tail<S: Isa, E: Elem, const Q: usize>(s: S, y: &mut [f32], n: usize, i:
 fn axpys_block<S: Isa, E: Elem>(s: S, y: &mut [f32], coeffs: &[f32], rows: &[&[E]]) {
     let lanes = S::F32_LANES;
     let n = y.len();
-    let width = lanes * AXPY_CHUNKS;
     let mut i = 0;
-    // SAFETY: every full access covers i..i + width <= n (or i + lanes <= n), inside y and each
-    // row (all hold >= n).
+    while i + AXPY_CHUNKS * lanes <= n {
+        axpys_columns::<S, E, AXPY_CHUNKS>(s, y, i, coeffs, rows);
+        i += AXPY_CHUNKS * lanes;
+    }
+    // Four vectors at a time where eight do not fit (a head of 64 on AVX-512): four
+    // independent chains instead of one.
+    while i + 4 * lanes <= n {
+        axpys_columns::<S, E, 4>(s, y, i, coeffs, rows);
+        i += 4 * lanes;
+    }
+    // SAFETY: every full access covers i..i + lanes <= n, inside y and each row (all hold >= n).
     unsafe {
-        while i + width <= n {
-            let yp = y.as_mut_ptr().add(i);
-            let mut acc: [S::f32s; AXPY_CHUNKS] = std::array::from_fn(|c| f32::load(s, yp.add(c * lanes)));
-            for (r, &coef) in rows.iter().zip(coeffs) {
-                let cv = s.splat_f32s(coef);
-                let rp = r.as_ptr().add(i);
-                for (c, a) in acc.iter_mut().enumerate() {
-                    *a = s.mul_add_e_f32s(cv, E::load(s, rp.add(c * lanes)), *a);
-                }
-            }
-            for (c, a) in acc.iter().enumerate() {
-                std::ptr::write_unaligned(yp.add(c * lanes) as *mut S::f32s, *a);
-            }
-            i += width;
-        }
-        // Four vectors at a time where eight do not fit (a head of 64 on AVX-512): four
-        // independent chains instead of one.
-        while i + 4 * lanes <= n {
-            let yp = y.as_mut_ptr().add(i);
-            let mut acc = [s.splat_f32s(0.0); 4];
-            for (c, a) in acc.iter_mut().enumerate() {
-                *a = f32::load(s, yp.add(c * lanes));
-            }
-            for (r, &coef) in rows.iter().zip(coeffs) {
-                let cv = s.splat_f32s(coef);
-                let rp = r.as_ptr().add(i);
-                for (c, a) in acc.iter_mut().enumerate() {
-                    *a = s.mul_add_e_f32s(cv, E::load(s, rp.add(c * lanes)), *a);
-                }
-            }
-            for (c, a) in acc.iter().enumerate() {
-                std::ptr::write_unaligned(yp.add(c * lanes) as *mut S::f32s, *a);
-            }
-            i += 4 * lanes;
-        }
         while i + lanes <= n {
             let yp = y.as_mut_ptr().add(i);
             let mut acc = f32::load(s, yp);
