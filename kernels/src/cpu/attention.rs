@@ -4,7 +4,7 @@ use rayon::prelude::*;
 
 use super::isa::{Isa, Kernel};
 use super::simd::Elem;
-use super::{CpuBackend, CpuBuffer, ensure_len, min_items, rows_of, simd};
+use super::{CpuBackend, CpuBuffer, OutPtr, ensure_len, min_items, rows_of, simd};
 use crate::check::Batch;
 use crate::{AttentionOps, AttentionParams, BatchMeta, KernelError, KvLayout, Result, RowDType};
 
@@ -149,17 +149,6 @@ struct Attend<'a> {
 /// them (prefill; a decode step has one token a sequence).
 const QUERY_BLOCK: usize = 8;
 
-/// Where the attention output goes, shared by the tasks; each writes only the rows of its own
-/// (token, kv head) pairs.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-
-// SAFETY: the tasks of one `attention` call write disjoint ranges (the query heads of their own
-// kv head, for their own tokens), and the buffer outlives the parallel loop that uses it.
-unsafe impl Send for OutPtr {}
-// SAFETY: as above; a shared `OutPtr` is only ever used to derive those disjoint ranges.
-unsafe impl Sync for OutPtr {}
-
 /// The query heads of one kv head for a block of one sequence's tokens, against that
 /// sequence's keys and values.
 struct AttendTask<'a> {
@@ -228,14 +217,14 @@ fn attend<S: Isa, E: Elem>(s: S, task: AttendTask<'_>, cache: &[E]) {
         // the group * hd values after it, lie inside the output (`attention` checked its length
         // for every token of the batch), and no other task writes them; no other reference to
         // them is live.
-        unsafe { std::slice::from_raw_parts_mut(out.0.add((t * heads + kvh * group) * hd), group * hd) }.fill(0.0);
+        unsafe { std::slice::from_raw_parts_mut(out.at((t * heads + kvh * group) * hd).0, group * hd) }.fill(0.0);
     }
     let mut values = PageRows::new(cache, layout, table, p.layer, 1, kvh, lo, hi);
     while let Some((j, count)) = values.next(s, &mut rows) {
         for (i, t) in tokens.clone().enumerate() {
             let Some((seen, at)) = visible(m, p, t, lo + j, count) else { continue };
             // SAFETY: as above.
-            let o = unsafe { std::slice::from_raw_parts_mut(out.0.add((t * heads + kvh * group) * hd), group * hd) };
+            let o = unsafe { std::slice::from_raw_parts_mut(out.at((t * heads + kvh * group) * hd).0, group * hd) };
             simd::axpys_queries(s, o, hd, &scores[i * group * width + at..], width, &rows[seen]);
         }
     }

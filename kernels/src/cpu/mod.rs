@@ -201,6 +201,31 @@ impl crate::check::HostU32 for CpuBuffer {
 
 pub(crate) use crate::check::{ensure_len, rows_of};
 
+/// An output buffer shared by the tasks of one parallel kernel (a matmul, the attention), each
+/// writing only its own disjoint part of it.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+
+impl OutPtr {
+    /// The element `offset` past the start. Taking `self` whole keeps closures capturing the
+    /// `Send` wrapper rather than the bare pointer.
+    ///
+    /// # Safety
+    /// `offset` must lie within the output buffer.
+    unsafe fn at(self, offset: usize) -> OutPtr {
+        // SAFETY: forwarded from this function's contract.
+        OutPtr(unsafe { self.0.add(offset) })
+    }
+}
+
+// SAFETY: every kernel that shares an `OutPtr` has its tasks write disjoint ranges of the
+// output, never the same element, and keeps the buffer alive past its parallel loop (see
+// `packed::matmul` and the attention).
+unsafe impl Send for OutPtr {}
+// SAFETY: as above; the pointer itself is only copied, never written through concurrently at
+// the same address.
+unsafe impl Sync for OutPtr {}
+
 impl Memory for CpuBackend {
     type Buffer = CpuBuffer;
     type Weight = CpuWeight;

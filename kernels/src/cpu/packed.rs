@@ -21,7 +21,7 @@ use rayon::prelude::*;
 
 use super::isa::{Isa, Kernel, Path};
 use super::simd::Elem;
-use super::{MatmulInputs, min_items};
+use super::{MatmulInputs, OutPtr, min_items};
 use crate::WeightData;
 
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
@@ -160,30 +160,6 @@ pub fn pack(path: Path, w: WeightData<'_>, n: usize, k: usize, inputs: MatmulInp
     };
     Panels { data, path, nr, round_inputs: bf16_inputs }
 }
-
-/// Destination pointer shared by the tasks of one matmul; each task writes only the columns of
-/// its own panels.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-
-impl OutPtr {
-    /// The element `offset` past the start. Taking `self` whole keeps closures capturing the
-    /// `Send` wrapper rather than the bare pointer.
-    ///
-    /// # Safety
-    /// `offset` must lie within the output buffer.
-    unsafe fn at(self, offset: usize) -> OutPtr {
-        // SAFETY: forwarded from this function's contract.
-        OutPtr(unsafe { self.0.add(offset) })
-    }
-}
-
-// SAFETY: tasks write disjoint column ranges of the output (one panel each), never the same
-// element, and the pointer outlives the parallel loop that uses it (see `matmul`).
-unsafe impl Send for OutPtr {}
-// SAFETY: as above; the pointer itself is only copied, never written through concurrently at
-// the same address.
-unsafe impl Sync for OutPtr {}
 
 /// `out[rows, n] = x[rows, k] · Wᵀ (+ bias)` with `panels` from [`pack`]. The caller has checked
 /// every length: `x.len() >= rows * k`, `out.len() >= rows * n`, `bias.len() >= n`, and that
