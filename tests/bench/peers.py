@@ -121,14 +121,15 @@ def request_json(port, method, path, body=None, headers=None, timeout=600):
 
 
 def stream_sse(port, path, body, headers, text_of):
-    """POSTs `body`, reads the server-sent events; returns (ttft, e2e, text, tokens streamed)."""
+    """POSTs `body`, reads the server-sent events; returns (ttft, e2e, text, the clock time of
+    each event that carried text)."""
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
     conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json", **headers})
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"POST {path}: {resp.status} {resp.read()[:300]!r}")
-    ttft, text, events = None, [], 0
+    ttft, text, stamps = None, [], []
     for raw in resp:
         line = raw.decode().strip()
         if not line.startswith("data:"):
@@ -140,11 +141,11 @@ def stream_sse(port, path, body, headers, text_of):
         piece = text_of(event)
         if piece is None:
             continue
+        stamps.append(time.perf_counter())
         if ttft is None:
-            ttft = time.perf_counter() - t0
-        events += 1
+            ttft = stamps[-1] - t0
         text.append(piece)
-    return ttft, time.perf_counter() - t0, "".join(text), events
+    return ttft, time.perf_counter() - t0, "".join(text), stamps
 
 
 def prompts(count, vocab):
@@ -155,12 +156,29 @@ def prompts(count, vocab):
     return out
 
 
+def phases(results):
+    """For a round of streamed requests sent together: seconds from the first request sent
+    until every request had its first token (the prompts' phase), and the gaps between one
+    request's consecutive tokens after that (the decode steps, with nothing else in them).
+    None when the round was not streamed."""
+    if not results or any(not r.get("stamps") for r in results):
+        return None
+    start = min(r["stamps"][0] - r["ttft"] for r in results)
+    all_first = max(r["stamps"][0] for r in results)
+    gaps = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:]) if a >= all_first]
+    return all_first - start, gaps
+
+
 def summarize(workload, system, rounds):
     """A workload's row from its rounds, each (results, wall seconds): the throughput of the
-    median round, latencies over every request, the texts of the first round."""
-    name, count, _, adapters, _ = workload
+    median round, latencies over every request, the texts of the first round; for streamed
+    rounds whose requests were all sent at once, the median round's prompts phase and the
+    median decode step over every round (see `phases`)."""
+    name, count, concurrency, adapters, _ = workload
     rates = [len(results) * NEW_TOKENS / wall for results, wall in rounds]
     every = [r for results, _ in rounds for r in results]
+    split = [phases(results) for results, _ in rounds] if count <= concurrency else []
+    split = [p for p in split if p is not None and p[1]]
     return {
         "workload": name,
         "system": system,
@@ -171,6 +189,8 @@ def summarize(workload, system, rounds):
         "wall_s": sum(wall for _, wall in rounds),
         "ttft_ms_median": 1e3 * statistics.median(r["ttft"] for r in every),
         "tpot_ms_median": 1e3 * statistics.median((r["e2e"] - r["ttft"]) / max(1, NEW_TOKENS - 1) for r in every),
+        "prompts_phase_s": statistics.median(p[0] for p in split) if split else None,
+        "decode_step_ms_median": 1e3 * statistics.median(g for p in split for g in p[1]) if split else None,
         "texts": [r["text"] for r in rounds[0][0]],
     }
 
@@ -259,9 +279,9 @@ class Loraplex(HttpServer):
         def send(i, adapter):
             body = {"model": names[adapter] if adapter is not None else model, "prompt": all_prompts[i], "max_tokens": NEW_TOKENS,
                     "temperature": 0, "ignore_eos": True, "stream": True}
-            ttft, e2e, text, _ = stream_sse(port, "/v1/completions", body, user,
-                                            lambda e: e["choices"][0]["text"] if e.get("choices") else None)
-            return {"ttft": ttft, "e2e": e2e, "text": text}
+            ttft, e2e, text, stamps = stream_sse(port, "/v1/completions", body, user,
+                                                 lambda e: e["choices"][0]["text"] if e.get("choices") else None)
+            return {"ttft": ttft, "e2e": e2e, "text": text, "stamps": stamps}
 
         self.send = send
         self.adapters = len(names)
@@ -333,8 +353,8 @@ class LlamaCpp(HttpServer):
             lora = [{"id": j, "scale": 1.0 if j == adapter else 0.0} for j in range(len(loras))]
             body = {"prompt": all_prompts[i], "n_predict": NEW_TOKENS, "temperature": 0, "top_k": 1, "ignore_eos": True, "stream": True,
                     "cache_prompt": False, "lora": lora}
-            ttft, e2e, text, _ = stream_sse(port, "/completion", body, {}, lambda e: e.get("content"))
-            return {"ttft": ttft, "e2e": e2e, "text": text}
+            ttft, e2e, text, stamps = stream_sse(port, "/completion", body, {}, lambda e: e.get("content"))
+            return {"ttft": ttft, "e2e": e2e, "text": text, "stamps": stamps}
 
         self.send = send
         self.adapters = len(loras)
@@ -498,10 +518,13 @@ def main():
     family = f" (family {m['cpu family']}, model {m['model']})" if "cpu family" in m and "model" in m else ""
     print(f"machine: {m['cpu']}{family}, {m['cores']} cores ({', '.join(m['flags'])}); {args.threads} threads; loraplex kernels: "
           f"{report['systems'].get('loraplex', {}).get('kernels', '-')}")
-    print(f"{'system':<18} {'workload':<15} {'tokens/s':>9} {'TTFT ms':>9} {'TPOT ms':>8} {'agrees':>7}")
+    print(f"{'system':<18} {'workload':<15} {'tokens/s':>9} {'TTFT ms':>9} {'TPOT ms':>8} {'prompts s':>9} {'step ms':>8} {'agrees':>7}")
     for r in report["rows"]:
         agree = "-" if r["agrees_with_peft"] is None else f"{r['agrees_with_peft']:.2f}"
-        print(f"{r['system']:<18} {r['workload']:<15} {r['tokens_per_s']:>9.1f} {r['ttft_ms_median']:>9.0f} {r['tpot_ms_median']:>8.1f} {agree:>7}")
+        prompts_s = "-" if r["prompts_phase_s"] is None else f"{r['prompts_phase_s']:.2f}"
+        step = "-" if r["decode_step_ms_median"] is None else f"{r['decode_step_ms_median']:.1f}"
+        print(f"{r['system']:<18} {r['workload']:<15} {r['tokens_per_s']:>9.1f} {r['ttft_ms_median']:>9.0f} {r['tpot_ms_median']:>8.1f} "
+              f"{prompts_s:>9} {step:>8} {agree:>7}")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
     print(f"report: {out / 'peers.json'}, plot: {out / 'peers.png'}")
