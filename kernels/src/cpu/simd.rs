@@ -293,34 +293,6 @@ pub(super) fn axpys_rows<S: Isa, E: Elem>(s: S, y: &mut [f32], coeffs: &[f32], r
     axpys_block(s, y, coeffs, rows);
 }
 
-/// Columns `i .. i + C * lanes` of `y` plus the rows times their coefficients, the `C` vectors
-/// held in registers while every row passes over them. The caller has checked that every row
-/// holds at least `y.len()` elements.
-#[inline(always)]
-fn axpys_columns<S: Isa, E: Elem, const C: usize>(s: S, y: &mut [f32], i: usize, coeffs: &[f32], rows: &[&[E]]) {
-    let lanes = S::F32_LANES;
-    assert!(i + C * lanes <= y.len());
-    // SAFETY: every access covers i..i + C * lanes <= y.len() (checked above), inside y and each
-    // row (all hold >= y.len()).
-    unsafe {
-        let yp = y.as_mut_ptr().add(i);
-        let mut acc = [s.splat_f32s(0.0); C];
-        for (c, a) in acc.iter_mut().enumerate() {
-            *a = f32::load(s, yp.add(c * lanes));
-        }
-        for (r, &coef) in rows.iter().zip(coeffs) {
-            let cv = s.splat_f32s(coef);
-            let rp = r.as_ptr().add(i);
-            for (c, a) in acc.iter_mut().enumerate() {
-                *a = s.mul_add_e_f32s(cv, E::load(s, rp.add(c * lanes)), *a);
-            }
-        }
-        for (c, a) in acc.iter().enumerate() {
-            std::ptr::write_unaligned(yp.add(c * lanes) as *mut S::f32s, *a);
-        }
-    }
-}
-
 /// Queries a tile of [`axpys_queries`] takes at once.
 const AXPY_QUERIES: usize = 4;
 
@@ -426,40 +398,29 @@ fn axpys_tail<S: Isa, E: Elem, const Q: usize>(s: S, y: &mut [f32], n: usize, i:
     }
 }
 
-/// [`axpys`] where every row holds at least `y.len()` elements.
+/// [`axpys`] where every row holds at least `y.len()` elements and `coeffs` one coefficient a
+/// row: one output, as a tile of one query ([`axpys_tile`], [`axpys_tail`]), eight vectors of
+/// columns in registers at a time, then four where eight do not fit (a head of 64 on AVX-512:
+/// four independent chains instead of one), then one, then the tail.
 #[inline(always)]
 fn axpys_block<S: Isa, E: Elem>(s: S, y: &mut [f32], coeffs: &[f32], rows: &[&[E]]) {
     let lanes = S::F32_LANES;
     let n = y.len();
     let mut i = 0;
     while i + AXPY_CHUNKS * lanes <= n {
-        axpys_columns::<S, E, AXPY_CHUNKS>(s, y, i, coeffs, rows);
+        axpys_tile::<S, E, 1, AXPY_CHUNKS>(s, y, n, i, coeffs, 0, rows);
         i += AXPY_CHUNKS * lanes;
     }
-    // Four vectors at a time where eight do not fit (a head of 64 on AVX-512): four
-    // independent chains instead of one.
     while i + 4 * lanes <= n {
-        axpys_columns::<S, E, 4>(s, y, i, coeffs, rows);
+        axpys_tile::<S, E, 1, 4>(s, y, n, i, coeffs, 0, rows);
         i += 4 * lanes;
     }
-    // SAFETY: every full access covers i..i + lanes <= n, inside y and each row (all hold >= n).
-    unsafe {
-        while i + lanes <= n {
-            let yp = y.as_mut_ptr().add(i);
-            let mut acc = f32::load(s, yp);
-            for (r, &coef) in rows.iter().zip(coeffs) {
-                acc = s.mul_add_e_f32s(s.splat_f32s(coef), E::load(s, r.as_ptr().add(i)), acc);
-            }
-            std::ptr::write_unaligned(yp as *mut S::f32s, acc);
-            i += lanes;
-        }
+    while i + lanes <= n {
+        axpys_tile::<S, E, 1, 1>(s, y, n, i, coeffs, 0, rows);
+        i += lanes;
     }
     if i < n {
-        let mut acc = s.partial_load_f32s(&y[i..]);
-        for (r, &coef) in rows.iter().zip(coeffs) {
-            acc = s.mul_add_e_f32s(s.splat_f32s(coef), E::load_partial(s, &r[i..n]), acc);
-        }
-        s.partial_store_f32s(&mut y[i..], acc);
+        axpys_tail::<S, E, 1>(s, y, n, i, coeffs, 0, rows);
     }
 }
 
