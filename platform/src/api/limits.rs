@@ -355,6 +355,21 @@ impl Leases {
         }
     }
 
+    /// Puts the leases a background call brought in as the following ones. A following lease
+    /// still held (its tokens: the admissions that came with them were taken, and the tokens
+    /// were not needed yet) is given back first, as it ends here: what it did not hand out
+    /// would otherwise stay counted in the database for the rest of the minute.
+    fn land_renewal(&mut self, admissions: Lease, tokens: Option<Lease>, tenant: &str, batch: bool, changes: &tokio::sync::mpsc::UnboundedSender<Change>) {
+        if let Some(old) = self.next_admissions.replace(admissions) {
+            unlease(&old, tenant, batch, changes);
+        }
+        if let Some(tokens) = tokens
+            && let Some(old) = self.next_tokens.replace(tokens)
+        {
+            untoken(&old, tenant, batch, changes);
+        }
+    }
+
     /// Ends the following leases whose second is over unused.
     fn drop_stale_next(&mut self, now: Instant, tenant: &str, batch: bool, changes: &tokio::sync::mpsc::UnboundedSender<Change>) {
         if let Some(a) = self.next_admissions.take_if(|a| now >= a.until) {
@@ -707,10 +722,9 @@ impl Limiter {
             if let Ok(v) = v
                 && v.verdict == "ok"
             {
-                leases.next_admissions = Some(Lease::new(v.now_ms, sent, got, ahead, v.granted.max(1), 0));
-                if v.tokens_granted > 0 {
-                    leases.next_tokens = Some(Lease::new(v.now_ms, sent, got, ahead, v.tokens_granted, 0));
-                }
+                let admissions = Lease::new(v.now_ms, sent, got, ahead, v.granted.max(1), 0);
+                let tokens = (v.tokens_granted > 0).then(|| Lease::new(v.now_ms, sent, got, ahead, v.tokens_granted, 0));
+                leases.land_renewal(admissions, tokens, &tenant, share.is_some(), &shared.changes);
             }
         });
     }

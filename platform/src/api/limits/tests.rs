@@ -314,6 +314,33 @@ async fn far_from_its_limits_a_replica_leases_admissions_and_tokens_and_gives_ba
 
 /// Tokens are leased in the admissions' call, a request's worth (its last reservation) per
 /// admission: after the first request, reservations find tokens leased and ask nothing.
+/// A background renewal that lands while the tokens of the one before are still held (their
+/// admissions were taken, the tokens not needed yet) gives those tokens back as it replaces
+/// them, instead of leaving them counted for the rest of the minute.
+#[test]
+fn a_renewal_gives_back_the_following_tokens_it_replaces() {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let now = Instant::now();
+    let lease = |second: i64, granted: i64| Lease { second, from: now, until: now + Duration::from_secs(1), granted, left: granted };
+    let mut leases = Leases { next_tokens: Some(lease(7, 200)), ..Leases::default() };
+    leases.land_renewal(lease(8, 4), Some(lease(8, 400)), "t", false, &tx);
+    assert_eq!(leases.next_admissions.map(|a| (a.second, a.left)), Some((8, 4)));
+    assert_eq!(leases.next_tokens.map(|t| (t.second, t.left)), Some((8, 400)));
+    match rx.try_recv() {
+        Ok(Change::Settle { tenant, batch: false, second: 7, delta: -200 }) if tenant == "t" => {}
+        other => panic!("the replaced tokens are given back, got {other:?}"),
+    }
+    assert!(rx.try_recv().is_err(), "nothing else");
+    // A renewal that brought no tokens leaves the held ones in place; the admissions it replaces
+    // are given back.
+    leases.land_renewal(lease(9, 2), None, "t", false, &tx);
+    assert_eq!(leases.next_tokens.map(|t| t.second), Some(8));
+    match rx.try_recv() {
+        Ok(Change::Unlease { tenant, batch: false, second: 8, n: 4 }) if tenant == "t" => {}
+        other => panic!("the replaced admissions are given back, got {other:?}"),
+    }
+}
+
 #[actix_web::test]
 async fn tokens_are_leased_with_the_admissions_in_one_call() {
     let dir = tempfile::tempdir().unwrap();
