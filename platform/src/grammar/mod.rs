@@ -284,6 +284,9 @@ impl GrammarCompiler {
         l.step_lexer_fuel = limits.step_fuel;
         l.max_lexer_states = limits.max_lexer_states;
         l.max_grammar_size = limits.max_grammar_size;
+        // Errors name the problem, not the parser's state: that dump (the grammar, the tokens so
+        // far, internal counters) means nothing to a client and is not for it to read.
+        l.verbose_errors = false;
         let cache = moka::sync::Cache::new(limits.cache_entries);
         Ok(Self { factory, eos, trie_eos, vocab, limits, cache })
     }
@@ -324,13 +327,13 @@ impl GrammarCompiler {
         // specification, never the end of the thread serving it.
         let parser = std::panic::catch_unwind(AssertUnwindSafe(|| self.factory.create_parser(grammar)))
             .map_err(|_| refused("the grammar compiler failed on it".into()))?
-            .map_err(|e| refused(e.to_string()))?;
+            .map_err(|e| refused(library_message(e)))?;
         let mut matcher = Matcher::new(Ok(parser));
         // Some problems (an empty language, a lexer limit) show only when the first mask is
         // computed: find them now, and keep that mask computed for every copy.
-        let first = matcher.compute_mask().map_err(|e| refused(e.to_string()))?;
+        let first = matcher.compute_mask().map_err(|e| refused(library_message(e)))?;
         if let Some(e) = matcher.get_error() {
-            return Err(refused(e));
+            return Err(refused(library_message(e)));
         }
         if first.num_set() == 0 {
             return Err(refused("no text matches it".into()));
@@ -341,6 +344,22 @@ impl GrammarCompiler {
     /// Tokens the masks cover (the tokenizer's vocabulary).
     pub fn vocab_size(&self) -> usize {
         self.vocab
+    }
+}
+
+/// A message of the grammar library in the words a client reads: without the marker it puts
+/// where its state dump would go, and the reasons its parser stops named for what they mean
+/// here (an empty language is the likeliest: a schema whose `$ref`s only lead to each other,
+/// or whose bounds exclude every value).
+fn library_message(e: impl std::fmt::Display) -> String {
+    let text = e.to_string();
+    let text = text.split("\n<non-verbose/>").next().unwrap_or_default().split("\n<state>").next().unwrap_or_default().trim();
+    match text {
+        "NoExtension" | "NoExtensionBias" => "no text matches it".into(),
+        "LexerTooComplex" | "ParserTooComplex" => "matching it takes more work than this server allows".into(),
+        "MaxTokensTotal" | "MaxTokensParser" => "it allows no more tokens".into(),
+        "InternalError" => "the grammar library failed on it".into(),
+        other => other.to_string(),
     }
 }
 
@@ -385,7 +404,7 @@ pub struct Constraint {
 impl Constraint {
     /// The tokens that may come next. Once the text is complete, only end of sequence.
     pub fn mask(&mut self) -> Result<TokenMask, GrammarError> {
-        let vob = self.matcher.compute_mask_or_eos().map_err(|e| GrammarError::Generation(e.to_string()))?;
+        let vob = self.matcher.compute_mask_or_eos().map_err(|e| GrammarError::Generation(library_message(e)))?;
         Ok(TokenMask { eos_allowed: vob.is_allowed(self.trie_eos), vob, eos: self.eos.clone() })
     }
 
@@ -396,7 +415,7 @@ impl Constraint {
             return Ok(());
         }
         let token = if self.eos.contains(&token) { self.trie_eos } else { token };
-        self.matcher.consume_token(token).map_err(|e| GrammarError::Generation(e.to_string()))
+        self.matcher.consume_token(token).map_err(|e| GrammarError::Generation(library_message(e)))
     }
 
     /// Whether the text is complete: nothing but end of sequence may follow.

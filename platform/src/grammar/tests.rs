@@ -306,6 +306,10 @@ fn refusals_name_the_problem_and_compiled_grammars_are_cached() {
     assert!(m.contains("no choices"), "{m}");
     let m = refused(GrammarSpec::JsonSchema(json!({"type": "integer", "minimum": 5, "maximum": 1})));
     assert!(!m.is_empty());
+    // References that only lead to each other admit no value: said in words, without the
+    // library's dump of its parser's state (the grammar, the tokens so far, its counters).
+    let m = refused(GrammarSpec::JsonSchema(json!({"$ref": "#/definitions/a", "definitions": {"a": {"$ref": "#/definitions/a"}}})));
+    assert_eq!(m, "the JSON schema is refused: no text matches it");
 
     let small = GrammarCompiler::new(tokenizer(), tokenizer().eos_token_ids(), GrammarLimits { max_spec_bytes: 64, ..GrammarLimits::default() }).unwrap();
     let big = GrammarSpec::Regex("a".repeat(65));
