@@ -348,12 +348,12 @@ impl GrammarCompiler {
 }
 
 /// A message of the grammar library in the words a client reads: without the marker it puts
-/// where its state dump would go, and the reasons its parser stops named for what they mean
-/// here (an empty language is the likeliest: a schema whose `$ref`s only lead to each other,
-/// or whose bounds exclude every value).
+/// where its state dump would go (errors are asked for without the dump), and the reasons its
+/// parser stops named for what they mean here (an empty language is the likeliest: a schema
+/// whose `$ref`s only lead to each other, or whose bounds exclude every value).
 fn library_message(e: impl std::fmt::Display) -> String {
     let text = e.to_string();
-    let text = text.split("\n<non-verbose/>").next().unwrap_or_default().split("\n<state>").next().unwrap_or_default().trim();
+    let text = text.split("\n<non-verbose/>").next().unwrap_or_default().trim();
     match text {
         "NoExtension" | "NoExtensionBias" => "no text matches it".into(),
         "LexerTooComplex" | "ParserTooComplex" => "matching it takes more work than this server allows".into(),

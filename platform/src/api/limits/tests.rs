@@ -312,8 +312,6 @@ async fn far_from_its_limits_a_replica_leases_admissions_and_tokens_and_gives_ba
     counts_become(&store, "t", (40, 4000 - 10 * 70, 0)).await;
 }
 
-/// Tokens are leased in the admissions' call, a request's worth (its last reservation) per
-/// admission: after the first request, reservations find tokens leased and ask nothing.
 /// A background renewal that lands while the tokens of the one before are still held (their
 /// admissions were taken, the tokens not needed yet) gives those tokens back as it replaces
 /// them, instead of leaving them counted for the rest of the minute.
@@ -341,6 +339,8 @@ fn a_renewal_gives_back_the_following_tokens_it_replaces() {
     }
 }
 
+/// Tokens are leased in the admissions' call, a request's worth (its last reservation) per
+/// admission: after the first request, reservations find tokens leased and ask nothing.
 #[actix_web::test]
 async fn tokens_are_leased_with_the_admissions_in_one_call() {
     let dir = tempfile::tempdir().unwrap();
