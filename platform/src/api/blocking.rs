@@ -6,12 +6,12 @@
 //! A job whose request goes away still runs to its end (blocking work cannot be interrupted),
 //! holding its slot meanwhile, so the bound holds whatever clients do.
 //!
-//! Two pools: the one every request's preparation goes through (tokenizing, templates), and a
+//! Three pools: the one every request's preparation goes through (tokenizing, templates); a
 //! background one of its own threads at the lowest CPU priority (on Linux the idle scheduling
-//! class) for work no request is waiting
-//! on to start generating: validating uploaded adapters and writing their files. On a busy
-//! machine the background pool only gets the CPU the device workers leave, so one tenant's
-//! uploads never slow another tenant's generation.
+//! class) for work no request is waiting on to start generating: validating uploaded adapters
+//! and writing their files (on a busy machine it only gets the CPU the device workers leave, so
+//! one tenant's uploads never slow another tenant's generation); and one of threads with deep
+//! stacks for compiling grammars, whose compiler recurses on what the client sent.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -28,8 +28,28 @@ pub struct BlockingPool {
     slots: Arc<Semaphore>,
     waiting: AtomicUsize,
     queue: usize,
-    /// Threads of the pool's own (the background pool); `None`: tokio's blocking threads.
+    /// Threads of the pool's own (the background and deep pools); `None`: tokio's blocking
+    /// threads.
     threads: Option<Mutex<std::sync::mpsc::Sender<Task>>>,
+    /// Why the pool's own threads could not start: every job is refused with it.
+    broken: Option<String>,
+}
+
+/// Puts the calling thread at the lowest CPU priority the system gives an unprivileged thread.
+fn lower_priority() {
+    // Lowering one's own priority needs no privilege; where it is refused the work still runs,
+    // at normal priority.
+    let _ = thread_priority::set_current_thread_priority(thread_priority::ThreadPriority::Min);
+    // On Linux, the idle scheduling class instead (its weight is below niceness 19's, which it
+    // makes moot): a thread of the lowest niceness may still keep a core for a while after a
+    // device worker wakes up wanting it; an idle-class one gives it up at once, so a parallel
+    // step is not held up by an upload.
+    #[cfg(target_os = "linux")]
+    {
+        use thread_priority::unix::{NormalThreadSchedulePolicy, ThreadSchedulePolicy, set_thread_priority_and_policy, thread_native_id};
+        let idle = ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Idle);
+        let _ = set_thread_priority_and_policy(thread_native_id(), thread_priority::ThreadPriority::Min, idle);
+    }
 }
 
 /// Takes back a place in the queue when the waiter stops waiting (got a slot, or went away).
@@ -43,29 +63,40 @@ impl Drop for Waiting<'_> {
 
 impl BlockingPool {
     pub fn new(threads: usize, queue: usize) -> Self {
-        Self { slots: Arc::new(Semaphore::new(threads.max(1))), waiting: AtomicUsize::new(0), queue, threads: None }
+        Self { slots: Arc::new(Semaphore::new(threads.max(1))), waiting: AtomicUsize::new(0), queue, threads: None, broken: None }
+    }
+
+    /// A pool that refuses every job with 503, saying `why` (its threads could not start).
+    pub fn broken(why: impl Into<String>) -> Self {
+        Self { broken: Some(why.into()), ..Self::new(1, 0) }
     }
 
     /// A pool of `threads` threads of its own at the lowest CPU priority the system gives an
     /// unprivileged thread.
     pub fn background(threads: usize, queue: usize) -> std::io::Result<Self> {
+        Self::own_threads("background", threads, queue, None, true)
+    }
+
+    /// A pool of `threads` threads of its own, each with a stack of `stack` bytes, for work
+    /// that recurses on what clients send (compiling grammars): a stack sized for the deepest
+    /// input the checks before the work let through. A thread's stack is address space, taken
+    /// in pages as it is used.
+    pub fn deep(name: &str, threads: usize, queue: usize, stack: usize) -> std::io::Result<Self> {
+        Self::own_threads(name, threads, queue, Some(stack), false)
+    }
+
+    fn own_threads(name: &str, threads: usize, queue: usize, stack: Option<usize>, lowest_priority: bool) -> std::io::Result<Self> {
         let (tx, rx) = std::sync::mpsc::channel::<Task>();
         let rx = Arc::new(Mutex::new(rx));
         for i in 0..threads.max(1) {
             let rx = rx.clone();
-            std::thread::Builder::new().name(format!("background-{i}")).spawn(move || {
-                // Lowering one's own priority needs no privilege; where it is refused the work
-                // still runs, at normal priority.
-                let _ = thread_priority::set_current_thread_priority(thread_priority::ThreadPriority::Min);
-                // On Linux, the idle scheduling class instead (its weight is below niceness
-                // 19's, which it makes moot): a thread of the lowest niceness may still keep a
-                // core for a while after a device worker wakes up wanting it; an idle-class one
-                // gives it up at once, so a parallel step is not held up by an upload.
-                #[cfg(target_os = "linux")]
-                {
-                    use thread_priority::unix::{NormalThreadSchedulePolicy, ThreadSchedulePolicy, set_thread_priority_and_policy, thread_native_id};
-                    let idle = ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Idle);
-                    let _ = set_thread_priority_and_policy(thread_native_id(), thread_priority::ThreadPriority::Min, idle);
+            let mut builder = std::thread::Builder::new().name(format!("{name}-{i}"));
+            if let Some(bytes) = stack {
+                builder = builder.stack_size(bytes);
+            }
+            builder.spawn(move || {
+                if lowest_priority {
+                    lower_priority();
                 }
                 loop {
                     let task = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
@@ -83,6 +114,9 @@ impl BlockingPool {
 
     /// Runs `job` on a blocking thread once a slot is free; 503 if too many jobs wait already.
     pub async fn run<T: Send + 'static>(&self, job: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
+        if let Some(why) = &self.broken {
+            return Err(ApiError::Unavailable(why.clone()));
+        }
         if self.waiting.fetch_add(1, Ordering::AcqRel) >= self.queue {
             self.waiting.fetch_sub(1, Ordering::AcqRel);
             return Err(ApiError::Overloaded { message: "the server is busy preparing other requests; retry shortly".into(), retry_after: 1 });
@@ -107,7 +141,7 @@ impl BlockingPool {
         threads.lock().unwrap_or_else(|e| e.into_inner()).send(task).map_err(|_| ApiError::Unavailable("the background threads have stopped".into()))?;
         match result.await {
             Ok(Ok(out)) => Ok(out),
-            Ok(Err(_)) => Err(ApiError::Internal("a background job panicked".into())),
+            Ok(Err(_)) => Err(ApiError::Internal("a job of the server's own threads panicked".into())),
             Err(_) => Err(ApiError::Unavailable("the background threads have stopped".into())),
         }
     }

@@ -118,7 +118,12 @@ async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
     let (filename, bytes) = file.ok_or_else(|| ApiError::Invalid("the form has no `file` field".into()))?;
     let bytes = i64::try_from(bytes).map_err(|_| ApiError::TooLarge("the file is too large".into()))?;
     let checked_path = path.clone();
-    let checked = state.background.run(move || std::fs::File::open(&checked_path).and_then(lines::check)).await?.map_err(io_error("reading the upload"))?;
+    let grammar = state.settings.grammar.clone();
+    let checked = state
+        .background
+        .run(move || std::fs::File::open(&checked_path).and_then(|f| lines::check(f, &grammar)))
+        .await?
+        .map_err(io_error("reading the upload"))?;
     let requests = match checked {
         Checked::Valid { requests } => requests,
         Checked::Invalid { count, first } => {

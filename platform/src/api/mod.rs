@@ -145,6 +145,9 @@ pub struct AppState {
     pub blocking: Arc<BlockingPool>,
     /// Work no generation waits on, at low CPU priority: adapter validation and files.
     pub background: Arc<BlockingPool>,
+    /// Compiling grammars, on threads with stacks for the deepest specification the checks let
+    /// through (see [`crate::grammar::COMPILE_STACK`]).
+    pub grammars: Arc<BlockingPool>,
     pub uploads: Arc<adapters::Uploads>,
     /// The batches this server runs.
     pub batches: Arc<batch::Batches>,
@@ -173,6 +176,12 @@ impl AppState {
                 eprintln!("warning: the background threads could not start ({e}); adapter validation runs at normal priority");
                 BlockingPool::new(settings.blocking_threads, settings.blocking_queue)
             })),
+            grammars: Arc::new(
+                BlockingPool::deep("grammar", settings.blocking_threads, settings.blocking_queue, crate::grammar::COMPILE_STACK).unwrap_or_else(|e| {
+                    eprintln!("warning: the grammar compiler's threads could not start ({e}); structured output is refused");
+                    BlockingPool::broken(format!("structured output is unavailable: the grammar compiler's threads could not start ({e})"))
+                }),
+            ),
             uploads: Arc::new(adapters::Uploads::default()),
             batches: Arc::new(batch::Batches::new(settings.batch.concurrency)),
             prompt_limits: validate::PromptLimits { context, max_bytes },

@@ -197,6 +197,13 @@ pub(super) struct Parsed {
     tools: Option<Arc<ToolSet>>,
 }
 
+impl Parsed {
+    /// What the output must follow, if anything.
+    pub(super) fn grammar(&self) -> Option<&GrammarSource> {
+        self.grammar.as_ref()
+    }
+}
+
 fn parse_completion(mut b: CompletionRequest) -> Result<Parsed, ApiError> {
     if b.echo == Some(true) {
         return Err(unsupported("echo", "the prompt is not returned with the completion"));

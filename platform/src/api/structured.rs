@@ -19,7 +19,7 @@ use serde_json::Value;
 
 use super::tools::ToolSet;
 use super::{ApiError, AppState};
-use crate::grammar::{CompiledGrammar, GrammarCompiler, GrammarError, GrammarSpec};
+use crate::grammar::{CompiledGrammar, GrammarCompiler, GrammarError, GrammarLimits, GrammarSpec};
 
 /// The most strings a choice list may have.
 pub const MAX_CHOICES: usize = 4096;
@@ -233,8 +233,22 @@ pub enum GrammarSource {
     Tools(Arc<ToolSet>),
 }
 
-/// Compiles the request's grammar (or takes it from the cache) on the blocking pool; `None`
-/// when its tools constrain nothing (`tool_choice: none`). The size cap is checked first;
+/// The checks made before a compile (size, then depth), for a constraint that is not compiled
+/// now: a line of a batch's input file.
+pub fn check(source: &GrammarSource, limits: &GrammarLimits) -> Result<(), ApiError> {
+    let spec = match source {
+        GrammarSource::Spec(spec) => std::borrow::Cow::Borrowed(spec),
+        GrammarSource::Tools(tools) => match tools.grammar()? {
+            Some(spec) => std::borrow::Cow::Owned(spec),
+            None => return Ok(()),
+        },
+    };
+    limits.check(&spec).map_err(refused)
+}
+
+/// Compiles the request's grammar (or takes it from the cache) on the grammar pool's deep
+/// stacks; `None` when its tools constrain nothing (`tool_choice: none`). The size and depth
+/// caps are checked first (the size here, before the job is queued; both again in the compiler);
 /// llguidance's fuel bounds the compile's time and its state limits its memory.
 pub async fn compile(state: &AppState, source: GrammarSource) -> Result<Option<CompiledGrammar>, ApiError> {
     let max = state.settings.grammar.max_spec_bytes;
@@ -245,7 +259,7 @@ pub async fn compile(state: &AppState, source: GrammarSource) -> Result<Option<C
     }
     let st = state.clone();
     state
-        .blocking
+        .grammars
         .run(move || {
             let spec = match source {
                 GrammarSource::Spec(spec) => spec,

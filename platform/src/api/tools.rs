@@ -21,6 +21,8 @@ use crate::tokenizer::{ChatMessage, ChatTemplateOptions, Tokenizer, TokenizerErr
 
 /// The most tools one request may offer.
 pub const MAX_TOOLS: usize = 128;
+/// The most calls one answer may make (with parallel calls).
+pub const MAX_PARALLEL_CALLS: usize = 16;
 /// What opens and closes one call in the output.
 pub const CALL_OPEN: &str = "<tool_call>\n";
 pub const CALL_CLOSE: &str = "\n</tool_call>";
@@ -71,6 +73,11 @@ impl ToolCall {
     pub fn to_json(&self) -> Value {
         json!({"id": crate::store::random_id("call"), "type": "function", "function": {"name": self.name, "arguments": self.arguments}})
     }
+}
+
+/// `text` as a Lark string literal (JSON's string syntax).
+fn lark_string(text: &str) -> String {
+    serde_json::Value::String(text.to_owned()).to_string()
 }
 
 fn valid_name(name: &str) -> bool {
@@ -159,39 +166,41 @@ impl ToolSet {
 
     /// The grammar the output must follow; `None` with `tool_choice: none`. Builds JSON text of
     /// every schema: CPU work for the blocking pool.
+    ///
+    /// Each function's call is a rule of its own whose arguments are its schema as a document
+    /// of its own (`%json`), so that the schema's references (`#/$defs/...`, as pydantic writes
+    /// them) resolve against the schema itself. With parallel calls, a newline after a complete
+    /// call may open another call or end the answer: the grammar never holds a model that wrote
+    /// the newline to a further call, and it ends after at most [`MAX_PARALLEL_CALLS`].
     pub fn grammar(&self) -> Result<Option<GrammarSpec>, ApiError> {
         let offered: Vec<&Function> = match &self.choice {
             ToolChoice::None => return Ok(None),
             ToolChoice::Auto | ToolChoice::Required => self.functions.iter().collect(),
             ToolChoice::Named(name) => self.functions.iter().filter(|f| &f.name == name).collect(),
         };
-        let call = |f: &Function| {
-            json!({
-                "type": "object",
-                "properties": {"name": {"const": f.name}, "arguments": f.parameters},
-                "required": ["name", "arguments"],
-                "additionalProperties": false,
-            })
-        };
-        let schema = match offered.as_slice() {
-            [one] => call(one),
-            many => json!({"anyOf": many.iter().map(|f| call(f)).collect::<Vec<_>>()}),
-        };
-        let schema = compact_json(schema).map_err(|e| invalid(format!("the tools' schemas are refused: {e}")))?;
-        let schema = serde_json::to_string(&schema).map_err(|e| invalid(format!("the tools' schemas are refused: {e}")))?;
+        let refused = |e: String| invalid(format!("the tools' schemas are refused: {e}"));
+        let open = lark_string(CALL_OPEN);
+        let close = lark_string(CALL_CLOSE);
+        let mut rules = String::new();
+        let mut alternatives = Vec::with_capacity(offered.len());
+        for (i, f) in offered.iter().enumerate() {
+            let schema = compact_json(f.parameters.clone()).map_err(|e| refused(format!("`{}`: {e}", f.name)))?;
+            let schema = serde_json::to_string(&schema).map_err(|e| refused(e.to_string()))?;
+            // The name is letters, digits, `_` and `-` (checked): nothing to escape.
+            let head = lark_string(&format!("{{\"name\": \"{}\", \"arguments\": ", f.name));
+            rules.push_str(&format!("call_{i}: {open} {head} arguments_{i} \"}}\" {close}\narguments_{i}: %json {schema}\n"));
+            alternatives.push(format!("call_{i}"));
+        }
         let several = self.parallel && !matches!(self.choice, ToolChoice::Named(_));
-        let calls = if several { "call (\"\\n\" call)*" } else { "call" };
+        let calls = if several { format!("call (\"\\n\" call)~0..{} \"\\n\"?", MAX_PARALLEL_CALLS - 1) } else { "call \"\\n\"?".to_string() };
         let start = if self.choice == ToolChoice::Auto { "TEXT | calls" } else { "calls" };
-        let open = CALL_OPEN.replace('\n', "\\n");
-        let close = CALL_CLOSE.replace('\n', "\\n");
-        let lark = format!(
-            "start: {start}\ncalls: {calls}\ncall: \"{open}\" arguments \"{close}\"\narguments: %json {schema}\nTEXT: /(.|\\n)+/ & ~/<tool_call>(.|\\n)*/\n"
-        );
+        let lark = format!("start: {start}\ncalls: {calls}\ncall: {}\n{rules}TEXT: /(.|\\n)+/ & ~/<tool_call>(.|\\n)*/\n", alternatives.join(" | "));
         Ok(Some(GrammarSpec::Tools(lark)))
     }
 
-    /// The calls in a generated text: `Some` when the whole text is call blocks that parse,
-    /// `None` for text (or a call cut short, by the token limit say).
+    /// The calls in a generated text: `Some` when it is call blocks, one after another, of which
+    /// at least one is whole (a last one cut short, by the token limit say, is left out, as is
+    /// a newline after the last); `None` for text.
     pub fn read_calls(&self, text: &str) -> Option<Vec<ToolCall>> {
         if !self.calls() {
             return None;
@@ -199,13 +208,16 @@ impl ToolSet {
         let mut rest = text;
         let mut calls = Vec::new();
         loop {
-            rest = rest.strip_prefix(CALL_OPEN)?;
-            let end = rest.find(CALL_CLOSE)?;
-            let call: Value = serde_json::from_str(&rest[..end]).ok()?;
+            let Some(body) = rest.strip_prefix(CALL_OPEN) else {
+                // Past a whole call: the start of one more, cut short, or nothing.
+                return (!calls.is_empty() && CALL_OPEN.starts_with(rest)).then_some(calls);
+            };
+            let Some(end) = body.find(CALL_CLOSE) else { return (!calls.is_empty()).then_some(calls) };
+            let call: Value = serde_json::from_str(&body[..end]).ok()?;
             let name = call.get("name")?.as_str()?.to_owned();
             let arguments = serde_json::to_string(call.get("arguments")?).ok()?;
             calls.push(ToolCall { name, arguments });
-            rest = &rest[end + CALL_CLOSE.len()..];
+            rest = &body[end + CALL_CLOSE.len()..];
             if rest.is_empty() {
                 return Some(calls);
             }

@@ -25,6 +25,9 @@ use sha2::{Digest, Sha256};
 
 use crate::tokenizer::Tokenizer;
 
+mod depth;
+#[cfg(test)]
+mod stack;
 #[cfg(test)]
 pub(crate) mod tests;
 
@@ -178,6 +181,9 @@ pub enum GrammarError {
     /// The specification is larger than the server accepts.
     #[error("{what} is {size} bytes; at most {max} are accepted")]
     TooLarge { what: &'static str, size: usize, max: usize },
+    /// The specification nests deeper than the server compiles (see [`GrammarLimits::max_depth`]).
+    #[error("{what} nests {} levels deep, counting every object and array and each definition a `$ref` or a rule enters; at most {max} are accepted", if *.depth == usize::MAX { "too many".to_string() } else { depth.to_string() })]
+    TooDeep { what: &'static str, depth: usize, max: usize },
     /// The grammar does not compile, or goes past a compile limit; the library's message names
     /// the problem.
     #[error("{what} is refused: {message}")]
@@ -187,6 +193,14 @@ pub enum GrammarError {
     #[error("structured output failed while generating: {0}")]
     Generation(String),
 }
+
+/// The stack of a thread that compiles grammars. The compiler recurses about once per level of
+/// [`GrammarLimits::max_depth`]'s measure, with about 3.3 kB of stack a level (measured on every
+/// kind of level, in the `stack` tests: a compile at the default limit touches 3-4 MB); this is
+/// over fifteen times that, so a limit an operator raises a few times still has room. A thread
+/// reserves it as address space and takes its pages only as it recurses. Computing masks does
+/// not recurse (tens of kB at any depth), so the engine's threads need no more than they have.
+pub const COMPILE_STACK: usize = 64 << 20;
 
 /// Bounds on what one grammar may cost, in bytes and llguidance's units.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -201,6 +215,10 @@ pub struct GrammarLimits {
     pub max_lexer_states: usize,
     /// Symbols of a grammar's productions.
     pub max_grammar_size: usize,
+    /// How deep a specification may nest: JSON containers, and the definitions its references
+    /// and rules enter on the way (the measure is in [`depth`]). It bounds the compiler's
+    /// recursion, and so the stack it needs ([`COMPILE_STACK`]).
+    pub max_depth: usize,
     /// Compiled grammars kept.
     pub cache_entries: u64,
 }
@@ -213,8 +231,25 @@ impl Default for GrammarLimits {
             step_fuel: 200_000,
             max_lexer_states: 100_000,
             max_grammar_size: 200_000,
+            max_depth: 1_000,
             cache_entries: 512,
         }
+    }
+}
+
+impl GrammarLimits {
+    /// The checks made before compiling, cheapest first: the specification's size, then its
+    /// depth. Linear in the size, and without recursion.
+    pub fn check(&self, spec: &GrammarSpec) -> Result<(), GrammarError> {
+        let size = spec.size();
+        if size > self.max_spec_bytes {
+            return Err(GrammarError::TooLarge { what: spec.kind(), size, max: self.max_spec_bytes });
+        }
+        let depth = depth::depth(spec);
+        if depth > self.max_depth {
+            return Err(GrammarError::TooDeep { what: spec.kind(), depth, max: self.max_depth });
+        }
+        Ok(())
     }
 }
 
@@ -298,10 +333,7 @@ impl GrammarCompiler {
     /// The compiled grammar: compiled now (CPU work: call it off the async executor) or taken
     /// from the cache. The size cap is checked first.
     pub fn compile(&self, spec: &GrammarSpec) -> Result<CompiledGrammar, GrammarError> {
-        let size = spec.size();
-        if size > self.limits.max_spec_bytes {
-            return Err(GrammarError::TooLarge { what: spec.kind(), size, max: self.limits.max_spec_bytes });
-        }
+        self.limits.check(spec)?;
         let key = spec.key();
         let template = match self.cache.get(&key) {
             Some(t) => t,

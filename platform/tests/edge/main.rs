@@ -6,6 +6,7 @@ mod auth;
 mod bodies;
 mod common;
 mod crash;
+mod deep;
 mod limits;
 mod races;
 mod uploads;

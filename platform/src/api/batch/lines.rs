@@ -12,6 +12,7 @@ use serde_json::value::RawValue;
 
 use super::super::error::LineError;
 use super::super::openai::BatchEndpoint;
+use crate::grammar::GrammarLimits;
 
 /// Longest line (one request), as the longest JSON body the API accepts.
 pub const MAX_LINE_BYTES: usize = super::super::MAX_JSON_BYTES;
@@ -145,10 +146,11 @@ pub enum Checked {
 }
 
 /// Checks every line of an uploaded file as the API would check it as a request: the envelope,
-/// a unique `custom_id`, and the body as its endpoint parses it (everything but what needs the
-/// model: the model's name and the prompt's length are checked when the batch is created and
-/// when the line runs).
-pub fn check<R: Read>(reader: R) -> std::io::Result<Checked> {
+/// a unique `custom_id`, the body as its endpoint parses it, and its constraint on the output
+/// (a schema, a grammar, tools) against the size and depth bounds `grammar` sets, as the live
+/// route checks it before compiling. What needs the model is checked later: the model's name
+/// when the batch is created, the prompt's length when the line runs.
+pub fn check<R: Read>(reader: R, grammar: &GrammarLimits) -> std::io::Result<Checked> {
     let mut lines = LineReader::new(reader);
     let (mut requests, mut count, mut first) = (0u64, 0u64, Vec::new());
     let mut ids: HashSet<String> = HashSet::new();
@@ -177,7 +179,8 @@ pub fn check<R: Read>(reader: R) -> std::io::Result<Checked> {
                 continue;
             }
         };
-        if let Err(e) = endpoint.parse(&line.body) {
+        let problem = endpoint.parse(&line.body).and_then(|parsed| parsed.grammar().map_or(Ok(()), |g| super::super::structured::check(g, grammar)));
+        if let Err(e) = problem {
             fail(number, Some(line.custom_id.clone()), format!("the body is not a valid {} request: {e}", endpoint.url()));
         }
         if !ids.insert(line.custom_id.clone()) {

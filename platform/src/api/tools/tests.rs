@@ -85,6 +85,74 @@ fn calls_are_read_back_only_when_whole() {
     assert!(s.may_open_call("<tool") && s.may_open_call("<tool_call>\n{") && !s.may_open_call("<b>") && !s.may_open_call("hi"));
 }
 
+/// A function whose parameters refer to definitions of their own, as pydantic writes nested
+/// models (`openai.pydantic_function_tool`): the references resolve against the parameters.
+fn pydantic_order() -> Value {
+    json!({"type": "function", "function": {"name": "place_order", "strict": true, "parameters": {
+        "$defs": {
+            "Item": {"type": "object", "properties": {"sku": {"type": "string", "maxLength": 8}, "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+                     "required": ["sku", "count"], "additionalProperties": false},
+            "Address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"], "additionalProperties": false},
+        },
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}, "minItems": 1, "maxItems": 2}, "ship_to": {"$ref": "#/$defs/Address"}},
+        "required": ["items", "ship_to"],
+        "additionalProperties": false,
+    }}})
+}
+
+#[test]
+fn parameters_with_their_own_definitions_compile_and_every_call_validates() {
+    let tools = vec![pydantic_order(), weather()];
+    let validator = jsonschema::validator_for(&schema_of(&tools, "place_order")).unwrap();
+    let s = set(tools, json!({"type": "function", "function": {"name": "place_order"}}));
+    let grammar = compiler().compile(&s.grammar().unwrap().unwrap()).unwrap_or_else(|e| panic!("{e}"));
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut read = 0;
+    for _ in 0..6 {
+        let Some(text) = sample(&mut grammar.start(), &mut rng, 400) else { continue };
+        let calls = s.read_calls(&text).unwrap_or_else(|| panic!("{text:?}"));
+        assert!(validator.is_valid(&serde_json::from_str(&calls[0].arguments).unwrap()), "{text:?}");
+        read += 1;
+    }
+    assert!(read >= 3, "{read}");
+}
+
+#[test]
+fn whole_calls_are_read_back_when_the_last_one_was_cut_short() {
+    let s = set(vec![weather(), ping()], json!("required"));
+    let one = "<tool_call>\n{\"name\": \"ping\", \"arguments\": {}}\n</tool_call>";
+    let ping = ToolCall { name: "ping".into(), arguments: "{}".into() };
+    assert_eq!(s.read_calls(&format!("{one}\n")), Some(vec![ping.clone()]), "a newline after the last call");
+    assert_eq!(s.read_calls(&format!("{one}\n{one}\n<tool_call>\n{{\"name\": \"get_w")), Some(vec![ping.clone(), ping.clone()]));
+    assert_eq!(s.read_calls(&format!("{one}\n<tool")), Some(vec![ping]));
+    assert_eq!(s.read_calls(&one[..20]), None, "no call is whole");
+}
+
+/// Feeds `text` to a constraint token by token, as the tokenizer splits it.
+fn feed(c: &mut crate::grammar::Constraint, text: &str) {
+    for t in crate::grammar::tests::tokenizer().encode(text, false).unwrap() {
+        c.accept(t).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    }
+}
+
+#[test]
+fn parallel_calls_may_end_after_a_newline_and_stop_at_the_most_calls() {
+    let s = set(vec![ping()], json!("required"));
+    let grammar = compiler().compile(&s.grammar().unwrap().unwrap()).unwrap();
+    let one = "<tool_call>\n{\"name\": \"ping\", \"arguments\": {}}\n</tool_call>";
+    let mut c = grammar.start();
+    feed(&mut c, one);
+    feed(&mut c, "\n");
+    assert!(c.can_end(), "the answer may end after a call and a newline");
+    let mut c = grammar.start();
+    let most = vec![one; MAX_PARALLEL_CALLS].join("\n");
+    feed(&mut c, &most);
+    feed(&mut c, "\n");
+    assert!(c.is_complete(), "after {MAX_PARALLEL_CALLS} calls only the end may follow");
+    assert_eq!(s.read_calls(&format!("{most}\n")).map(|c| c.len()), Some(MAX_PARALLEL_CALLS));
+}
+
 /// Every sampled output of every choice is text that opens no call (auto only), or calls whose
 /// arguments validate against the schema of the function they name.
 #[test]
