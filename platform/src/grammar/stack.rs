@@ -137,3 +137,79 @@ fn a_refusal_for_depth_names_the_limit() {
     let text = e.to_string();
     assert!(text.contains("2003 levels deep") && text.contains("at most 1000"), "{text}");
 }
+
+/// One definition of a generated specification: what it is, and the two definitions it may
+/// name (taken modulo the count).
+type Def = (u8, u16, u16);
+
+/// A definition that names `to` definitions later, mostly the next one, so that chains form
+/// as well as cycles and fans.
+fn target(i: usize, x: u16, n: usize) -> usize {
+    match x % 16 {
+        0..=13 => (i + 1) % n,
+        14 => (i + 1 + (x as usize >> 4) % 7) % n,
+        _ => (x as usize >> 4) % n,
+    }
+}
+
+fn generated_schema(defs: &[Def]) -> Value {
+    let n = defs.len();
+    let r = |j: usize| json!({"$ref": format!("#/$defs/d{j}")});
+    let mut map = serde_json::Map::new();
+    for (i, &(kind, a, b)) in defs.iter().enumerate() {
+        let (a, b) = (target(i, a, n), target(i, b, n));
+        let def = match kind % 32 {
+            0..=9 => r(a),
+            10..=17 => json!({"type": "object", "properties": {"x": r(a), "y": r(b)}, "required": ["x"]}),
+            18..=23 => json!({"anyOf": [r(a), {"type": "integer"}, r(b)]}),
+            24..=28 => json!({"type": "array", "items": r(a), "maxItems": 2}),
+            29 | 30 => json!({"allOf": [r(a)], "type": "object"}),
+            _ => json!({"type": "integer"}),
+        };
+        map.insert(format!("d{i}"), def);
+    }
+    json!({"$ref": "#/$defs/d0", "$defs": map})
+}
+
+fn generated_lark(defs: &[Def]) -> String {
+    let n = defs.len();
+    let mut g = String::from("start: d0\n");
+    for (i, &(kind, a, b)) in defs.iter().enumerate() {
+        let (a, b) = (target(i, a, n), target(i, b, n));
+        let body = match kind % 32 {
+            0..=7 => format!("d{a}"),
+            8..=15 => format!("\"a\" d{a} | \"b\""),
+            16..=23 => format!("(\"x\" d{a})? d{b} \"y\""),
+            24..=30 => format!("\"[\" (d{a} (\",\" d{b})*)? \"]\""),
+            _ => "/[0-9]+/".to_string(),
+        };
+        g.push_str(&format!("d{i}: {body}\n"));
+    }
+    g
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 40, ..Default::default() })]
+
+    /// Generated schemas and grammars of chains, cycles and fans of up to 1,500 definitions:
+    /// each compiles or is refused with an error (never a panic or an overflow), and one the
+    /// depth check lets through touches under a twelfth of the compile stack.
+    #[test]
+    fn generated_specifications_compile_or_are_refused_within_the_stack(
+        defs in proptest::collection::vec((0u8..32, proptest::prelude::any::<u16>(), proptest::prelude::any::<u16>()), 1..1500),
+        lark in proptest::prelude::any::<bool>(),
+    ) {
+        let spec = if lark { GrammarSpec::Lark(generated_lark(&defs)) } else { GrammarSpec::json_schema(generated_schema(&defs), false) };
+        let admitted = GrammarLimits::default().check(&spec).is_ok();
+        let run = move || compiler().compile(&spec).map(|_| ());
+        #[cfg(target_os = "linux")]
+        let (result, touched) = touched_stack(run);
+        #[cfg(not(target_os = "linux"))]
+        let (result, touched) = (std::thread::Builder::new().stack_size(COMPILE_STACK).spawn(run).unwrap().join().unwrap(), 0);
+        if admitted {
+            proptest::prop_assert!(touched < COMPILE_STACK / 12, "{touched} bytes of stack");
+        } else {
+            proptest::prop_assert!(matches!(result, Err(GrammarError::TooDeep { .. })), "{result:?}");
+        }
+    }
+}

@@ -95,18 +95,6 @@ fn table() -> Vec<(String, &'static str, Value, &'static str)> {
             deep_enough,
         );
         c(
-            &format!("tool parameters, {what}"),
-            chat,
-            json!({"model": m, "messages": msgs, "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}),
-            deep_enough,
-        );
-        c(
-            &format!("a named tool's parameters, {what}"),
-            chat,
-            json!({"model": m, "messages": msgs, "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}], "tool_choice": {"type": "function", "function": {"name": "f"}}}),
-            deep_enough,
-        );
-        c(
             &format!("lorax generate, {what}"),
             "/generate",
             json!({"inputs": "x", "parameters": {"response_format": {"type": "json_object", "schema": schema}}}),
@@ -193,4 +181,39 @@ fn deep_specifications_are_refused_on_every_route_while_another_tenants_stream_r
         cases.check("a schema within the limit still compiles", &env.call(Some(&attacker), "POST", "/v1/completions", Some(shallow)), 200, "choices");
         cases.finish(&format!("deep inputs on {}", env.kind()));
     }
+}
+
+/// A tiny model whose context holds a prompt of tens of thousands of tokens: a tool's
+/// parameters reach the model's prompt (its template renders them), so only a long context lets
+/// a deep schema get as far as the grammar compiler.
+fn long_context_model(dir: &std::path::Path) {
+    use loraplex::synth::{FileDType, Preset, SynthOptions, synthesize_model};
+    synthesize_model(&SynthOptions { out: dir.to_path_buf(), preset: Preset::Tiny, seed: 3, dtype: FileDType::F32, kv_heads: None }).unwrap();
+    for (file, key) in [("config.json", "max_position_embeddings"), ("tokenizer_config.json", "model_max_length")] {
+        let path = dir.join(file);
+        let mut v: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        v[key] = json!(131072);
+        std::fs::write(&path, v.to_string()).unwrap();
+    }
+}
+
+#[test]
+fn deep_tool_parameters_are_refused_before_compiling_and_the_server_keeps_serving() {
+    let model = tempfile::tempdir().unwrap();
+    long_context_model(model.path());
+    let model_dir = model.path().display().to_string();
+    let env = Env::start(&Db::Sqlite, &["--model", &model_dir, "--served-model-name", MODEL]);
+    let (_, key) = env.tenant("attacker", json!({}));
+    let mut cases = Cases::default();
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    for (what, schema) in [("a $ref chain", ref_chain(1100)), ("a property chain", property_chain(400))] {
+        let tools = json!([{"type": "function", "function": {"name": "f", "parameters": schema}}]);
+        for (how, choice) in [("auto", json!("auto")), ("required", json!("required")), ("named", json!({"type": "function", "function": {"name": "f"}}))] {
+            let body = json!({"model": MODEL, "messages": msgs, "tools": tools, "tool_choice": choice, "max_tokens": 4});
+            let res = env.call(Some(&key), "POST", "/v1/chat/completions", Some(body));
+            cases.check(&format!("tool parameters ({how}), {what}"), &res, 400, "levels deep");
+        }
+    }
+    cases.check("still serving", &env.complete(&key, MODEL, 2), 200, "choices");
+    cases.finish("deep tool parameters");
 }
