@@ -162,14 +162,10 @@ impl Store {
             let mut tx = self.write_tx().await?;
             self.lock_owner(&mut tx, &format!("files:{}", file.tenant_id)).await?;
             if let Some(max) = quota {
-                let (used,): (Option<i64>,) = sqlx::query_as("SELECT CAST(SUM(bytes) AS BIGINT) FROM files WHERE tenant_id = $1 AND deleted_at IS NULL")
-                    .bind(&file.tenant_id)
-                    .fetch_one(&mut *tx)
-                    .await?;
-                let used = used.unwrap_or(0);
+                let used = Self::storage_used(&mut tx, &file.tenant_id).await?;
                 if used.saturating_add(file.bytes) > max {
                     return Err(StoreError::Quota(format!(
-                        "file storage limit: {used} bytes in files, this one is {}, the limit is {max}; delete files first",
+                        "file storage limit: {used} bytes in files and the output of running batches, this one is {}, the limit is {max}; delete files first",
                         file.bytes
                     )));
                 }
@@ -189,6 +185,18 @@ impl Store {
             Ok(())
         })
         .await
+    }
+
+    /// The bytes a tenant holds: its live files, and the output its running batches have
+    /// recorded so far (their output files to be).
+    async fn storage_used(tx: &mut sqlx::Transaction<'static, sqlx::Any>, tenant: &str) -> Result<i64, sqlx::Error> {
+        let (files,): (Option<i64>,) = sqlx::query_as("SELECT CAST(SUM(bytes) AS BIGINT) FROM files WHERE tenant_id = $1 AND deleted_at IS NULL")
+            .bind(tenant)
+            .fetch_one(&mut **tx)
+            .await?;
+        let sql = format!("SELECT CAST(SUM(output_bytes) AS BIGINT) FROM batches WHERE tenant_id = $1 AND {}", active_in());
+        let (running,): (Option<i64>,) = sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(tenant).fetch_one(&mut **tx).await?;
+        Ok(files.unwrap_or(0).saturating_add(running.unwrap_or(0)))
     }
 
     /// A live file of `tenant`.
@@ -381,20 +389,61 @@ impl Store {
         Ok(done.rows_affected() > 0)
     }
 
-    /// Records a finished line (the first result of a line stays).
-    pub async fn insert_batch_result(&self, r: &BatchResult) -> Result<(), StoreError> {
+    /// Records a finished line (the first result of a line stays), and its bytes as output of
+    /// the batch, which belongs to `tenant`: whether the tenant's files and running batches'
+    /// output now hold more than `quota` bytes.
+    pub async fn insert_batch_result(&self, r: &BatchResult, tenant: &str, quota: Option<i64>) -> Result<bool, StoreError> {
         self.retrying(|| async {
-            sqlx::query("INSERT INTO batch_results (batch_id, line, ok, body, usage_id) VALUES ($1, $2, $3, $4, $5) ON CONFLICT (batch_id, line) DO NOTHING")
-                .bind(&r.batch_id)
-                .bind(r.line)
-                .bind(r.ok)
-                .bind(&r.body)
-                .bind(&r.usage_id)
-                .execute(&self.pool)
-                .await?;
-            Ok(())
+            let mut tx = self.write_tx().await?;
+            self.lock_owner(&mut tx, &format!("files:{tenant}")).await?;
+            let added = sqlx::query(
+                "INSERT INTO batch_results (batch_id, line, ok, body, usage_id) VALUES ($1, $2, $3, $4, $5) ON CONFLICT (batch_id, line) DO NOTHING",
+            )
+            .bind(&r.batch_id)
+            .bind(r.line)
+            .bind(r.ok)
+            .bind(&r.body)
+            .bind(&r.usage_id)
+            .execute(&mut *tx)
+            .await?;
+            if added.rows_affected() > 0 {
+                // As the output file will hold it: the line and its newline.
+                let bytes = i64::try_from(r.body.len()).unwrap_or(i64::MAX).saturating_add(1);
+                sqlx::query("UPDATE batches SET output_bytes = output_bytes + $1 WHERE id = $2").bind(bytes).bind(&r.batch_id).execute(&mut *tx).await?;
+            }
+            let over = match quota {
+                Some(max) => Self::storage_used(&mut tx, tenant).await? > max,
+                None => false,
+            };
+            tx.commit().await?;
+            Ok(over)
         })
         .await
+    }
+
+    /// Counts a start of line `line` of batch `id`: how many times it has been started, this
+    /// one included. Durable before the line runs, so that starts whose server died count.
+    pub async fn start_batch_line(&self, id: &str, line: i64) -> Result<i64, StoreError> {
+        self.retrying(|| async {
+            let mut tx = self.write_tx().await?;
+            sqlx::query(
+                "INSERT INTO batch_tries (batch_id, line, tries) VALUES ($1, $2, 1) ON CONFLICT (batch_id, line) DO UPDATE SET tries = batch_tries.tries + 1",
+            )
+            .bind(id)
+            .bind(line)
+            .execute(&mut *tx)
+            .await?;
+            let (tries,): (i64,) =
+                sqlx::query_as("SELECT tries FROM batch_tries WHERE batch_id = $1 AND line = $2").bind(id).bind(line).fetch_one(&mut *tx).await?;
+            tx.commit().await?;
+            Ok(tries)
+        })
+        .await
+    }
+
+    /// The lines of batch `id` that have been started, with how many times.
+    pub async fn batch_tries(&self, id: &str) -> Result<Vec<(i64, i64)>, StoreError> {
+        Ok(sqlx::query_as("SELECT line, tries FROM batch_tries WHERE batch_id = $1").bind(id).fetch_all(&self.pool).await?)
     }
 
     /// The lines of a running batch that are done.
@@ -473,6 +522,7 @@ impl Store {
                 .await?;
             }
             sqlx::query("DELETE FROM batch_results WHERE batch_id = $1").bind(id).execute(&mut *tx).await?;
+            sqlx::query("DELETE FROM batch_tries WHERE batch_id = $1").bind(id).execute(&mut *tx).await?;
             tx.commit().await?;
             Ok(true)
         })

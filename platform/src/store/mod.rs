@@ -389,9 +389,10 @@ impl Store {
         patched
     }
 
-    /// Deletes a tenant and revokes its keys, in one transaction. Its usage stays in the
-    /// ledger. False if there was no such tenant.
-    pub async fn delete_tenant(&self, id: &str) -> Result<Option<Vec<AdapterRecord>>, StoreError> {
+    /// Deletes a tenant, in one transaction: its keys are revoked, its adapters and files
+    /// deleted, and its batches with work left moved to `cancelling` (whoever runs them stops
+    /// their lines). Its usage stays in the ledger. `None` if there was no such tenant.
+    pub async fn delete_tenant(&self, id: &str) -> Result<Option<DeletedTenant>, StoreError> {
         let deleted = self
             .retrying(|| async {
                 let now = now_ms();
@@ -405,13 +406,33 @@ impl Store {
                 let sql = concat!("SELECT ", adapter_columns!(), " FROM adapters WHERE owner = $1 AND deleted_at IS NULL");
                 let adapters: Vec<AdapterRecord> = sqlx::query_as(sql).bind(id).fetch_all(&mut *tx).await?;
                 sqlx::query("UPDATE adapters SET deleted_at = $1 WHERE owner = $2 AND deleted_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
+                let files: Vec<(String,)> =
+                    sqlx::query_as("SELECT path FROM files WHERE tenant_id = $1 AND deleted_at IS NULL").bind(id).fetch_all(&mut *tx).await?;
+                sqlx::query("UPDATE files SET deleted_at = $1 WHERE tenant_id = $2 AND deleted_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
+                let running = format!("tenant_id = $1 AND status IN ('{}', '{}')", batches::batch_status::VALIDATING, batches::batch_status::IN_PROGRESS);
+                let batches: Vec<(String,)> =
+                    sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT id FROM batches WHERE {running}"))).bind(id).fetch_all(&mut *tx).await?;
+                let cancel = format!("UPDATE batches SET status = $2, cancelling_at = $3, errors = $4 WHERE {running}");
+                let why = serde_json::json!([{"code": "tenant_deleted", "message": "the tenant was deleted", "param": null, "line": null}]).to_string();
+                sqlx::query(sqlx::AssertSqlSafe(cancel)).bind(id).bind(batches::batch_status::CANCELLING).bind(now).bind(why).execute(&mut *tx).await?;
                 tx.commit().await?;
-                Ok(Some(adapters))
+                Ok(Some(DeletedTenant { adapters, files: files.into_iter().map(|(p,)| p).collect(), batches: batches.into_iter().map(|(b,)| b).collect() }))
             })
             .await;
         self.auth.changed();
         deleted
     }
+}
+
+/// What deleting a tenant left to do outside the database.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct DeletedTenant {
+    /// Its adapters, to unload and whose files to remove.
+    pub adapters: Vec<AdapterRecord>,
+    /// The paths of its files (relative to the data directory), to remove.
+    pub files: Vec<String>,
+    /// Its batches that were running, now `cancelling`: to stop.
+    pub batches: Vec<String>,
 }
 
 /// SHA-256 of a key's secret, hex.

@@ -48,7 +48,7 @@ async fn tenants_and_keys() {
         assert_eq!(s.authenticate(&secret).await.unwrap(), None, "revoked");
 
         let (_, other) = s.create_key(Some(&acme.id), &[Scope::Inference]).await.unwrap();
-        assert_eq!(s.delete_tenant(&acme.id).await.unwrap(), Some(Vec::new()));
+        assert_eq!(s.delete_tenant(&acme.id).await.unwrap(), Some(DeletedTenant::default()));
         assert_eq!(s.tenant(&acme.id).await.unwrap(), None);
         assert_eq!(s.authenticate(&other).await.unwrap(), None, "a deleted tenant's keys stop working");
         assert!(matches!(s.create_key(Some(&acme.id), &[Scope::Inference]).await, Err(StoreError::NotFound(_))));

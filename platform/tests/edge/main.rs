@@ -3,6 +3,7 @@
 //! of cases; a run reports every case that broke.
 
 mod auth;
+mod batches;
 mod bodies;
 mod common;
 mod crash;

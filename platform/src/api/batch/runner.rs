@@ -52,6 +52,9 @@ pub enum Stop {
     Cancel,
     /// Its completion window closed: the same, and its other lines expire.
     Expire,
+    /// Its output reached its tenant's file storage limit: stop the lines in flight, write what
+    /// finished, and fail.
+    Full,
     /// The server is stopping: start no line; those in flight finish.
     Shutdown,
 }
@@ -102,7 +105,7 @@ impl Batches {
     pub fn signal(&self, id: &str, stop: Stop) -> bool {
         self.lock().get(id).is_some_and(|tx| {
             tx.send_if_modified(|s| {
-                // Cancelling and expiring are final; a shutdown does not undo them.
+                // Cancelling, expiring and filling up are final; a shutdown does not undo them.
                 let changed = *s == Stop::Go || (stop != Stop::Shutdown && *s == Stop::Shutdown);
                 if changed {
                     *s = stop;
@@ -156,6 +159,23 @@ enum End {
     /// The batch cannot run at all (its tenant or input file is gone): why.
     Failed(String),
 }
+
+/// How a line's task ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Recorded {
+    /// Its result is in the database (or it was stopped, and needs none).
+    Yes,
+    /// Its result could not be written: it runs again later.
+    Lost,
+    /// Its result is in, and with it the tenant's files and running batches' output hold more
+    /// than the file storage limit.
+    Full,
+}
+
+/// Starts of one line (counted across restarts) whose results never came, their server gone
+/// each time, before the line is failed instead of started again: a line that kills its server
+/// cannot keep a batch, and the server, in a loop.
+pub const MAX_LINE_STARTS: i64 = 3;
 
 /// Runs of a batch that fail for a reason that does not pass (a file that cannot be read, an
 /// inconsistent record) before the batch fails; capacity and an unreachable database are waited
@@ -242,10 +262,26 @@ impl Context {
         self.caller.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// The model a line names, as it was resolved for the run's first line that named it, if
+    /// the tenant may still use that version (its owner may have deleted it, or unpublished it
+    /// since): each line checks, as a new request would.
     async fn target(&self, state: &AppState, tenant: &str, model: &str) -> Result<Target, ApiError> {
         let mut targets = self.targets.lock().await;
         if let Some(t) = targets.get(model) {
-            return Ok(t.clone());
+            return match t {
+                Target::Base => Ok(Target::Base),
+                Target::Adapter(a) => {
+                    let base = model.rsplit_once('@').filter(|(_, v)| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit())).map_or(model, |(b, _)| b);
+                    match infer::resolve(state, tenant, &format!("{base}@{}", a.version)).await {
+                        Ok(Target::Adapter(now)) if now.id == a.id => Ok(t.clone()),
+                        Ok(_) | Err(ApiError::NotFound(_)) => {
+                            let shown: String = model.chars().take(80).collect();
+                            Err(ApiError::NotFound(format!("model `{shown}` (its version {} is no longer one you may use)", a.version)))
+                        }
+                        Err(e) => Err(e),
+                    }
+                }
+            };
         }
         let t = infer::resolve(state, tenant, model).await?;
         targets.insert(model.to_string(), t.clone());
@@ -281,13 +317,20 @@ async fn run_lines(state: &AppState, batch: &BatchRecord, stop: &mut watch::Rece
     // What an earlier run left unrecorded runs again, and only this run's try is billed.
     state.store.void_unrecorded_batch_usage(&batch.id).await?;
     let done: HashSet<i64> = state.store.batch_done_lines(&batch.id).await?.into_iter().collect();
+    let started: HashMap<i64, i64> = state.store.batch_tries(&batch.id).await?.into_iter().collect();
     let context = Arc::new(Context { batch_id: batch.id.as_str().into(), endpoint, caller: Mutex::new(caller), targets: tokio::sync::Mutex::default() });
     let path = state.adapter_files.local_file(&state.background, &input.path, u64::try_from(input.bytes).unwrap_or(0)).await?;
     let mut reader =
         Some(state.background.run(move || LineReader::open(&path)).await?.map_err(|e| ApiError::Internal(format!("opening the input file: {e}")))?);
     let deadline = tokio::time::Instant::now() + Duration::from_millis(u64::try_from(batch.expires_at - now_ms()).unwrap_or(0));
-    let mut in_flight: FuturesUnordered<oneshot::Receiver<bool>> = FuturesUnordered::new();
+    let mut in_flight: FuturesUnordered<oneshot::Receiver<Recorded>> = FuturesUnordered::new();
     let mut lost = false;
+    let full = |state: &AppState| {
+        format!(
+            "the batch's output reached the file storage limit of {} bytes (the tenant's files and the output of its running batches); what finished is in its output and error files",
+            state.settings.batch.max_tenant_file_bytes
+        )
+    };
     let end = 'lines: loop {
         let Some(mut r) = reader.take() else { break 'lines End::Done };
         let (r, chunk) = state
@@ -321,16 +364,39 @@ async fn run_lines(state: &AppState, batch: &BatchRecord, stop: &mut watch::Rece
                     biased;
                     _ = stop.changed() => {}
                     () = tokio::time::sleep_until(deadline) => { state.batches.signal(&batch.id, Stop::Expire); }
-                    Some(recorded) = in_flight.next(), if !in_flight.is_empty() => { lost |= !recorded.unwrap_or(false); continue; }
-                    p = state.batches.lines.clone().acquire_owned() => break p.map_err(|_| ApiError::Unavailable("the batch runner stopped".into()))?,
+                    Some(recorded) = in_flight.next(), if !in_flight.is_empty() => {
+                        match recorded.unwrap_or(Recorded::Lost) {
+                            Recorded::Yes => {}
+                            Recorded::Lost => lost = true,
+                            Recorded::Full => { state.batches.signal(&batch.id, Stop::Full); }
+                        }
+                        if *stop.borrow() == Stop::Go { continue; }
+                    }
+                    p = state.batches.lines.clone().acquire_owned() => {
+                        let p = p.map_err(|_| ApiError::Unavailable("the batch runner stopped".into()))?;
+                        // A stop told while the permit was awaited (a cancel, the tenant's
+                        // deletion) is seen before the line starts.
+                        if *stop.borrow() == Stop::Go { break p; }
+                    }
                 }
                 match *stop.borrow() {
                     Stop::Go => {}
                     Stop::Cancel => break 'lines End::Cancelled,
                     Stop::Expire => break 'lines End::Expired,
+                    Stop::Full => break 'lines End::Failed(full(state)),
                     Stop::Shutdown => break 'lines End::Shutdown,
                 }
             };
+            // A line whose earlier starts never ended, their server gone each time, is failed
+            // rather than started again; every start is counted before the line runs.
+            if started.get(&(number as i64)).copied().unwrap_or(0) >= MAX_LINE_STARTS {
+                let result = given_up(&context, number, &line);
+                if state.store.insert_batch_result(&result, &batch.tenant_id, None).await.is_err() {
+                    lost = true;
+                }
+                continue;
+            }
+            state.store.start_batch_line(&batch.id, number as i64).await?;
             let (tx, rx) = oneshot::channel();
             in_flight.push(rx);
             let (state2, context, stop) = (state.clone(), context.clone(), stop.clone());
@@ -348,17 +414,23 @@ async fn run_lines(state: &AppState, batch: &BatchRecord, stop: &mut watch::Rece
         // time; the rest run after the restart.
         return Ok(End::Shutdown);
     }
-    // The lines in flight end: they finish, or stop when the batch is cancelled or expires.
+    // The lines in flight end: they finish, or stop when the batch is cancelled, expires or
+    // fills its tenant's storage.
     let mut end = end;
     while !in_flight.is_empty() {
         tokio::select! {
-            Some(recorded) = in_flight.next() => lost |= !recorded.unwrap_or(false),
+            Some(recorded) = in_flight.next() => match recorded.unwrap_or(Recorded::Lost) {
+                Recorded::Yes => {}
+                Recorded::Lost => lost = true,
+                Recorded::Full => { state.batches.signal(&batch.id, Stop::Full); }
+            },
             _ = stop.changed() => {}
             () = tokio::time::sleep_until(deadline), if matches!(end, End::Done) => { state.batches.signal(&batch.id, Stop::Expire); }
         }
         match *stop.borrow() {
             Stop::Cancel if matches!(end, End::Done) => end = End::Cancelled,
             Stop::Expire if matches!(end, End::Done) => end = End::Expired,
+            Stop::Full if matches!(end, End::Done) => end = End::Failed(full(state)),
             Stop::Shutdown if matches!(end, End::Done) => return Ok(End::Shutdown),
             _ => {}
         }
@@ -369,27 +441,48 @@ async fn run_lines(state: &AppState, batch: &BatchRecord, stop: &mut watch::Rece
     Ok(end)
 }
 
-/// Runs one line and records its result; whether it was recorded. A line stopped by a cancel or
-/// an expiry records nothing (and is not billed).
-async fn line_task(state: &AppState, context: &Context, number: u64, line: Line, mut stop: watch::Receiver<Stop>, _permit: OwnedSemaphorePermit) -> bool {
+/// Runs one line and records its result. A line stopped by a cancel, an expiry or a full
+/// storage records nothing (and is not billed).
+async fn line_task(state: &AppState, context: &Context, number: u64, line: Line, mut stop: watch::Receiver<Stop>, _permit: OwnedSemaphorePermit) -> Recorded {
+    let stopping = |s: &Stop| matches!(s, Stop::Cancel | Stop::Expire | Stop::Full);
+    if stopping(&stop.borrow()) {
+        return Recorded::Yes;
+    }
     let work = run_line(state, context, number, line, stop.clone());
     let result = tokio::select! {
+        biased;
+        () = told(&mut stop, stopping, false) => return Recorded::Yes,
         result = work => result,
-        () = told(&mut stop, |s| matches!(s, Stop::Cancel | Stop::Expire), false) => return true,
     };
-    let Some(result) = result else { return false };
+    let Some(result) = result else { return Recorded::Lost };
+    let tenant = context.caller().tenant.id;
+    let quota = i64::try_from(state.settings.batch.max_tenant_file_bytes).ok();
     // A result that cannot be written now is tried a few times; a line whose result is lost
     // runs again later.
     for attempt in 0..5u32 {
-        match state.store.insert_batch_result(&result).await {
-            Ok(()) => return true,
+        match state.store.insert_batch_result(&result, &tenant, quota).await {
+            Ok(false) => return Recorded::Yes,
+            Ok(true) => return Recorded::Full,
             Err(e) => {
                 eprintln!("warning: batch {}: recording line {number}: {e}", context.batch_id);
                 tokio::time::sleep(Duration::from_millis(200 << attempt)).await;
             }
         }
     }
-    false
+    Recorded::Lost
+}
+
+/// The failed result of a line not started again (see [`MAX_LINE_STARTS`]).
+fn given_up(context: &Context, number: u64, line: &Line) -> BatchResult {
+    let custom_id = line.as_ref().ok().and_then(|t| RequestLine::parse(t).ok()).map(|(l, _)| l.custom_id);
+    let message = format!("the line was started {MAX_LINE_STARTS} times and its server stopped each time before it finished; it is not started again");
+    let body = json!({
+        "id": random_id("batch_req"),
+        "custom_id": custom_id,
+        "response": null,
+        "error": {"code": "line_abandoned", "message": message},
+    });
+    BatchResult { batch_id: context.batch_id.to_string(), line: number as i64, ok: 0, body: body.to_string(), usage_id: String::new() }
 }
 
 /// Completes once the batch is told what `what` accepts. A batch whose task has ended while
@@ -475,6 +568,13 @@ async fn run_line(state: &AppState, context: &Context, number: u64, line: Line, 
 /// Writes the output and error files of a batch whose lines are done (or will never run), and
 /// records its end as `status`.
 async fn finalize(state: &AppState, batch: &BatchRecord, status: &str) -> Result<(), ApiError> {
+    if state.store.tenant(&batch.tenant_id).await?.is_none() {
+        // Its tenant was deleted, with its files: it ends without any.
+        let counts = state.store.batch_counts(&batch.id).await?;
+        state.ledger.flush().await;
+        state.store.finish_batch(&batch.id, status, None, None, counts).await?;
+        return Ok(());
+    }
     let suffix = batch.id.strip_prefix("batch_").unwrap_or(&batch.id).to_string();
     let files = [format!("file-{suffix}-output"), format!("file-{suffix}-errors")];
     let paths = files.clone().map(|id| state.data_dir.join(super::super::files::relative_path(&id)));
