@@ -174,7 +174,7 @@ pub async fn start(state: &AppState, admitted: Admitted, spec: JobSpec) -> Resul
     // Tokens.
     let prompts = validate::tokenize(state, spec.prompts).await?;
     let grammar = match spec.grammar {
-        Some(source) => super::structured::compile(state, source).await?,
+        Some(source) => super::structured::compile(state, source, &caller.tenant.id).await?,
         None => None,
     };
     let context = state.serving.model_config().max_position_embeddings;

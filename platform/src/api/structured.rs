@@ -250,7 +250,7 @@ pub fn check(source: &GrammarSource, limits: &GrammarLimits) -> Result<(), ApiEr
 /// stacks; `None` when its tools constrain nothing (`tool_choice: none`). The size and depth
 /// caps are checked first (the size here, before the job is queued; both again in the compiler);
 /// llguidance's fuel bounds the compile's time and its state limits its memory.
-pub async fn compile(state: &AppState, source: GrammarSource) -> Result<Option<CompiledGrammar>, ApiError> {
+pub async fn compile(state: &AppState, source: GrammarSource, tenant: &str) -> Result<Option<CompiledGrammar>, ApiError> {
     let max = state.settings.grammar.max_spec_bytes;
     if let GrammarSource::Spec(spec) = &source
         && spec.size() > max
@@ -258,6 +258,7 @@ pub async fn compile(state: &AppState, source: GrammarSource) -> Result<Option<C
         return Err(refused(GrammarError::TooLarge { what: spec.kind(), size: spec.size(), max }));
     }
     let st = state.clone();
+    let tenant = tenant.to_owned();
     state
         .grammars
         .run(move || {
@@ -268,7 +269,7 @@ pub async fn compile(state: &AppState, source: GrammarSource) -> Result<Option<C
                     None => return Ok(None),
                 },
             };
-            compiler(&st).and_then(|c| c.compile(&spec)).map(Some).map_err(refused)
+            compiler(&st).and_then(|c| c.compile_for(&spec, &tenant)).map(Some).map_err(refused)
         })
         .await?
 }

@@ -219,8 +219,12 @@ pub struct GrammarLimits {
     /// and rules enter on the way (the measure is in [`depth`]). It bounds the compiler's
     /// recursion, and so the stack it needs ([`COMPILE_STACK`]).
     pub max_depth: usize,
-    /// Compiled grammars kept.
-    pub cache_entries: u64,
+    /// Bytes of compiled grammars kept (an estimate of each: [`estimated_bytes`]).
+    pub cache_bytes: u64,
+    /// Percent of those bytes the grammars one tenant compiled may hold; past it, a tenant's
+    /// new grammars are compiled for its requests but not kept, so one tenant's distinct
+    /// schemas cannot push every other tenant's out.
+    pub tenant_cache_percent: u32,
 }
 
 impl Default for GrammarLimits {
@@ -232,7 +236,8 @@ impl Default for GrammarLimits {
             max_lexer_states: 100_000,
             max_grammar_size: 200_000,
             max_depth: 1_000,
-            cache_entries: 512,
+            cache_bytes: 256 << 20,
+            tenant_cache_percent: 25,
         }
     }
 }
@@ -285,7 +290,23 @@ pub struct GrammarCompiler {
     trie_eos: u32,
     vocab: usize,
     limits: GrammarLimits,
-    cache: moka::sync::Cache<[u8; 32], Arc<Matcher>>,
+    cache: moka::sync::Cache<[u8; 32], Arc<Cached>>,
+    /// Bytes each tenant's kept grammars hold in the cache.
+    shares: Arc<std::sync::Mutex<std::collections::HashMap<Arc<str>, u64>>>,
+}
+
+/// A kept compiled grammar, with who compiled it and its estimated bytes.
+struct Cached {
+    matcher: Arc<Matcher>,
+    owner: Arc<str>,
+    bytes: u32,
+}
+
+/// The memory a compiled grammar holds, estimated from its specification's size: measured on
+/// JSON schemas of 200 bytes to 70 kB, a compiled grammar (its lexer, its parser and the first
+/// mask) held about 100-140 kB plus 50-60 bytes for each byte of the specification.
+pub fn estimated_bytes(spec: &GrammarSpec) -> u64 {
+    (128u64 << 10).saturating_add((spec.size() as u64).saturating_mul(64))
 }
 
 impl GrammarCompiler {
@@ -322,25 +343,60 @@ impl GrammarCompiler {
         // Errors name the problem, not the parser's state: that dump (the grammar, the tokens so
         // far, internal counters) means nothing to a client and is not for it to read.
         l.verbose_errors = false;
-        let cache = moka::sync::Cache::new(limits.cache_entries);
-        Ok(Self { factory, eos, trie_eos, vocab, limits, cache })
+        let shares: Arc<std::sync::Mutex<std::collections::HashMap<Arc<str>, u64>>> = Arc::default();
+        let released = shares.clone();
+        let cache = moka::sync::Cache::builder()
+            .max_capacity(limits.cache_bytes)
+            .weigher(|_, c: &Arc<Cached>| c.bytes)
+            .eviction_listener(move |_, c: Arc<Cached>, _| {
+                let mut shares = released.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(held) = shares.get_mut(&c.owner) {
+                    *held = held.saturating_sub(u64::from(c.bytes));
+                    if *held == 0 {
+                        shares.remove(&c.owner);
+                    }
+                }
+            })
+            .build();
+        Ok(Self { factory, eos, trie_eos, vocab, limits, cache, shares })
     }
 
     pub fn limits(&self) -> &GrammarLimits {
         &self.limits
     }
 
-    /// The compiled grammar: compiled now (CPU work: call it off the async executor) or taken
-    /// from the cache. The size cap is checked first.
+    /// The compiled grammar: compiled now (CPU work: call it off the async executor, on a
+    /// thread with [`COMPILE_STACK`]) or taken from the cache. The size and depth caps are
+    /// checked first. Kept in the cache as the server's own (see [`Self::compile_for`]).
     pub fn compile(&self, spec: &GrammarSpec) -> Result<CompiledGrammar, GrammarError> {
+        self.compile_for(spec, "")
+    }
+
+    /// [`Self::compile`] for a request of `tenant`: a grammar it compiles is kept only while
+    /// the grammars it compiled hold less than its share of the cache.
+    pub fn compile_for(&self, spec: &GrammarSpec, tenant: &str) -> Result<CompiledGrammar, GrammarError> {
         self.limits.check(spec)?;
         let key = spec.key();
         let template = match self.cache.get(&key) {
-            Some(t) => t,
+            Some(c) => c.matcher.clone(),
             None => {
-                let t = Arc::new(self.build(spec)?);
-                self.cache.insert(key, t.clone());
-                t
+                let matcher = Arc::new(self.build(spec)?);
+                let bytes = u32::try_from(estimated_bytes(spec)).unwrap_or(u32::MAX);
+                let share = self.limits.cache_bytes.saturating_mul(u64::from(self.limits.tenant_cache_percent.min(100))) / 100;
+                let owner: Arc<str> = tenant.into();
+                let kept = {
+                    let mut shares = self.shares.lock().unwrap_or_else(|e| e.into_inner());
+                    let held = shares.entry(owner.clone()).or_default();
+                    let fits = held.saturating_add(u64::from(bytes)) <= share;
+                    if fits {
+                        *held += u64::from(bytes);
+                    }
+                    fits
+                };
+                if kept {
+                    self.cache.insert(key, Arc::new(Cached { matcher: matcher.clone(), owner, bytes }));
+                }
+                matcher
             }
         };
         Ok(CompiledGrammar { template, key, eos: self.eos.clone(), trie_eos: self.trie_eos })
@@ -350,6 +406,17 @@ impl GrammarCompiler {
     pub fn cached(&self) -> u64 {
         self.cache.run_pending_tasks();
         self.cache.entry_count()
+    }
+
+    /// Whether `spec`'s compiled grammar is in the cache.
+    pub fn is_cached(&self, spec: &GrammarSpec) -> bool {
+        self.cache.contains_key(&spec.key())
+    }
+
+    /// Estimated bytes the grammars `tenant` compiled hold in the cache.
+    pub fn tenant_bytes(&self, tenant: &str) -> u64 {
+        self.cache.run_pending_tasks();
+        self.shares.lock().unwrap_or_else(|e| e.into_inner()).get(tenant).copied().unwrap_or(0)
     }
 
     fn build(&self, spec: &GrammarSpec) -> Result<Matcher, GrammarError> {

@@ -333,3 +333,29 @@ fn refusals_name_the_problem_and_compiled_grammars_are_cached() {
     fresh.compile(&GrammarSpec::Regex("[0-9]+".into())).unwrap();
     assert_eq!(fresh.cached(), 2);
 }
+
+/// A schema of its own for each `i`.
+fn distinct_schema(i: usize) -> GrammarSpec {
+    GrammarSpec::JsonSchema(json!({"type": "object", "properties": {format!("field_{i}"): {"type": "integer"}}, "required": [format!("field_{i}")]}))
+}
+
+#[test]
+fn one_tenants_distinct_grammars_cannot_push_another_tenants_out_of_the_cache() {
+    // A cache of about thirty small grammars, a quarter of it a tenant's share.
+    let per = estimated_bytes(&distinct_schema(0));
+    let limits = GrammarLimits { cache_bytes: per * 30, tenant_cache_percent: 25, ..GrammarLimits::default() };
+    let c = GrammarCompiler::new(tokenizer(), tokenizer().eos_token_ids(), limits).unwrap();
+    let kept = distinct_schema(1_000_000);
+    c.compile_for(&kept, "quiet").unwrap();
+    for i in 0..200 {
+        // Every one compiles and works for its request, kept or not.
+        let g = c.compile_for(&distinct_schema(i), "noisy").unwrap();
+        assert!(g.start().mask().unwrap().allowed() > 0);
+    }
+    let share = per * 30 / 4;
+    assert!(c.tenant_bytes("noisy") <= share, "{} of {share}", c.tenant_bytes("noisy"));
+    assert!(c.tenant_bytes("noisy") + per > share, "the share is used: {}", c.tenant_bytes("noisy"));
+    assert!(c.is_cached(&kept), "the quiet tenant's grammar is still kept");
+    assert_eq!(c.tenant_bytes("quiet"), estimated_bytes(&kept));
+    assert!(c.cached() <= 30 / 4 + 1, "{}", c.cached());
+}
