@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 
 use super::ApiError;
 use crate::grammar::{GrammarSpec, compact_json};
-use crate::tokenizer::{ChatMessage, ChatTemplateOptions, Tokenizer, TokenizerError};
+use crate::tokenizer::{ChatMessage, ChatTemplateOptions, Marked, Tokenizer, TokenizerError};
 
 /// The most tools one request may offer.
 pub const MAX_TOOLS: usize = 128;
@@ -231,12 +231,12 @@ impl ToolSet {
     }
 
     /// The system message's description of the tools, for a template that does not read them.
-    fn describe(&self) -> String {
+    fn describe(&self, tools: &Value) -> String {
         let mut text = String::from(
             "You can call functions. To call one, answer with only <tool_call>\n{\"name\": NAME, \"arguments\": ARGUMENTS}\n</tool_call>, \
              a block per call. The functions:\n",
         );
-        if let Value::Array(tools) = &self.tools {
+        if let Value::Array(tools) = tools {
             for t in tools {
                 text.push_str(&t.get("function").map(Value::to_string).unwrap_or_default());
                 text.push('\n');
@@ -285,17 +285,22 @@ fn calls_as_text(messages: Vec<ChatMessage>) -> Vec<ChatMessage> {
         .collect()
 }
 
-/// Renders a chat for generation, with its tools (CPU work: the blocking pool).
-pub fn render(tokenizer: &Tokenizer, mut messages: Vec<ChatMessage>, tools: Option<&ToolSet>) -> Result<String, TokenizerError> {
+/// Renders a chat for generation, with its tools (CPU work: the blocking pool). Special tokens'
+/// strings in what the client sent are marked first, to be tokenized as text
+/// ([`Tokenizer::encode_marked`]).
+pub fn render(tokenizer: &Tokenizer, mut messages: Vec<ChatMessage>, tools: Option<&ToolSet>) -> Result<(String, Marked), TokenizerError> {
     arguments_as_objects(&mut messages);
-    let Some(set) = tools else { return tokenizer.apply_chat_template(&messages, true) };
+    let mut tools_json = tools.map(|set| set.tools.clone());
+    let marked = tokenizer.mark_special_strings(&mut messages, tools_json.as_mut());
+    let Some(set) = tools else { return Ok((tokenizer.apply_chat_template(&messages, true)?, marked)) };
+    let tools_json = tools_json.unwrap_or(Value::Null);
     if tokenizer.chat_template_reads_tools(true) {
-        let options = ChatTemplateOptions { template_name: tokenizer.chat_template_for(true), tools: Some(&set.tools), ..Default::default() };
-        return tokenizer.apply_chat_template_with(&messages, true, &options);
+        let options = ChatTemplateOptions { template_name: tokenizer.chat_template_for(true), tools: Some(&tools_json), ..Default::default() };
+        return Ok((tokenizer.apply_chat_template_with(&messages, true, &options)?, marked));
     }
     let mut messages = calls_as_text(messages);
     if set.calls() {
-        let described = set.describe();
+        let described = set.describe(&tools_json);
         match messages.first_mut() {
             Some(first) if first.role == "system" => {
                 first.content = format!("{}\n\n{described}", first.content);
@@ -303,7 +308,7 @@ pub fn render(tokenizer: &Tokenizer, mut messages: Vec<ChatMessage>, tools: Opti
             _ => messages.insert(0, ChatMessage::new("system", described)),
         }
     }
-    tokenizer.apply_chat_template(&messages, true)
+    Ok((tokenizer.apply_chat_template(&messages, true)?, marked))
 }
 
 #[cfg(test)]

@@ -245,9 +245,18 @@ pub async fn tokenize(state: &AppState, prompts: Vec<Prompt>) -> Result<Vec<Vec<
                     Prompt::Ids(ids) => Ok(ids),
                     Prompt::Text(s) => encode_bounded(&tokenizer, &s, true, context),
                     Prompt::Chat(m, tools) => {
-                        let text = super::tools::render(&tokenizer, m, tools.as_deref())
+                        let (text, marked) = super::tools::render(&tokenizer, m, tools.as_deref())
                             .map_err(|e| invalid(format!("the messages could not be rendered with the model's chat template: {e}")))?;
-                        encode_bounded(&tokenizer, &text, false, context)
+                        if marked.is_empty() {
+                            return encode_bounded(&tokenizer, &text, false, context);
+                        }
+                        // Special tokens' strings the client wrote are text (see `tokenizer::literal`).
+                        tokenizer.encode_marked(&text, &marked, context.saturating_add(PROBE_SLACK)).map_err(|e| match e {
+                            crate::tokenizer::TokenizerError::TooLong { tokens, .. } => {
+                                invalid(format!("the prompt has more than {tokens} tokens; the model's context length is {context} tokens"))
+                            }
+                            e => invalid(format!("the prompt could not be tokenized: {e}")),
+                        })
                     }
                 })
                 .collect::<Result<Vec<_>, _>>()

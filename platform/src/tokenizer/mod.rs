@@ -15,6 +15,7 @@
 //!   in [`stream`].
 
 mod config;
+mod literal;
 mod pycompat;
 pub mod stream;
 pub mod template;
@@ -25,6 +26,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Deserializer, Serialize};
 use tokenizers::ModelWrapper;
 
+pub use literal::Marked;
 pub use stream::DecodeStream;
 pub use template::ChatTemplateOptions;
 use template::ChatTemplates;
@@ -63,6 +65,8 @@ pub enum TokenizerError {
     UnknownTokenId { id: u32, vocab_size: usize },
     #[error("encoding failed: {0}")]
     Encode(String),
+    #[error("the text has more than {max} tokens ({tokens} so far)")]
+    TooLong { tokens: usize, max: usize },
     #[error("decoding failed: {0}")]
     Decode(String),
 }
@@ -134,6 +138,8 @@ pub struct Tokenizer {
     special_ids: BTreeMap<&'static str, u32>,
     clean_up_tokenization_spaces: bool,
     templates: Option<ChatTemplates>,
+    /// The special tokens' strings, for reading them as text where a client wrote them.
+    literals: literal::Literals,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -207,7 +213,9 @@ impl Tokenizer {
         // transformers ignores clean_up_tokenization_spaces for BPE models: the clean-up was made
         // for WordPiece and would delete real spaces before punctuation.
         let is_bpe = matches!(inner.get_model(), ModelWrapper::BPE(_));
+        let literals = literal::Literals::new(&inner);
         Ok(Self {
+            literals,
             inner,
             path: dir.to_path_buf(),
             bos,

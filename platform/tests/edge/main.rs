@@ -5,6 +5,7 @@
 mod auth;
 mod batches;
 mod bodies;
+mod chat;
 mod common;
 mod crash;
 mod deep;

@@ -214,7 +214,7 @@ fn tools_reach_the_template_or_the_system_message() {
     });
     let tok = load(&dir);
     assert!(tok.chat_template_reads_tools(true));
-    assert_eq!(render(&tok, messages.clone(), Some(&s)).unwrap(), "[get_weather]user:weather?;assistant:<get_weather Oslo>;tool:12 degrees;");
+    assert_eq!(render(&tok, messages.clone(), Some(&s)).unwrap().0, "[get_weather]user:weather?;assistant:<get_weather Oslo>;tool:12 degrees;");
 
     // One that does not: a system message describes them, calls and results become text.
     let dir = edited_copy(|_, cfg| {
@@ -222,12 +222,12 @@ fn tools_reach_the_template_or_the_system_message() {
     });
     let tok = load(&dir);
     assert!(!tok.chat_template_reads_tools(true));
-    let text = render(&tok, messages.clone(), Some(&s)).unwrap();
+    let text = render(&tok, messages.clone(), Some(&s)).unwrap().0;
     assert!(text.starts_with("system:You can call functions."), "{text}");
     assert!(text.contains("\"name\":\"get_weather\""), "{text}");
     assert!(text.contains("assistant:<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Oslo\"}}\n</tool_call>;"), "{text}");
     assert!(text.ends_with("user:<tool_response>\n12 degrees\n</tool_response>;"), "{text}");
     // With `tool_choice: none` nothing invites a call.
     let none = set(vec![weather()], json!("none"));
-    assert!(!render(&tok, messages, Some(&none)).unwrap().contains("You can call functions"));
+    assert!(!render(&tok, messages, Some(&none)).unwrap().0.contains("You can call functions"));
 }
