@@ -428,7 +428,8 @@ pub struct ServeArgs {
     /// HTTP worker threads (default: one per core).
     #[arg(long, env = "LORAPLEX_HTTP_WORKERS")]
     pub http_workers: Option<usize>,
-    /// On SIGINT or SIGTERM, how long requests in flight may take to finish, in seconds.
+    /// On SIGINT (Ctrl-C) or SIGTERM, how long requests in flight may take to finish, in
+    /// seconds; a second signal stops the server at once.
     #[arg(long, env = "LORAPLEX_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
     /// Admission: sequences (prompts times samples) queued or running on the whole server;

@@ -63,6 +63,13 @@ fn tenant_key(addr: &str, admin: &str, name: &str) -> String {
 
 #[test]
 fn shutdown_lets_running_requests_finish_and_records_them() {
+    // SIGTERM (an orchestrator) and SIGINT (Ctrl-C) alike.
+    for signal in ["-TERM", "-INT"] {
+        drains_on(signal);
+    }
+}
+
+fn drains_on(signal: &str) {
     let data = tempfile::tempdir().unwrap();
     let admin = "operator-key-0123456789";
     let server = start(data.path(), &["--admin-key", admin]);
@@ -95,11 +102,11 @@ fn shutdown_lets_running_requests_finish_and_records_them() {
     });
     first.1.recv().unwrap();
     let pid = server.child.id().to_string();
-    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    assert!(Command::new("kill").args([signal, &pid]).status().unwrap().success());
     signalled.0.send(()).unwrap();
     let (status, tokens, after_signal, done) = stream.join().unwrap();
     assert_eq!(status, 200);
-    assert!(done, "the stream ran to its end");
+    assert!(done, "{signal}: the stream ran to its end");
     assert_eq!(tokens, 300);
     assert!(after_signal > 200, "most of the tokens came after the signal: {after_signal}");
     let mut server = server;
@@ -111,6 +118,50 @@ fn shutdown_lets_running_requests_finish_and_records_them() {
     let (status, report) = http(&again.addr, "GET", "/admin/billing/report", Some(admin), "");
     assert_eq!(status, 200);
     assert!(report.contains("\"completion_tokens\":300"), "the usage row was committed: {report}");
+}
+
+#[test]
+fn a_second_ctrl_c_stops_the_server_at_once() {
+    let data = tempfile::tempdir().unwrap();
+    let admin = "operator-key-0123456789";
+    // A drain that would wait long for the slow client below.
+    let mut server = start(data.path(), &["--admin-key", admin, "--shutdown-timeout", "120"]);
+    let key = tenant_key(&server.addr, admin, "acme");
+    // About 1.5 kB an event with 20 alternatives a token: more than the sockets' buffers hold, so
+    // the server is still writing the stream when it is stopped.
+    let body = r#"{"model": "loraplex-tiny", "prompt": "x", "max_tokens": 480, "ignore_eos": true, "stream": true, "logprobs": 20}"#;
+    let (first, got_first) = std::sync::mpsc::channel::<()>();
+    let client = server.client();
+    let stream = std::thread::spawn(move || {
+        let (mut tokens, mut done) = (0, false);
+        let req = loraplex::bench::http::Request::new("POST", "/v1/completions").key(&key).body("application/json", body.as_bytes());
+        let _ = client.stream(&req, |data, _| {
+            if data == "[DONE]" {
+                done = true;
+            } else if data.contains("\"text\":") {
+                tokens += 1;
+                if tokens == 1 {
+                    first.send(()).unwrap();
+                }
+                // Slowly, so that the stream is still being written at the second signal.
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            true
+        });
+        (tokens, done)
+    });
+    got_first.recv().unwrap();
+    let pid = server.child.id().to_string();
+    assert!(Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(server.child.try_wait().unwrap().is_none(), "one Ctrl-C drains: the server still runs");
+    assert!(Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    let started = std::time::Instant::now();
+    let status = server.child.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "a second Ctrl-C exits at once with 130");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5), "{:?}", started.elapsed());
+    // The client may still be reading what the kernel had buffered; it is left to end on its own.
+    drop(stream);
 }
 
 /// Runs a client script of `tests/clients` against a fresh server on the embedded defaults:

@@ -1,7 +1,8 @@
 //! `loraplex serve`: the HTTP server. On the embedded defaults it needs nothing: SQLite under
 //! the data directory, the CPU backend, and a synthetic tiny model generated on first start
-//! when no `--model` is given. SIGINT or SIGTERM stop it gracefully: no new connections,
-//! requests in flight finish, their usage rows are committed, then the workers stop.
+//! when no `--model` is given. SIGINT (Ctrl-C) or SIGTERM stop it gracefully: no new
+//! connections, requests in flight finish, their usage rows are committed, then the workers
+//! stop. A second one stops it at once (exit status 130).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -185,7 +186,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         let mut server =
             HttpServer::new(move || App::new().wrap(from_fn(api::shed_refused_bodies)).app_data(web::Data::new(app_state.clone())).configure(api::routes))
                 .on_connect(api::on_connect)
-                .shutdown_timeout(args.shutdown_timeout);
+                .shutdown_timeout(args.shutdown_timeout)
+                // actix stops at once on SIGINT; here both signals drain (see `stop_on_signals`).
+                .disable_signals();
         if let Some(n) = args.http_workers {
             server = server.workers(n.max(1));
         }
@@ -220,7 +223,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         api::cluster::watch(state.clone(), Duration::from_millis(args.cluster.cluster_sync_ms));
         use std::io::Write;
         std::io::stdout().flush()?;
-        server.run().await?;
+        let server = server.run();
+        actix_web::rt::spawn(stop_on_signals(server.handle()));
+        server.await?;
         if let Some(handle) = metrics_server {
             handle.stop(true).await;
         }
@@ -237,4 +242,26 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         let _ = writeln!(std::io::stdout(), "stopped");
         anyhow::Ok(())
     })
+}
+
+/// Stops the server gracefully on the first SIGINT or SIGTERM (as the module's documentation
+/// says), and the whole process at once on a second.
+async fn stop_on_signals(handle: actix_web::dev::ServerHandle) {
+    use actix_web::rt::signal::unix::{SignalKind, signal};
+    let (Ok(mut interrupt), Ok(mut terminate)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
+        eprintln!("warning: the signal handlers could not be installed; stop the server with SIGKILL");
+        return;
+    };
+    tokio::select! {
+        _ = interrupt.recv() => {}
+        _ = terminate.recv() => {}
+    }
+    eprintln!("stopping: requests in flight finish and are recorded (a second Ctrl-C stops at once)");
+    actix_web::rt::spawn(handle.stop(true));
+    tokio::select! {
+        _ = interrupt.recv() => {}
+        _ = terminate.recv() => {}
+    }
+    eprintln!("stopping at once: requests in flight are cut");
+    std::process::exit(130);
 }
