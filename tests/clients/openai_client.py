@@ -87,7 +87,33 @@ count(parts[-1].usage)
 stopped = client.chat.completions.create(model=base, messages=messages, max_completion_tokens=3, stop=["\n"], seed=3)
 count(stopped.usage)
 
-# Errors arrive as the client's exceptions.
+# What current SDKs send besides (store, metadata, service_tier, reasoning_effort): accepted,
+# ignored, and named in a header; every response carries a request id, the client's own if sent.
+raw = client.chat.completions.with_raw_response.create(model=base, messages=messages, max_tokens=2, store=True, metadata={"k": "v"},
+                                                       service_tier="auto", reasoning_effort="low", extra_headers={"x-request-id": "my-req-7"})
+ignored = raw.headers.get("x-ignored-fields", "")
+assert {"store", "metadata", "service_tier", "reasoning_effort"} <= set(ignored.split(", ")), ignored
+assert raw.headers.get("x-request-id") == "my-req-7", raw.headers
+count(raw.parse().usage)
+fresh = client.models.with_raw_response.list()
+assert fresh.headers.get("x-request-id", "").startswith("req"), fresh.headers
+# One model by id, as `models.retrieve` asks; another tenant's or an unknown one is a 404.
+assert client.models.retrieve("support").id == "support"
+assert client.models.retrieve(base).id == base
+try:
+    client.models.retrieve("nope")
+    raise AssertionError("an unknown model retrieved")
+except openai.NotFoundError:
+    pass
+
+# Errors arrive as the client's exceptions, naming the field where there is one.
+for bad in [dict(temperature=5), dict(logit_bias={"5": 3}), dict(extra_body={"prediction": {"type": "content", "content": "x"}})]:
+    try:
+        client.chat.completions.create(model=base, messages=messages, max_tokens=1, **bad)
+        raise AssertionError(f"{bad} accepted")
+    except openai.BadRequestError as e:
+        field = next(iter(bad.get("extra_body", bad)))
+        assert e.param == field, (bad, e.param, e.body)
 try:
     client.completions.create(model="nope", prompt="x", max_tokens=1)
     raise AssertionError("unknown model accepted")

@@ -21,6 +21,9 @@ pub enum ApiError {
     NotFound(String),
     #[error("{0}")]
     Invalid(String),
+    /// One field of the request is wrong: OpenAI's `param` names it.
+    #[error("{message}")]
+    InvalidParam { param: String, message: String },
     /// A file of requests with invalid lines: the problem of each (the first ones).
     #[error("{message}")]
     InvalidLines { message: String, lines: Vec<LineError> },
@@ -61,7 +64,7 @@ impl ApiError {
             ApiError::BadKey => ("invalid_api_key", "authentication_error"),
             ApiError::Forbidden(_) => ("insufficient_scope", "permission_error"),
             ApiError::NotFound(_) => ("not_found", "not_found_error"),
-            ApiError::Invalid(_) => ("invalid_request", "invalid_request_error"),
+            ApiError::Invalid(_) | ApiError::InvalidParam { .. } => ("invalid_request", "invalid_request_error"),
             ApiError::InvalidLines { .. } => ("invalid_lines", "invalid_request_error"),
             ApiError::Conflict(_) => ("conflict", "invalid_request_error"),
             ApiError::TooLarge(_) => ("payload_too_large", "invalid_request_error"),
@@ -75,10 +78,18 @@ impl ApiError {
         }
     }
 
+    /// The field of the request an error is about (OpenAI's `param`), where one is.
+    pub fn param(&self) -> Option<&str> {
+        match self {
+            ApiError::InvalidParam { param, .. } => Some(param),
+            _ => None,
+        }
+    }
+
     /// The body, also sent inside event streams.
     pub fn body(&self) -> serde_json::Value {
         let (code, kind) = self.code();
-        let mut body = serde_json::json!({"error": {"message": self.to_string(), "type": kind, "code": code}});
+        let mut body = serde_json::json!({"error": {"message": self.to_string(), "type": kind, "param": self.param(), "code": code}});
         if let ApiError::InvalidLines { lines, .. } = self {
             body["error"]["lines"] = serde_json::to_value(lines).unwrap_or_default();
         }
@@ -102,7 +113,7 @@ impl ResponseError for ApiError {
             ApiError::MissingKey | ApiError::BadKey => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
-            ApiError::Invalid(_) | ApiError::InvalidLines { .. } => StatusCode::BAD_REQUEST,
+            ApiError::Invalid(_) | ApiError::InvalidParam { .. } | ApiError::InvalidLines { .. } => StatusCode::BAD_REQUEST,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::RateLimited { .. } | ApiError::Quota(_) => StatusCode::TOO_MANY_REQUESTS,
@@ -134,6 +145,7 @@ impl ResponseError for ApiError {
             | ApiError::Forbidden(_)
             | ApiError::NotFound(_)
             | ApiError::Invalid(_)
+            | ApiError::InvalidParam { .. }
             | ApiError::InvalidLines { .. }
             | ApiError::Conflict(_)
             | ApiError::TooLarge(_)

@@ -36,7 +36,7 @@ pub use error::ApiError;
 pub use limits::Limiter;
 pub use metrics::{Metrics, StateTime};
 pub use objects::{AdapterFiles, ObjectError};
-pub use peer::{on_connect, shed_refused_bodies};
+pub use peer::{on_connect, request_id, shed_refused_bodies};
 pub use serving::Serving;
 
 use crate::store::{ApiKey, Ledger, Principal, Scope, Store};

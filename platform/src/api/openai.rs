@@ -1,10 +1,14 @@
-//! The OpenAI-compatible endpoints: `POST /v1/completions`, `POST /v1/chat/completions` and
-//! `GET /v1/models`, with vLLM's sampling extensions.
+//! The OpenAI-compatible endpoints: `POST /v1/completions`, `POST /v1/chat/completions`,
+//! `GET /v1/models` and `GET /v1/models/{id}`, with vLLM's sampling extensions. Fields a
+//! request carries that this server does not read are ignored and named in the response's
+//! `x-ignored-fields` header, unless ignoring them would change the answer (then they are a
+//! 400 that names them).
 
 use actix_web::web::Bytes;
 use actix_web::{HttpRequest, HttpResponse, web};
 use serde::Deserialize;
 use serde_json::{Value, json};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::infer::{self, Admitted, Job, JobEvent, JobSpec, sse, usage_json};
@@ -19,7 +23,8 @@ use crate::tokenizer::ChatMessage;
 pub fn routes(cfg: &mut web::ServiceConfig) {
     cfg.route("/v1/completions", web::post().to(completions))
         .route("/v1/chat/completions", web::post().to(chat_completions))
-        .route("/v1/models", web::get().to(models));
+        .route("/v1/models", web::get().to(models))
+        .route("/v1/models/{id}", web::get().to(model));
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -91,7 +96,67 @@ fn stop_strings(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
 }
 
 fn unsupported(field: &str, why: &str) -> ApiError {
-    ApiError::Invalid(format!("`{field}` is not supported: {why}"))
+    ApiError::InvalidParam { param: field.to_owned(), message: format!("`{field}` is not supported: {why}") }
+}
+
+/// Fields of OpenAI's API that would change the answer if they were ignored: refused, naming
+/// the field.
+const REFUSED: [(&str, &str); 4] = [
+    ("prediction", "predicted outputs are not used by this server"),
+    ("functions", "give them as `tools`"),
+    ("function_call", "give it as `tool_choice`"),
+    ("audio", "the model answers in text only"),
+];
+
+/// The most ignored fields named in the response's header.
+const MAX_IGNORED_SHOWN: usize = 16;
+
+/// Fields of a request this server does not read. Those that would change the answer
+/// ([`REFUSED`], `modalities` other than text) are refused; the rest (`store`, `metadata`,
+/// `service_tier`, `reasoning_effort` and whatever newer clients send) are ignored, as vLLM
+/// does, and named in the response's `x-ignored-fields` header.
+fn other_fields(other: &BTreeMap<String, Value>) -> Result<Vec<String>, ApiError> {
+    for (key, value) in other {
+        if value.is_null() {
+            continue;
+        }
+        if let Some((field, why)) = REFUSED.iter().find(|(f, _)| f == key) {
+            return Err(unsupported(field, why));
+        }
+        if key == "modalities" && value != &serde_json::json!(["text"]) {
+            return Err(unsupported("modalities", "the model answers in text only: give [\"text\"] or leave it out"));
+        }
+    }
+    Ok(other.iter().filter(|(_, v)| !v.is_null()).map(|(k, _)| k.clone()).collect())
+}
+
+/// OpenAI's bound on `temperature`.
+const MAX_TEMPERATURE: f32 = 2.0;
+
+fn check_temperature(t: Option<f32>) -> Result<(), ApiError> {
+    match t {
+        Some(t) if !(0.0..=MAX_TEMPERATURE).contains(&t) => {
+            Err(ApiError::InvalidParam { param: "temperature".into(), message: format!("`temperature` must be between 0 and {MAX_TEMPERATURE}; given: {t}") })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The `x-ignored-fields` header of a response, if the request had any: names of at most
+/// [`MAX_IGNORED_SHOWN`] fields, each shown only if it is a plain name.
+fn with_ignored(mut res: HttpResponse, ignored: &[String]) -> HttpResponse {
+    let shown: Vec<&str> = ignored
+        .iter()
+        .filter(|k| k.len() <= 64 && !k.is_empty() && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.'))
+        .take(MAX_IGNORED_SHOWN)
+        .map(String::as_str)
+        .collect();
+    if !shown.is_empty()
+        && let Ok(value) = actix_web::http::header::HeaderValue::from_str(&shown.join(", "))
+    {
+        res.headers_mut().insert(actix_web::http::header::HeaderName::from_static("x-ignored-fields"), value);
+    }
+    res
 }
 
 /// The prompts of a completion request, as sent.
@@ -126,7 +191,6 @@ fn prompts(prompt: &Value) -> Result<Vec<Prompt>, ApiError> {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct CompletionRequest {
     model: String,
     prompt: Value,
@@ -158,6 +222,9 @@ struct CompletionRequest {
     guided_grammar: Option<String>,
     guided_decoding_backend: Option<String>,
     guided_whitespace_pattern: Option<String>,
+    /// Fields this server does not read (see [`other_fields`]).
+    #[serde(flatten)]
+    other: BTreeMap<String, Value>,
 }
 
 /// What a streamed or gathered response needs to know about its request.
@@ -195,6 +262,8 @@ pub(super) struct Parsed {
     chat: bool,
     grammar: Option<GrammarSource>,
     tools: Option<Arc<ToolSet>>,
+    /// Fields of the request that were ignored.
+    ignored: Vec<String>,
 }
 
 impl Parsed {
@@ -220,6 +289,8 @@ fn parse_completion(mut b: CompletionRequest) -> Result<Parsed, ApiError> {
         return Err(unsupported("best_of", "only best_of equal to n is accepted"));
     }
     let _ = &b.user;
+    let ignored = other_fields(&b.other)?;
+    check_temperature(b.temperature)?;
     let stream = b.stream.unwrap_or(false);
     let include_usage = check_stream_options(stream, &b.stream_options)?;
     let prompts = prompts(&b.prompt)?;
@@ -237,6 +308,7 @@ fn parse_completion(mut b: CompletionRequest) -> Result<Parsed, ApiError> {
         chat: false,
         grammar,
         tools: None,
+        ignored,
     })
 }
 
@@ -247,7 +319,6 @@ async fn completions(req: HttpRequest, state: web::Data<AppState>, payload: web:
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct ChatRequest {
     model: String,
     messages: Vec<ChatMessage>,
@@ -281,6 +352,9 @@ struct ChatRequest {
     guided_grammar: Option<String>,
     guided_decoding_backend: Option<String>,
     guided_whitespace_pattern: Option<String>,
+    /// Fields this server does not read (see [`other_fields`]).
+    #[serde(flatten)]
+    other: BTreeMap<String, Value>,
 }
 
 fn parse_chat(mut b: ChatRequest) -> Result<Parsed, ApiError> {
@@ -294,6 +368,8 @@ fn parse_chat(mut b: ChatRequest) -> Result<Parsed, ApiError> {
         return Err(ApiError::Invalid("give one of `max_tokens` and `max_completion_tokens`".into()));
     }
     let _ = &b.user;
+    let ignored = other_fields(&b.other)?;
+    check_temperature(b.temperature)?;
     let stream = b.stream.unwrap_or(false);
     let include_usage = check_stream_options(stream, &b.stream_options)?;
     let logprobs = if b.logprobs == Some(true) { Some(b.top_logprobs.unwrap_or(0)) } else { None };
@@ -312,7 +388,19 @@ fn parse_chat(mut b: ChatRequest) -> Result<Parsed, ApiError> {
     };
     // Without max_tokens, a chat reply may use the rest of the context.
     let prompts = vec![Prompt::Chat(b.messages, tools)];
-    Ok(Parsed { model: b.model, prompts, knobs, default_max: DefaultMax::RestOfContext, stream, include_usage, logprobs, chat: true, grammar, tools: calls })
+    Ok(Parsed {
+        model: b.model,
+        prompts,
+        knobs,
+        default_max: DefaultMax::RestOfContext,
+        stream,
+        include_usage,
+        logprobs,
+        chat: true,
+        grammar,
+        tools: calls,
+        ignored,
+    })
 }
 
 async fn chat_completions(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
@@ -321,13 +409,14 @@ async fn chat_completions(req: HttpRequest, state: web::Data<AppState>, payload:
     run(&state, caller, parsed, "chat_completions", &Peer::of(&req)).await
 }
 
-async fn run(state: &AppState, caller: Admitted, p: Parsed, endpoint: &'static str, peer: &Peer) -> Result<HttpResponse, ApiError> {
+async fn run(state: &AppState, caller: Admitted, mut p: Parsed, endpoint: &'static str, peer: &Peer) -> Result<HttpResponse, ApiError> {
     let target = infer::resolve(state, &caller.caller.tenant.id, &p.model).await?;
+    let ignored = std::mem::take(&mut p.ignored);
     if p.stream {
         let (job, shape) = start(state, caller, p, target, endpoint, None).await?;
-        return Ok(stream_response(state.clone(), job, shape, peer.clone()));
+        return Ok(with_ignored(stream_response(state.clone(), job, shape, peer.clone()), &ignored));
     }
-    Ok(HttpResponse::Ok().json(answer(state, caller, p, target, endpoint, None, peer).await?))
+    Ok(with_ignored(HttpResponse::Ok().json(answer(state, caller, p, target, endpoint, None, peer).await?), &ignored))
 }
 
 /// Starts the job of a request whose `model` resolved to `target`.
@@ -626,8 +715,8 @@ fn stream_response(state: AppState, job: Job, shape: Shape, peer: Peer) -> HttpR
     HttpResponse::Ok().content_type("text/event-stream").insert_header(("cache-control", "no-cache")).streaming(body)
 }
 
-async fn models(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    let caller = infer::caller(&req, &state, Scope::Inference).await?;
+/// Every model the caller may name: the base model, then its adapters.
+async fn model_objects(state: &AppState, caller: &infer::Caller) -> Result<Vec<Value>, ApiError> {
     let mut data = vec![json!({
         "id": &*state.model_name,
         "object": "model",
@@ -650,5 +739,19 @@ async fn models(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResp
             "rank": a.rank,
         }));
     }
+    Ok(data)
+}
+
+async fn models(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let caller = infer::caller(&req, &state, Scope::Inference).await?;
+    let data = model_objects(&state, &caller).await?;
     Ok(HttpResponse::Ok().json(json!({"object": "list", "data": data})))
+}
+
+/// One model by its id (the client's `models.retrieve`): 404 for one the caller may not use.
+async fn model(req: HttpRequest, state: web::Data<AppState>, id: web::Path<String>) -> Result<HttpResponse, ApiError> {
+    let caller = infer::caller(&req, &state, Scope::Inference).await?;
+    let found = model_objects(&state, &caller).await?.into_iter().find(|m| m["id"].as_str() == Some(id.as_str()));
+    let shown: String = id.chars().take(80).collect();
+    found.map(|m| HttpResponse::Ok().json(m)).ok_or_else(|| ApiError::NotFound(format!("model `{shown}`")))
 }

@@ -24,6 +24,7 @@ pub const ROUTES: &[(&str, &str, &str, &str)] = &[
     ("post", "/v1/completions", "OpenAI text completion; `model` is the base model or an adapter.", "inference"),
     ("post", "/v1/chat/completions", "OpenAI chat completion through the model's chat template.", "inference"),
     ("get", "/v1/models", "The base model and the adapters this key may use.", "inference"),
+    ("get", "/v1/models/{id}", "One model this key may use, by its id (404 for any other).", "inference"),
     ("post", "/generate", "LoRAX generate; `parameters.adapter_id` names the adapter.", "inference"),
     ("post", "/generate_stream", "LoRAX generate as server-sent events.", "inference"),
     ("get", "/v1/usage", "The caller's usage: ?from=&to= (Unix seconds or YYYY-MM-DD), &group_by=day|adapter.", "inference"),
@@ -236,6 +237,7 @@ fn shape(method: &str, path: &str) -> Shape {
                 ],
             )),
         ("get", "/v1/models") => Shape::new(vec![("200", json_ok("The base model first, then the adapters.", r("ModelList")))], &[401, 403, 503]),
+        ("get", "/v1/models/{id}") => Shape::new(vec![("200", json_ok("The model.", r("Model")))], &[401, 403, 404, 503]),
         ("post", "/generate") => Shape::new(
             vec![("200", json!({"description": "The generated text.", "headers": lorax_headers(true), "content": {"application/json": {"schema": r("Generated")}}}))],
             INFERENCE_ERRORS,

@@ -117,3 +117,28 @@ pub async fn shed_refused_bodies(req: ServiceRequest, next: Next<impl MessageBod
     }
     Ok(res)
 }
+
+/// The longest `x-request-id` a client may set (a longer or unprintable one is replaced).
+const MAX_REQUEST_ID: usize = 128;
+
+/// Middleware: every response carries `x-request-id`: the client's own, when it sent a short
+/// printable one, else a new id; a proxy's or client's logs and the server's then name the same
+/// request.
+pub async fn request_id(req: ServiceRequest, next: Next<impl MessageBody>) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let sent = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= MAX_REQUEST_ID && v.bytes().all(|b| b.is_ascii_graphic()));
+    let id = match sent {
+        Some(v) => header::HeaderValue::from_str(v).ok(),
+        None => None,
+    }
+    .or_else(|| header::HeaderValue::from_str(&crate::store::random_id("req")).ok());
+    // A handler's error is a response here already (actix renders it inside the route).
+    let mut res = next.call(req).await?;
+    if let Some(id) = id {
+        res.headers_mut().insert(header::HeaderName::from_static("x-request-id"), id);
+    }
+    Ok(res)
+}

@@ -183,12 +183,13 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             println!("tenant limits: shared by every replica of this database");
         }
         let app_state = state.clone();
-        let mut server =
-            HttpServer::new(move || App::new().wrap(from_fn(api::shed_refused_bodies)).app_data(web::Data::new(app_state.clone())).configure(api::routes))
-                .on_connect(api::on_connect)
-                .shutdown_timeout(args.shutdown_timeout)
-                // actix stops at once on SIGINT; here both signals drain (see `stop_on_signals`).
-                .disable_signals();
+        let mut server = HttpServer::new(move || {
+            App::new().wrap(from_fn(api::shed_refused_bodies)).wrap(from_fn(api::request_id)).app_data(web::Data::new(app_state.clone())).configure(api::routes)
+        })
+        .on_connect(api::on_connect)
+        .shutdown_timeout(args.shutdown_timeout)
+        // actix stops at once on SIGINT; here both signals drain (see `stop_on_signals`).
+        .disable_signals();
         if let Some(n) = args.http_workers {
             server = server.workers(n.max(1));
         }

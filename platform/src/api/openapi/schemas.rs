@@ -186,6 +186,7 @@ fn error() -> Value {
     let mut body = record(json!({
         "message": string(),
         "type": {"type": "string", "enum": types},
+        "param": described(nullable(string()), "The request's field the error is about, where it is about one."),
         "code": {"type": "string", "enum": codes},
     }));
     body["properties"]["lines"] = described(array(line), "With `invalid_lines`: the problem of each invalid line of a file (the first 100).");
@@ -238,8 +239,16 @@ fn prompt() -> Value {
     })
 }
 
+/// A request of OpenAI's: fields it does not name are accepted and ignored (and named in the
+/// response's `x-ignored-fields`), as vLLM does, unless they would change the answer.
+fn open(mut request: Value) -> Value {
+    request["additionalProperties"] =
+        json!({"description": "Ignored, and named in the response's `x-ignored-fields` header (those that would change the answer are refused)."});
+    request
+}
+
 fn completion_request() -> Value {
-    strict(
+    open(strict(
         &["model", "prompt"],
         generation_fields(json!({
             "prompt": r("Prompt"),
@@ -249,14 +258,14 @@ fn completion_request() -> Value {
             "best_of": nullable(described(u32_from(0), "Accepted only when equal to `n`.")),
             "suffix": only_null("no insertion mode"),
         })),
-    )
+    ))
 }
 
 /// The fields both OpenAI generation requests take, with `specific`'s.
 fn generation_fields(specific: Value) -> Value {
     let mut v = json!({
         "model": described(string(), "The base model, an adapter the key's tenant may use, or `name@version`."),
-        "temperature": temperature(),
+        "temperature": nullable(described(float(0.0, 2.0), "0 is greedy decoding; at most 2, as OpenAI.")),
         "top_p": top_p(),
         "n": n(),
         "stop": r("Stop"),
@@ -392,7 +401,7 @@ fn chat_message() -> Value {
 }
 
 fn chat_request() -> Value {
-    strict(
+    open(strict(
         &["model", "messages"],
         generation_fields(json!({
             "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": r("ChatMessage")},
@@ -404,7 +413,7 @@ fn chat_request() -> Value {
             "tool_choice": nullable(r("ToolChoice")),
             "parallel_tool_calls": described(nullable(boolean()), "Default true: several calls in one answer."),
         })),
-    )
+    ))
 }
 
 fn completion_logprobs() -> Value {

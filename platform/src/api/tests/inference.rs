@@ -173,7 +173,8 @@ async fn bad_inference_requests_get_a_clear_4xx_and_the_server_keeps_serving() {
         let cases: Vec<(Value, StatusCode, &str)> = vec![
             (json!({"model": MODEL}), StatusCode::BAD_REQUEST, "missing field `prompt`"),
             (json!({"model": MODEL, "prompt": "x", "max_tokens": "many"}), StatusCode::BAD_REQUEST, "invalid type"),
-            (json!({"model": MODEL, "prompt": "x", "colour": 1}), StatusCode::BAD_REQUEST, "unknown field"),
+            (json!({"model": MODEL, "prompt": "x", "temperature": 2.5}), StatusCode::BAD_REQUEST, "between 0 and 2"),
+            (json!({"model": MODEL, "prompt": "x", "functions": [{"name": "f"}]}), StatusCode::BAD_REQUEST, "`functions` is not supported"),
             (json!({"model": MODEL, "prompt": "x", "max_tokens": -1}), StatusCode::BAD_REQUEST, "invalid value"),
             (json!({"model": MODEL, "prompt": "x", "max_tokens": 100000000}), StatusCode::BAD_REQUEST, "context length"),
             (json!({"model": MODEL, "prompt": "x", "max_tokens": 0}), StatusCode::BAD_REQUEST, "at least 1"),

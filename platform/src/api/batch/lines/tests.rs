@@ -46,7 +46,7 @@ fn every_invalid_line_is_named_with_its_problem() {
         r#"{"custom_id": "g", "method": "GET", "url": "/v1/completions", "body": {}}"#.to_string(),
         request("s", "/v1/chat/completions", r#"{"model": "m", "messages": [], "stream": true}"#),
         request("t", "/v1/completions", r#"{"model": "m", "prompt": "x", "temperature": -1}"#),
-        request("u", "/v1/completions", r#"{"model": "m", "prompt": "x", "bogus": 1}"#),
+        request("u", "/v1/completions", r#"{"model": "m", "prompt": "x", "prediction": {"type": "content", "content": "x"}}"#),
         r#"{"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {}, "extra": 1}"#.to_string(),
         request("", "/v1/completions", r#"{"model": "m", "prompt": "x"}"#),
     ];
@@ -59,7 +59,7 @@ fn every_invalid_line_is_named_with_its_problem() {
     assert!(message(4).contains("/v1/embeddings"), "{}", message(4));
     assert!(message(6).contains("stream"), "{}", message(6));
     assert!(message(7).contains("temperature"), "{}", message(7));
-    assert!(message(8).contains("bogus"), "{}", message(8));
+    assert!(message(8).contains("prediction"), "{}", message(8));
     assert!(message(10).contains("custom_id"), "{}", message(10));
     // An empty file is refused too.
     assert!(matches!(check(&b"\n\n"[..], &GrammarLimits::default()).unwrap(), Checked::Invalid { count: 1, .. }));
