@@ -29,6 +29,7 @@ pub use adapter::{AdapterLimits, LoraAdapter, LoraModule};
 pub use error::AdapterError;
 pub use pack::{PackError, PackedAdapter, PackedEntry, RowStorage};
 pub use shape::BaseShape;
+pub use tensors::MAX_GAIN;
 pub use validated::{MANIFEST_FILE, Manifest, ManifestEntry};
 
 /// A linear projection of a Llama-family decoder layer: the places a LoRA delta can be added.

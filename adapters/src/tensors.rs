@@ -147,6 +147,16 @@ impl<'a> Weights<'a> {
         if let Some(i) = b.iter().position(|&v| !(scaling * v).is_finite()) {
             return Err(AdapterError::tensor(path, b_name, format!("value {:?} at flat index {i} times the scaling {scaling:?} is not finite in f32", b[i])));
         }
+        let gain = gain(&a, in_f, &b, rank, scaling);
+        if !(gain <= f64::from(MAX_GAIN)) {
+            return Err(AdapterError::tensor(
+                path,
+                b_name,
+                format!(
+                    "with lora_A it can amplify an input {gain:.3e} times (the largest row sum of |lora_A| times the largest row sum of |scaling * lora_B|); at most {MAX_GAIN:e} is accepted: trained adapters are far below it, and past it a forward can overflow"
+                ),
+            ));
+        }
         Ok(LoraModule { layer, module, rank, alpha, scaling, in_features: in_f, out_features: out_f, a, b })
     }
 
@@ -179,4 +189,19 @@ impl<'a> Weights<'a> {
         }
         Ok(out)
     }
+}
+
+/// The most one module's delta may amplify its input: for every input `x` and output row,
+/// `|scaling * B A x| <= gain * max|x|`, with `gain` the largest row sum of `|A|` times the largest
+/// row sum of `|scaling * B|` (the infinity norms). Trained adapters measure in the tens to
+/// thousands; past this bound a hidden state of ordinary size (up to about 1e4) could grow past
+/// 1e10 in one layer, and a few layers on overflow bf16 and f32. A finite check alone lets
+/// weights of 1e18 through, whose output is all one token with no log-probabilities.
+pub const MAX_GAIN: f32 = 1e6;
+
+/// The gain of `scaling * B A` (see [`MAX_GAIN`]): `a` is `[rank, in_f]`, `b` is `[out, rank]`,
+/// row-major; in f64, so it cannot overflow itself.
+fn gain(a: &[f32], in_f: usize, b: &[f32], rank: usize, scaling: f32) -> f64 {
+    let row_max = |m: &[f32], width: usize| m.chunks(width.max(1)).map(|row| row.iter().map(|v| f64::from(v.abs())).sum::<f64>()).fold(0.0f64, f64::max);
+    row_max(a, in_f) * row_max(b, rank) * f64::from(scaling.abs())
 }

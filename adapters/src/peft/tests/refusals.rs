@@ -134,6 +134,20 @@ fn unsupported_dtypes_are_refused() {
 }
 
 #[test]
+fn weights_whose_products_can_overflow_a_forward_are_refused_by_a_bound() {
+    // Finite, and finite after scaling, but a million times any trained adapter's.
+    let mut t = qv_tensors();
+    let b_name = t[1].name.clone();
+    for v in &mut t[1].values {
+        *v = 1e18;
+    }
+    refused(&config(&[]), &t, &[&b_name, "can amplify an input", "at most 1e6"]);
+    // The tiny test adapters, and a large but plausible one (alpha 256 at rank 4), load.
+    load(write_dir(&config(&[]), &qv_tensors()).path(), &tiny_base()).unwrap();
+    load(write_dir(&config(&[("lora_alpha", "256")]), &qv_tensors()).path(), &tiny_base()).unwrap();
+}
+
+#[test]
 fn non_finite_weights_are_refused() {
     let mut t = qv_tensors();
     t[2].values[3] = f32::NAN;
@@ -187,13 +201,14 @@ fn alpha_out_of_the_range_of_f32_is_refused() {
 
 #[test]
 fn scaled_lora_b_that_overflows_f32_is_refused() {
-    // alpha 3e38 at rank 4: scaling 7.5e37, finite; with every |b| below 1 every product is.
+    // alpha 3e38 at rank 4: scaling 7.5e37, finite; with every |b| below 1 every product is,
+    // but the module's gain is far past the bound.
     let text = config(&[("lora_alpha", "3e38")]);
-    let a = load(write_dir(&text, &qv_tensors()).path(), &tiny_base()).unwrap();
-    assert_eq!(a.get(1, TargetModule::V).unwrap().scaling, 7.5e37);
-    // One b of 8 makes scaling * b 6e38: infinite in f32, which is what the device would store.
+    refused(&text, &qv_tensors(), &["can amplify an input", "at most 1e6"]);
+    // One b of 8 makes scaling * b 6e38: infinite in f32, which is what the device would store;
+    // that is said first (the first module, layer 0 q_proj, holds it here).
     let mut t = qv_tensors();
-    let b_name = tensor_name(1, TargetModule::V, "B");
+    let b_name = tensor_name(0, TargetModule::Q, "B");
     t.iter_mut().find(|x| x.name == b_name).unwrap().values[5] = 8.0;
     let msg = refused(&text, &t, &["adapter_model.safetensors", &b_name, "value 8.0 at flat index 5", "not finite in f32"]);
     assert!(msg.contains("7.5e37"), "{msg}");
