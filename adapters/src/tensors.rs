@@ -148,7 +148,7 @@ impl<'a> Weights<'a> {
             return Err(AdapterError::tensor(path, b_name, format!("value {:?} at flat index {i} times the scaling {scaling:?} is not finite in f32", b[i])));
         }
         let gain = gain(&a, in_f, &b, rank, scaling);
-        if !(gain <= f64::from(MAX_GAIN)) {
+        if gain.is_nan() || gain > f64::from(MAX_GAIN) {
             return Err(AdapterError::tensor(
                 path,
                 b_name,
