@@ -52,6 +52,23 @@ fn serve_prints_the_admin_key_once_and_keeps_its_database() {
     assert_eq!(http(&third.addr, "GET", "/ready", None, "").0, 200);
 }
 
+#[test]
+fn a_first_start_that_cannot_listen_makes_no_key_and_the_next_start_prints_one() {
+    let data = tempfile::tempdir().unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_loraplex")).args(["serve", "--host", "127.0.0.1", "--port", &port, "--data-dir"]).arg(data.path()).output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "the port is taken: {stdout}");
+    assert!(stderr.contains("listening on 127.0.0.1"), "the error names the address: {stderr}");
+    assert!(!stdout.contains("admin key"), "no key is printed by a start that cannot serve: {stdout}");
+    drop(taken);
+    let next = start(data.path(), &[]);
+    let admin = next.admin.clone().expect("the next start prints the first key");
+    assert_eq!(http(&next.addr, "GET", "/admin/tenants", Some(&admin), "").0, 200);
+}
+
 fn tenant_key(addr: &str, admin: &str, name: &str) -> String {
     let (status, body) = http(addr, "POST", "/admin/tenants", Some(admin), &format!(r#"{{"name": "{name}"}}"#));
     assert_eq!(status, 201, "{body}");

@@ -144,16 +144,15 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let adapter_files = api::AdapterFiles::open(args.cluster.adapter_store.as_deref(), &data_dir).context("opening the adapter store")?;
     actix_web::rt::System::new().block_on(async move {
         let store = Store::connect(&url).await.with_context(|| format!("opening the database {url}"))?;
-        match &args.admin_key {
+        // A generated operator key is made once the server listens (below): a first start that
+        // cannot bind its port prints no key, so the next start still makes one.
+        let generate_key = match &args.admin_key {
             Some(key) => {
                 store.ensure_admin_key(key).await?;
+                false
             }
-            None if !store.has_admin_key().await? => {
-                let (_, secret) = store.create_key(None, &[crate::store::Scope::Admin]).await?;
-                println!("admin key (shown once; keep it): {secret}");
-            }
-            None => {}
-        }
+            None => !store.has_admin_key().await?,
+        };
         let swept = api::sweep(&data_dir, &store, *serving.base_shape(), *serving.adapter_limits()).await.context("cleaning the data directory")?;
         if swept.orphans + swept.validated > 0 {
             println!("adapter files: kept {}, removed {} orphaned, validated {} from before manifests", swept.kept, swept.orphans, swept.validated);
@@ -194,6 +193,10 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             server = server.workers(n.max(1));
         }
         let server = server.bind((args.host.as_str(), args.port)).with_context(|| format!("listening on {}:{}", args.host, args.port))?;
+        if generate_key {
+            let (_, secret) = store.create_key(None, &[crate::store::Scope::Admin]).await?;
+            println!("admin key (shown once; keep it): {secret}");
+        }
         println!("serving `{model_name}` on {}", state.serving.device_name());
         let resumed = api::batch::resume(&state).await.context("resuming the batches of the last run")?;
         if resumed > 0 {
