@@ -3,6 +3,28 @@
 import { html, useEffect, useRef } from '../vendor/preact-htm.js';
 import uPlot from '../vendor/uPlot.esm.js';
 
+/**
+ * The y scale of every chart: from zero (a bar is a length; a scale from the smallest value would
+ * make a tenant with 170 tokens look five times one with 4,446) to a little past the largest.
+ * @param {uPlot} _u @param {number} _min @param {number} max @returns {uPlot.Range.MinMax}
+ */
+export function yRange(_u, _min, max) {
+  return [0, Number.isFinite(max) && max > 0 ? max * 1.05 : 1];
+}
+
+/**
+ * The y axis's tick labels, each written once: `format`'s, unless it rounds two ticks to the same
+ * text (dollars to the cent on a scale of half cents), then as many decimals as the step needs.
+ * @param {number[]} splits @param {(v: number) => string} format @returns {string[]}
+ */
+export function tickLabels(splits, format) {
+  const labels = splits.map((v) => format(v));
+  if (new Set(labels).size === labels.length) return labels;
+  const step = splits.length > 1 ? Math.abs(splits[1] - splits[0]) : 1;
+  const decimals = Math.max(0, Math.min(10, -Math.floor(Math.log10(step || 1))));
+  return splits.map((v) => v.toFixed(decimals));
+}
+
 const COLORS = ['#0b4fa8', '#c2410c', '#15803d', '#7e22ce', '#a16207', '#0e7490', '#be123c', '#4d7c0f'];
 
 /**
@@ -24,7 +46,7 @@ export function StackedBars({ title, x, series, time = true, categories, format 
       width: Math.max(320, Math.min(el.clientWidth || 800, 1000)),
       height: 260,
       // Half a step of room on each side of the first and last bar (a day, or a category).
-      scales: { x: { time, auto: false, min: x[0] - (time ? 43_200 : 0.5), max: x[x.length - 1] + (time ? 43_200 : 0.5) } },
+      scales: { x: { time, auto: false, min: x[0] - (time ? 43_200 : 0.5), max: x[x.length - 1] + (time ? 43_200 : 0.5) }, y: { range: yRange } },
       axes: [
         categories
           ? { values: (_u, splits) => splits.map((v) => categories[v] ?? ''), incrs: [1] }
@@ -32,7 +54,7 @@ export function StackedBars({ title, x, series, time = true, categories, format 
             ? // Whole days (UTC), labelled as dates.
               { incrs: [86_400, 7 * 86_400, 30 * 86_400, 365 * 86_400], values: (_u, splits) => splits.map((v) => new Date(v * 1000).toISOString().slice(0, 10)) }
             : {},
-        { values: (_u, splits) => splits.map((v) => format(v)), size: 84 },
+        { values: (_u, splits) => tickLabels(splits, format), size: 84 },
       ],
       series: [
         {},
@@ -74,7 +96,8 @@ export function Lines({ title, x, series, format = (v) => String(v) }) {
       title,
       width: Math.max(320, Math.min(el.clientWidth || 600, 640)),
       height: 200,
-      axes: [{}, { values: (_u, splits) => splits.map((v) => format(v)), size: 60 }],
+      scales: { y: { range: yRange } },
+      axes: [{}, { values: (_u, splits) => tickLabels(splits, format), size: 60 }],
       series: [{}, ...series.map((s, i) => ({ label: s.label, stroke: COLORS[i % COLORS.length], width: 2 }))],
     };
     plot.current = new uPlot(opts, /** @type {uPlot.AlignedData} */ ([[], ...series.map(() => [])]), el);

@@ -319,6 +319,15 @@ try {
     problems.push(`acme's bill ${JSON.stringify(acmeTotal)} differs from its usage ${JSON.stringify(usage.totals)}`);
   }
   await page.locator('.uplot').nth(1).waitFor({ timeout: 5000 }).catch(() => problems.push('the billing charts are missing'));
+  // The charts' scales start at zero, and their axes write each label once (the console's own
+  // functions, as the page loaded them).
+  const axes = await page.evaluate(async () => {
+    const chart = await import('/ui/views/chart.js');
+    const common = await import('/ui/views/common.js');
+    return { range: chart.yRange(null, 4450, 4620), cost: chart.tickLabels([0, 0.005, 0.01, 0.015, 0.02], common.dollars) };
+  });
+  if (axes.range[0] !== 0) problems.push(`a chart's scale starts at ${axes.range[0]}, not 0`);
+  if (new Set(axes.cost).size !== axes.cost.length) problems.push(`the cost axis repeats labels: ${JSON.stringify(axes.cost)}`);
   const [file] = await Promise.all([page.waitForEvent('download'), page.getByRole('button', { name: 'Download CSV' }).click()]);
   const csv = readFileSync(await file.path(), 'utf8').trim().split('\n').slice(1).map((line) => line.split(',').slice(1));
   if (JSON.stringify(csv) !== JSON.stringify(rows)) problems.push(`the CSV ${JSON.stringify(csv)} differs from the table ${JSON.stringify(rows)}`);
