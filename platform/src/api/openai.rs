@@ -661,8 +661,28 @@ impl Streaming {
             out.extend_from_slice(&sse(&self.chunk(choices, None)));
         }
         self.started = true;
-        // The client went away: end the body, which drops the job and so cancels it.
-        let event = infer::next_event(&mut self.job, &self.peer).await?;
+        loop {
+            // The client went away: end the body, which drops the job and so cancels it.
+            let event = infer::next_event(&mut self.job, &self.peer).await?;
+            if let Some(JobEvent::Token { token, .. }) = &event
+                && token.text.is_empty()
+                && token.finish.is_none()
+                && self.shape.logprobs.is_none()
+                && self.shape.tools.is_none()
+            {
+                // A token that ends inside a character (its text comes with the next one):
+                // no chunk of its own, as an empty delta says nothing.
+                if out.is_empty() {
+                    continue;
+                }
+                return Some(Bytes::from(out));
+            }
+            return self.chunk_of(event, out);
+        }
+    }
+
+    /// The bytes of one job event (after what `out` holds already).
+    fn chunk_of(&mut self, event: Option<JobEvent>, mut out: Vec<u8>) -> Option<Bytes> {
         match event {
             Some(JobEvent::Token { prompt, token }) => {
                 let index = prompt * self.shape.n + token.index;

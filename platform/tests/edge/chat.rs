@@ -1,6 +1,7 @@
 //! Chat as a tenant's end user writes it: what a message says is text, whatever it contains.
 
-use serde_json::json;
+use loraplex::bench::http::Request;
+use serde_json::{Value, json};
 
 use super::common::*;
 
@@ -32,4 +33,34 @@ fn special_token_strings_in_a_message_are_text_not_turns() {
         "choices",
     );
     cases.finish("chat content");
+}
+
+#[test]
+fn a_streamed_chat_sends_no_empty_chunks_where_a_token_ends_inside_a_character() {
+    let env = Env::start(&Db::Sqlite, &[]);
+    let (_, key) = env.tenant("acme", json!({}));
+    let mut cases = Cases::default();
+    // Random weights over a byte-level vocabulary: many tokens are parts of a character.
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "é"}], "max_tokens": 300, "ignore_eos": true, "temperature": 1.0,
+        "seed": 5, "stream": true, "stream_options": {"include_usage": true}})
+    .to_string();
+    let mut chunks: Vec<Value> = Vec::new();
+    let req = Request::new("POST", "/v1/chat/completions").key(&key).body("application/json", body.as_bytes());
+    env.http
+        .stream(&req, |data, _| {
+            if let Ok(v) = serde_json::from_str::<Value>(data) {
+                chunks.push(v);
+            }
+            true
+        })
+        .unwrap();
+    let completion = chunks.last().and_then(|c| c["usage"]["completion_tokens"].as_u64()).unwrap_or(0);
+    let deltas: Vec<&Value> = chunks.iter().skip(1).filter_map(|c| c["choices"].get(0)).collect();
+    let empty = deltas.iter().filter(|d| d["delta"]["content"] == "" && d["finish_reason"].is_null()).count();
+    cases.ok("all 300 tokens were generated", completion == 300, completion);
+    cases.ok("no chunk after the first has an empty delta", empty == 0, format!("{empty} of {}", deltas.len()));
+    // Fewer chunks than tokens: some tokens ended inside a character and sent nothing of their
+    // own (before, each was an empty delta).
+    cases.ok("some tokens ended inside a character (the case is exercised)", deltas.len() < 300, deltas.len());
+    cases.finish("chat stream chunks");
 }
