@@ -91,21 +91,25 @@ fn drains_on(signal: &str) {
     let admin = "operator-key-0123456789";
     let server = start(data.path(), &["--admin-key", admin]);
     let key = tenant_key(&server.addr, admin, "acme");
-    let body = r#"{"model": "loraplex-tiny", "prompt": "x", "max_tokens": 300, "ignore_eos": true, "stream": true}"#;
+    let body = r#"{"model": "loraplex-tiny", "prompt": "x", "max_tokens": 300, "ignore_eos": true, "stream": true,
+        "stream_options": {"include_usage": true}}"#;
     // The signal comes once the stream has its first token, and before its last: the request
     // is running when the server is told to stop.
     let (first, signalled) = (std::sync::mpsc::channel::<()>(), std::sync::mpsc::channel::<()>());
     let client = server.client();
     let stream = std::thread::spawn(move || {
-        let (mut tokens, mut after_signal, mut done) = (0, 0, false);
+        // Chunks with text, those after the signal, the tokens the usage counted, and the end.
+        let (mut chunks, mut after_signal, mut tokens, mut done) = (0, 0, 0, false);
         let req = loraplex::bench::http::Request::new("POST", "/v1/completions").key(&key).body("application/json", body.as_bytes());
         let (status, _) = client
             .stream(&req, |data, _| {
                 if data == "[DONE]" {
                     done = true;
+                } else if let Some(n) = serde_json::from_str::<serde_json::Value>(data).ok().and_then(|v| v["usage"]["completion_tokens"].as_u64()) {
+                    tokens = n;
                 } else if data.contains("\"text\":") {
-                    tokens += 1;
-                    if tokens == 1 {
+                    chunks += 1;
+                    if chunks == 1 {
                         first.0.send(()).unwrap();
                         signalled.1.recv().unwrap();
                     } else {
@@ -115,17 +119,17 @@ fn drains_on(signal: &str) {
                 true
             })
             .unwrap();
-        (status, tokens, after_signal, done)
+        (status, chunks, after_signal, tokens, done)
     });
     first.1.recv().unwrap();
     let pid = server.child.id().to_string();
     assert!(Command::new("kill").args([signal, &pid]).status().unwrap().success());
     signalled.0.send(()).unwrap();
-    let (status, tokens, after_signal, done) = stream.join().unwrap();
+    let (status, chunks, after_signal, tokens, done) = stream.join().unwrap();
     assert_eq!(status, 200);
     assert!(done, "{signal}: the stream ran to its end");
     assert_eq!(tokens, 300);
-    assert!(after_signal > 200, "most of the tokens came after the signal: {after_signal}");
+    assert!(after_signal * 3 > chunks * 2, "most of the text came after the signal: {after_signal} of {chunks} chunks");
     let mut server = server;
     assert!(server.child.wait().unwrap().success(), "a clean exit");
     std::thread::sleep(std::time::Duration::from_millis(50));

@@ -135,7 +135,9 @@ fn deep_specifications_are_refused_on_every_route_while_another_tenants_stream_r
         let stream = {
             let (client, key, events) = (env.http.clone(), bystander.clone(), events.clone());
             std::thread::spawn(move || {
-                let body = json!({"model": MODEL, "prompt": "a long answer", "max_tokens": 300, "ignore_eos": true, "stream": true}).to_string();
+                let body = json!({"model": MODEL, "prompt": "a long answer", "max_tokens": 300, "ignore_eos": true, "stream": true,
+                    "stream_options": {"include_usage": true}})
+                .to_string();
                 client.stream(&Request::new("POST", "/v1/completions").key(&key).body("application/json", body.as_bytes()), |data, _| {
                     events.lock().unwrap().push(data.to_string());
                     true
@@ -172,10 +174,11 @@ fn deep_specifications_are_refused_on_every_route_while_another_tenants_stream_r
 
         let (status, _) = stream.join().unwrap().unwrap();
         let events = events.lock().unwrap().clone();
-        let tokens = events.iter().filter(|e| e.starts_with('{')).count();
+        let usage = events.iter().rev().find_map(|e| serde_json::from_str::<Value>(e).ok().filter(|v| v["usage"].is_object()));
+        let tokens = usage.as_ref().and_then(|u| u["usage"]["completion_tokens"].as_u64()).unwrap_or(0);
         cases.ok("the bystander's stream answered 200", status == 200, status);
         cases.ok("the bystander's stream ran to its end", events.last().map(String::as_str) == Some("[DONE]"), format!("{:?}", events.last()));
-        cases.ok("the bystander got all 300 tokens", tokens >= 300, tokens);
+        cases.ok("the bystander got all 300 tokens", tokens == 300, tokens);
         cases.check("the attacker is still served", &env.complete(&attacker, MODEL, 2), 200, "choices");
         let shallow = json!({"model": MODEL, "prompt": "x", "max_tokens": 8, "guided_json": ref_chain(40)});
         cases.check("a schema within the limit still compiles", &env.call(Some(&attacker), "POST", "/v1/completions", Some(shallow)), 200, "choices");
