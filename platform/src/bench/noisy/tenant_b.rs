@@ -92,11 +92,14 @@ impl B<'_> {
             let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
             failed |= v.get("error").is_some() || v.is_null();
             if v["choices"].as_array().is_some_and(|c| !c.is_empty()) {
-                tokens += 1;
                 first.get_or_insert(at);
             }
+            // Counted by the usage: a token that ends inside a character has no chunk of its own.
             if let Some(p) = v["usage"]["prompt_tokens"].as_u64() {
                 prompt_tokens = p;
+            }
+            if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                tokens = u32::try_from(n).unwrap_or(u32::MAX);
             }
             true
         });
