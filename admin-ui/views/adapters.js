@@ -6,7 +6,7 @@
  */
 import { html, useState } from '../vendor/preact-htm.js';
 import { api, upload } from '../api.js';
-import { ConfirmButton, ErrorNote, ListState, useLoad } from './common.js';
+import { BaseModelCell, ConfirmButton, ErrorNote, ListState, useLoad } from './common.js';
 
 const CONFIG = 'adapter_config.json';
 const WEIGHTS = 'adapter_model.safetensors';
@@ -121,7 +121,7 @@ function Upload({ onUploaded }) {
 }
 
 /** @typedef {{ id: string, name: string, version: number, owner: string | null, public: boolean, rank: number, targets: string[], bytes: number,
- *   content_hash: string, created_at: number }} Adapter */
+ *   content_hash: string, created_at: number, base_model: string | null, usable: boolean, unusable_reason: string | null }} Adapter */
 
 /** Every live version of one adapter, newest first, read when opened. @param {{ name: string }} props */
 function Versions({ name }) {
@@ -176,7 +176,7 @@ export function MyAdapters() {
     ${adapters && adapters.length > 0
       ? html`<table aria-label="Adapters">
           <thead><tr><th scope="col">Name</th><th scope="col">Version</th><th scope="col">Rank</th><th scope="col">Targets</th>
-            <th scope="col">Size</th><th scope="col">Published</th><th scope="col">Actions</th></tr></thead>
+            <th scope="col">Size</th><th scope="col">Published</th><th scope="col">Base model</th><th scope="col">Actions</th></tr></thead>
           <tbody>
             ${adapters.map(
               (a) => html`<tr key=${a.id}>
@@ -186,6 +186,7 @@ export function MyAdapters() {
                 <td>${a.targets.join(', ')}</td>
                 <td>${(a.bytes / 1e6).toFixed(2)} MB</td>
                 <td>${a.public ? 'yes' : 'no'}</td>
+                <${BaseModelCell} adapter=${a} />
                 <td class="actions">
                   <button type="button" aria-expanded=${open === a.name} onClick=${() => setOpen(open === a.name ? null : a.name)}>Versions</button>
                   <button type="button" onClick=${() => act(a.name, 'load')}>Load</button>
@@ -198,7 +199,7 @@ export function MyAdapters() {
                   ${actionError && actionError.name === a.name ? html`<${ErrorNote} error=${actionError.error} />` : null}
                 </td>
               </tr>
-              ${open === a.name ? html`<tr key=${`${a.id}-versions`}><td colspan="7"><${Versions} name=${a.name} /></td></tr>` : null}`,
+              ${open === a.name ? html`<tr key=${`${a.id}-versions`}><td colspan="8"><${Versions} name=${a.name} /></td></tr>` : null}`,
             )}
           </tbody>
         </table>`

@@ -6,13 +6,14 @@
  */
 import { html, useState } from '../vendor/preact-htm.js';
 import { api } from '../api.js';
-import { ConfirmButton, ErrorNote, ListState, useLoad } from './common.js';
+import { BaseModelCell, ConfirmButton, ErrorNote, ListState, useLoad } from './common.js';
 
 /**
  * @typedef {{ worker: number, tier: 'pool' | 'host' | 'loading' | 'disk' | 'failed' | 'unknown', error?: string }} Residency
  * @typedef {{ tenant_id: string | null, tenant: string | null, version: number }} Pin
  * @typedef {{ id: string, name: string, version: number, versions: number, owner: string | null, owner_name: string | null,
- *   public: boolean, rank: number, targets: string[], bytes_all_versions: number, residency: Residency[], pinned_by: Pin[] }} Row
+ *   public: boolean, rank: number, targets: string[], bytes_all_versions: number, residency: Residency[], pinned_by: Pin[],
+ *   base_model: string | null, usable: boolean, unusable_reason: string | null }} Row
  */
 
 /** What each tier means, for the cell's title. */
@@ -77,7 +78,7 @@ export function AllAdapters() {
       ? html`<table aria-label="Every adapter">
           <thead><tr><th scope="col">Adapter</th><th scope="col">Owner</th><th scope="col">Latest version</th><th scope="col">Versions</th>
             <th scope="col">Rank</th><th scope="col">Targets</th><th scope="col">Size (all versions)</th><th scope="col">Published</th>
-            <th scope="col">Residency</th><th scope="col">Pinned by</th><th scope="col">Actions</th></tr></thead>
+            <th scope="col">Base model</th><th scope="col">Residency</th><th scope="col">Pinned by</th><th scope="col">Actions</th></tr></thead>
           <tbody>
             ${rows.map((a) => {
               const mine = a.pinned_by.some((p) => p.tenant_id === null);
@@ -91,6 +92,7 @@ export function AllAdapters() {
                 <td>${a.targets.join(', ')}</td>
                 <td>${(a.bytes_all_versions / 1e6).toFixed(2)} MB</td>
                 <td>${a.public ? 'yes' : 'no'}</td>
+                <${BaseModelCell} adapter=${a} />
                 <td><${Where} residency=${a.residency} /></td>
                 <td>${a.pinned_by.length === 0 ? 'nobody' : html`<ul class="pins">${a.pinned_by.map((p) => html`<li>${pinName(p, a)}</li>`)}</ul>`}</td>
                 <td class="actions">

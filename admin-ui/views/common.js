@@ -183,3 +183,13 @@ export function SumsTable({ rows, keys, label, caption = false }) {
 
 /** An adapter as usage rows name it (`name@version`; empty: the base model). @param {{ adapter?: string }} r */
 export const adapterName = (r) => r.adapter || 'base model';
+
+/**
+ * The base model an adapter was uploaded for, and, when this server's model cannot use it, why.
+ * @param {{ adapter: { base_model: string | null, usable: boolean, unusable_reason: string | null } }} props
+ */
+export function BaseModelCell({ adapter }) {
+  return adapter.usable
+    ? html`<td>${adapter.base_model ?? 'unknown'}</td>`
+    : html`<td class="bad" title=${adapter.unusable_reason ?? ''}>${adapter.base_model ?? 'unknown'}: cannot be used with this server's base model</td>`;
+}

@@ -448,6 +448,15 @@ pub struct ServeArgs {
     /// A request body that sends nothing for this many seconds is cut with 408.
     #[arg(long, env = "LORAPLEX_BODY_TIMEOUT", default_value_t = 30)]
     pub body_timeout: u64,
+    /// Live keys a tenant may hold when it mints its own (`POST /v1/keys`); keys the operator
+    /// creates for it are not refused by this cap, but count toward it.
+    #[arg(long, env = "LORAPLEX_MAX_KEYS_PER_TENANT", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub max_keys_per_tenant: u32,
+    /// Bytes a second a request body must keep up, on average, once its first
+    /// `--body-timeout` seconds have passed (each second past them is earned by this many
+    /// bytes); a body that falls behind is cut with 408.
+    #[arg(long, env = "LORAPLEX_BODY_MIN_RATE", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..))]
+    pub body_min_rate: u64,
     /// An interactive request still running after this many milliseconds has its ledger row
     /// opened (`running`, behind its tokens), so that a crash leaves an uncharged `interrupted`
     /// row for it; one that ends sooner is written once, when it ends. 0: every request's row

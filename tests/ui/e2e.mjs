@@ -349,8 +349,8 @@ try {
   const botAll = every.getByRole('row').filter({ has: page.getByRole('rowheader', { name: 'support-bot', exact: true }) });
   await botAll.waitFor();
   const botCells = await botAll.getByRole('cell').allTextContents();
-  // Loaded by the tenant earlier: in the pool, pinned by acme.
-  if (botCells[0] !== 'acme' || botCells[1] !== '1' || botCells[6] !== 'no' || botCells[7] !== 'pool' || botCells[8] !== 'acme') {
+  // Loaded by the tenant earlier: in the pool, pinned by acme; uploaded for the base model served.
+  if (botCells[0] !== 'acme' || botCells[1] !== '1' || botCells[6] !== 'no' || botCells[7] !== 'loraplex-tiny' || botCells[8] !== 'pool' || botCells[9] !== 'acme') {
     problems.push(`support-bot's row: ${JSON.stringify(botCells)}`);
   }
   await botAll.getByRole('button', { name: 'Publish', exact: true }).click();
@@ -361,7 +361,7 @@ try {
   await botAll.getByRole('button', { name: 'Publish', exact: true }).waitFor();
 
   step('the operator pins the adapter, lets its own pin and then the tenant\'s go');
-  const pinnedBy = botAll.getByRole('cell').nth(8);
+  const pinnedBy = botAll.getByRole('cell').nth(9);
   await botAll.getByRole('button', { name: 'Pin', exact: true }).click();
   await expectText(pinnedBy, 'operator', 'the operator\'s pin');
   if ((await pinnedBy.getByRole('listitem').allTextContents()).join('|') !== 'operator|acme') problems.push(`pinned by: ${await pinnedBy.textContent()}`);
@@ -373,7 +373,7 @@ try {
   await botAll.getByRole('button', { name: "Release acme's pin" }).click();
   await botAll.getByRole('alertdialog').getByRole('button', { name: 'Release' }).click();
   await expectText(pinnedBy, 'nobody', 'no pins left');
-  const residency = await botAll.getByRole('cell').nth(7).textContent();
+  const residency = await botAll.getByRole('cell').nth(8).textContent();
   if (residency !== 'pool') problems.push(`after the pins are gone, support-bot is ${residency}, not still cached in the pool`);
   console.log(`  adapters: pinned by the operator and acme, both let go; still ${residency}`);
 

@@ -19,10 +19,13 @@ use std::time::Duration;
 
 use actix_multipart::Multipart;
 use actix_web::{HttpRequest, HttpResponse, web};
+use futures::StreamExt;
 use loraplex_adapters::LoraAdapter;
 use serde::Deserialize;
 use serde_json::json;
 
+use super::body::BodyClock;
+use super::business::{audit, audit_as};
 use super::{ApiError, AppState, authorize, json_body, principal};
 use crate::memory::{AdapterLocation, AdapterRef, Residency};
 use crate::runtime::{HoldError, Holder};
@@ -55,6 +58,14 @@ struct Owner {
 }
 
 impl Owner {
+    /// Who this is, in words.
+    fn describe(&self) -> String {
+        match &self.tenant {
+            Some(t) => format!("tenant `{}`", t.name),
+            None => "the operator".into(),
+        }
+    }
+
     fn limits(&self) -> crate::store::TenantLimits {
         self.tenant.as_ref().map(|t| t.limits()).unwrap_or_default()
     }
@@ -305,10 +316,10 @@ impl Drop for Scratch {
 }
 
 /// Reads one multipart field into memory, refusing more than `limit` bytes.
-pub(super) async fn read_small(state: &AppState, field: &mut actix_multipart::Field, what: &str, limit: usize) -> Result<Vec<u8>, ApiError> {
+pub(super) async fn read_small(clock: &BodyClock, field: &mut actix_multipart::Field, what: &str, limit: usize) -> Result<Vec<u8>, ApiError> {
     let mut out = Vec::new();
-    while let Some(chunk) = super::next_chunk(field, state.settings.body_timeout).await? {
-        let chunk = chunk.map_err(|e| ApiError::Invalid(format!("reading `{what}`: {e}")))?;
+    while let Some(chunk) = field.next().await {
+        let chunk = chunk.map_err(|e| clock.error(|| ApiError::Invalid(format!("reading `{what}`: {e}"))))?;
         if out.len().saturating_add(chunk.len()) > limit {
             return Err(ApiError::TooLarge(format!("`{what}` is larger than {limit} bytes")));
         }
@@ -322,16 +333,23 @@ const WRITE_CHUNK: usize = 1 << 20;
 
 /// Streams the form field `what` into `path` (written on the background pool, a megabyte at a
 /// time), refusing more than `limit` bytes; returns its size.
-pub(super) async fn write_field(state: &AppState, field: &mut actix_multipart::Field, what: &str, path: PathBuf, limit: u64) -> Result<u64, ApiError> {
+pub(super) async fn write_field(
+    state: &AppState,
+    clock: &BodyClock,
+    field: &mut actix_multipart::Field,
+    what: &str,
+    path: PathBuf,
+    limit: u64,
+) -> Result<u64, ApiError> {
     let io = |e: std::io::Error| ApiError::Internal(format!("writing the upload: {e}"));
     let mut file = Some(state.background.run(move || std::fs::File::create(path)).await?.map_err(io)?);
     let mut size = 0u64;
     let mut buffer = Vec::with_capacity(WRITE_CHUNK);
     loop {
-        let chunk = super::next_chunk(field, state.settings.body_timeout).await?;
+        let chunk = field.next().await;
         let done = chunk.is_none();
         if let Some(chunk) = chunk {
-            let chunk = chunk.map_err(|e| ApiError::Invalid(format!("reading `{what}`: {e}")))?;
+            let chunk = chunk.map_err(|e| clock.error(|| ApiError::Invalid(format!("reading `{what}`: {e}"))))?;
             size = size.saturating_add(chunk.len() as u64);
             if size > limit {
                 return Err(ApiError::TooLarge(format!("`{what}` is larger than the limit of {limit} bytes")));
@@ -372,6 +390,7 @@ async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
     let owner = owner(&req, &state).await?;
     let _permit = admit_tenant_request(&state, &owner).await?;
     let _slot = state.uploads.enter(&owner.key_id, state.settings.max_uploads_per_key)?;
+    let (payload, clock) = super::body::paced(payload, &state.settings);
     let mut form = Multipart::new(req.headers(), payload);
     let scratch_root = state.data_dir.join("uploads");
     let dir = scratch_root.join(crate::store::random_id("up"));
@@ -386,17 +405,17 @@ async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
 
     let max_weights = state.settings.max_upload_bytes;
     let (mut name, mut config, mut weights) = (None, None, None);
-    while let Some(field) = super::next_chunk(&mut form, state.settings.body_timeout).await? {
-        let mut field = field.map_err(|e| ApiError::Invalid(format!("malformed multipart body: {e}")))?;
+    while let Some(field) = form.next().await {
+        let mut field = field.map_err(|e| clock.error(|| ApiError::Invalid(format!("malformed multipart body: {e}"))))?;
         let field_name = field.name().unwrap_or_default().to_string();
         match field_name.as_str() {
             "name" => {
-                let bytes = read_small(&state, &mut field, "name", 256).await?;
+                let bytes = read_small(&clock, &mut field, "name", 256).await?;
                 name = Some(String::from_utf8(bytes).map_err(|_| ApiError::Invalid("`name` is not UTF-8".into()))?.trim().to_string());
             }
-            "config" => config = Some(read_small(&state, &mut field, "config", MAX_CONFIG_BYTES).await?),
+            "config" => config = Some(read_small(&clock, &mut field, "config", MAX_CONFIG_BYTES).await?),
             "weights" if weights.is_some() => return Err(ApiError::Invalid("the form has two `weights` fields".into())),
-            "weights" => weights = Some(write_field(&state, &mut field, "weights", dir.join("adapter_model.safetensors"), max_weights).await?),
+            "weights" => weights = Some(write_field(&state, &clock, &mut field, "weights", dir.join("adapter_model.safetensors"), max_weights).await?),
             other => {
                 let other: String = other.chars().take(64).collect();
                 return Err(ApiError::Invalid(format!(
@@ -456,6 +475,8 @@ async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
         bytes,
         content_hash: checked.content_hash,
         blob: blob.clone(),
+        base_model: state.base.name.clone(),
+        base_shape: state.base.shape.clone(),
     };
     let record = match state.store.insert_adapter(&new, &limits).await {
         Ok(record) => record,
@@ -467,7 +488,9 @@ async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
     };
     // Recorded: the files are the adapter's now.
     scratch.0 = None;
-    Ok(HttpResponse::Created().json(record_json(&record)))
+    let detail = json!({"version": record.version, "bytes": record.bytes, "rank": record.rank, "content_hash": record.content_hash});
+    audit_as(&state, &owner.id, &owner.key_id, &owner.id, "adapter.upload", &record.name, detail).await;
+    Ok(HttpResponse::Created().json(record_json(&state.base, &record)))
 }
 
 fn quota_error(count: i64, used: i64, bytes: i64, limits: &crate::store::TenantLimits) -> ApiError {
@@ -480,7 +503,9 @@ fn quota_error(count: i64, used: i64, bytes: i64, limits: &crate::store::TenantL
     }
 }
 
-fn record_json(r: &AdapterRecord) -> serde_json::Value {
+/// An adapter version as the API shows it, with whether this server's base model can use it.
+fn record_json(base: &super::BaseModel, r: &AdapterRecord) -> serde_json::Value {
+    let unusable = base.unusable(r);
     json!({
         "id": r.id,
         "name": r.name,
@@ -492,12 +517,15 @@ fn record_json(r: &AdapterRecord) -> serde_json::Value {
         "bytes": r.bytes,
         "content_hash": r.content_hash,
         "created_at": r.created_at,
+        "base_model": r.base_model,
+        "usable": unusable.is_none(),
+        "unusable_reason": unusable,
     })
 }
 
 async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let owner = owner(&req, &state).await?;
-    let data: Vec<_> = state.store.visible_adapters(&owner.id).await?.iter().map(record_json).collect();
+    let data: Vec<_> = state.store.visible_adapters(&owner.id).await?.iter().map(|r| record_json(&state.base, r)).collect();
     Ok(HttpResponse::Ok().json(json!({"object": "list", "data": data})))
 }
 
@@ -508,8 +536,8 @@ fn not_found(name: &str) -> ApiError {
 async fn show(req: HttpRequest, state: web::Data<AppState>, name: web::Path<String>) -> Result<HttpResponse, ApiError> {
     let owner = owner(&req, &state).await?;
     let latest = state.store.visible_adapter(&owner.id, &name).await?.ok_or_else(|| not_found(&name))?;
-    let versions: Vec<_> = state.store.adapter_versions(&latest.owner, &latest.name).await?.iter().map(record_json).collect();
-    let mut body = record_json(&latest);
+    let versions: Vec<_> = state.store.adapter_versions(&latest.owner, &latest.name).await?.iter().map(|r| record_json(&state.base, r)).collect();
+    let mut body = record_json(&state.base, &latest);
     body["versions"] = versions.into();
     Ok(HttpResponse::Ok().json(body))
 }
@@ -528,7 +556,9 @@ async fn delete(req: HttpRequest, state: web::Data<AppState>, name: web::Path<St
         state.adapter_files.remove(&r.blob).await;
     }
     remove_dirs(&state, gone).await;
-    Ok(HttpResponse::Ok().json(json!({"name": &*name, "deleted_versions": deleted.iter().map(|r| r.version).collect::<Vec<_>>()})))
+    let versions: Vec<i64> = deleted.iter().map(|r| r.version).collect();
+    audit_as(&state, &owner.id, &owner.key_id, &owner.id, "adapter.delete", &name, json!({"versions": versions})).await;
+    Ok(HttpResponse::Ok().json(json!({"name": &*name, "deleted_versions": versions})))
 }
 
 /// A deleted version leaves this replica: new requests refuse it, and its files go now (the
@@ -588,7 +618,9 @@ async fn load(req: HttpRequest, state: web::Data<AppState>, name: web::Path<Stri
     let _permit = admit_tenant_request(&state, &owner).await?;
     let record = state.store.visible_adapter(&owner.id, &name).await?.ok_or_else(|| not_found(&name))?;
     let _guard = state.blobs.enter(&record.id).ok_or_else(|| not_found(&name))?;
-    pin_latest(&state, &record, owner.holder(&state)).await
+    let res = pin_latest(&state, &record, owner.holder(&state)).await?;
+    audit_as(&state, &owner.id, &owner.key_id, &record.owner, "adapter.load", &record.name, json!({"version": record.version})).await;
+    Ok(res)
 }
 
 /// Pins `record` in every worker's pool for `holder`, waiting a few seconds for it to arrive:
@@ -597,8 +629,12 @@ async fn load(req: HttpRequest, state: web::Data<AppState>, name: web::Path<Stri
 /// rest once placed.
 async fn pin_latest(state: &AppState, record: &AdapterRecord, holder: Holder) -> Result<HttpResponse, ApiError> {
     let name = &record.name;
+    if let Some(why) = state.base.unusable(record) {
+        return Err(ApiError::Conflict(why));
+    }
     let adapter = AdapterRef::validated(record.id.as_str(), adapter_dir(state, record).await?);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut recorded = false;
     loop {
         let mut states = Vec::new();
         for s in state.serving.load_adapter(adapter.clone(), Some(holder.clone())).await {
@@ -606,6 +642,12 @@ async fn pin_latest(state: &AppState, record: &AdapterRecord, holder: Holder) ->
         }
         if let Some(Residency::Failed(e)) = states.iter().find(|s| matches!(s, Residency::Failed(_))) {
             return Err(ApiError::Internal(format!("adapter `{name}` could not be loaded: {e}")));
+        }
+        if !recorded {
+            // Within the holder's caps: recorded, so that the next start restores it, even if it
+            // is still on its way into some pool now.
+            state.store.record_pin(&record.id, &holder.id).await?;
+            recorded = true;
         }
         let names: Vec<String> = states.iter().map(residency_name).collect();
         if !states.is_empty() && states.iter().all(|s| *s == Residency::Resident) {
@@ -619,16 +661,58 @@ async fn pin_latest(state: &AppState, record: &AdapterRecord, holder: Holder) ->
     }
 }
 
+/// Restores the pins recorded before the last stop (see [`pin_latest`]): each in every worker's
+/// pool, for its holder and within the holder's caps as they are now; a pin of an adapter this
+/// base model cannot use is skipped. Runs in the background; returns how many pins it restores.
+pub async fn restore_pins(state: &AppState) -> Result<usize, ApiError> {
+    let pins = state.store.pins().await?;
+    let mut restored = 0;
+    for (record, holder) in pins {
+        if let Some(why) = state.base.unusable(&record) {
+            eprintln!("warning: a pin is not restored: {why}");
+            continue;
+        }
+        let tenant = if holder.is_empty() { None } else { state.store.tenant(&holder).await? };
+        if !holder.is_empty() && tenant.is_none() {
+            continue;
+        }
+        let owner = Owner { id: holder, key_id: String::new(), tenant };
+        let holder = owner.holder(state);
+        let state = state.clone();
+        restored += 1;
+        actix_web::rt::spawn(async move {
+            // Not while the adapter is being deleted.
+            let Some(_guard) = state.blobs.enter(&record.id) else { return };
+            // A few minutes for the pools to make room; the pin is kept for the next start.
+            let deadline = std::time::Instant::now() + Duration::from_secs(300);
+            while std::time::Instant::now() < deadline {
+                match pin_latest(&state, &record, holder.clone()).await {
+                    Ok(res) if res.status() == actix_web::http::StatusCode::OK => return,
+                    Ok(_) => {}
+                    Err(e) => {
+                        eprintln!("warning: the pin of adapter `{}` for {} is not restored: {e}", record.label(), owner.describe());
+                        return;
+                    }
+                }
+                actix_web::rt::time::sleep(Duration::from_secs(1)).await;
+            }
+            eprintln!("warning: the pin of adapter `{}` for {} found no room in some pool", record.label(), owner.describe());
+        });
+    }
+    Ok(restored)
+}
+
 /// Lets the caller's pin of an adapter go; pins of others (the operator's pin of a published
 /// adapter) stay.
 async fn unload(req: HttpRequest, state: web::Data<AppState>, name: web::Path<String>) -> Result<HttpResponse, ApiError> {
     let owner = owner(&req, &state).await?;
     let _permit = admit_tenant_request(&state, &owner).await?;
     let record = state.store.visible_adapter(&owner.id, &name).await?.ok_or_else(|| not_found(&name))?;
-    let mut released = false;
+    let mut released = state.store.forget_pins(&record.owner, &record.name, &owner.id).await?;
     for v in state.store.adapter_versions(&record.owner, &record.name).await? {
         released |= state.serving.unload_adapter(v.id.as_str().into(), owner.id.as_str().into(), false).await;
     }
+    audit_as(&state, &owner.id, &owner.key_id, &record.owner, "adapter.unload", &record.name, json!({"released": released})).await;
     Ok(HttpResponse::Ok().json(json!({"name": record.name, "released": released})))
 }
 
@@ -645,12 +729,14 @@ struct AdminAdapter {
 /// as the operator: it stays resident until the operator unpins it, whatever the tenant does.
 /// The operator's pins are bounded only by the pool's share for pins.
 async fn pin(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
-    authorize(&req, &state, Scope::Admin).await?;
+    let key = authorize(&req, &state, Scope::Admin).await?;
     let b: AdminAdapter = json_body(&state, payload).await?;
     let owner = b.tenant_id.unwrap_or_default();
     let record = state.store.adapter(&owner, &b.name).await?.ok_or_else(|| not_found(&b.name))?;
     let _guard = state.blobs.enter(&record.id).ok_or_else(|| not_found(&b.name))?;
-    pin_latest(&state, &record, Holder { id: "".into(), max_pages: usize::MAX }).await
+    let res = pin_latest(&state, &record, Holder { id: "".into(), max_pages: usize::MAX }).await?;
+    audit(&state, &key, &record.owner, "adapter.pin", &record.name, json!({"version": record.version})).await;
+    Ok(res)
 }
 
 #[derive(Deserialize)]
@@ -665,7 +751,7 @@ struct Unpin {
 /// Lets one holder's pins of every version of an adapter go: the operator's own, or (with
 /// `holder`) a tenant's, as an operator freeing pool pages would.
 async fn unpin(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
-    authorize(&req, &state, Scope::Admin).await?;
+    let key = authorize(&req, &state, Scope::Admin).await?;
     let b: Unpin = json_body(&state, payload).await?;
     let owner = b.tenant_id.unwrap_or_default();
     let versions = state.store.adapter_versions(&owner, &b.name).await?;
@@ -673,10 +759,11 @@ async fn unpin(req: HttpRequest, state: web::Data<AppState>, payload: web::Paylo
         return Err(not_found(&b.name));
     }
     let holder: Arc<str> = b.holder.as_deref().unwrap_or_default().into();
-    let mut released = false;
+    let mut released = state.store.forget_pins(&owner, &b.name, &holder).await?;
     for v in &versions {
         released |= state.serving.unload_adapter(v.id.as_str().into(), holder.clone(), false).await;
     }
+    audit(&state, &key, &owner, "adapter.unpin", &b.name, json!({"holder": &*holder, "released": released})).await;
     Ok(HttpResponse::Ok().json(json!({"name": b.name, "tenant_id": owner, "holder": &*holder, "released": released})))
 }
 
@@ -710,7 +797,7 @@ async fn list_all(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpRe
         let (start, end) = (first, first + run.len());
         first = end;
         let Some(latest) = run.last() else { continue };
-        let mut row = record_json(latest);
+        let mut row = record_json(&state.base, latest);
         row["versions"] = run.len().into();
         row["bytes_all_versions"] = run.iter().fold(0i64, |a, v| a.saturating_add(v.bytes)).into();
         row["owner_name"] = names.get(&latest.owner).cloned().map_or(serde_json::Value::Null, Into::into);
@@ -751,11 +838,12 @@ fn pinned_by_json(run: &[AdapterRecord], workers: &[crate::runtime::WorkerLocati
 }
 
 async fn publish(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
-    authorize(&req, &state, Scope::Admin).await?;
+    let key = authorize(&req, &state, Scope::Admin).await?;
     let b: Publish = json_body(&state, payload).await?;
     let owner = b.tenant_id.unwrap_or_default();
     if !state.store.publish_adapter(&owner, &b.name, b.public).await? {
         return Err(not_found(&b.name));
     }
+    audit(&state, &key, &owner, if b.public { "adapter.publish" } else { "adapter.unpublish" }, &b.name, json!({})).await;
     Ok(HttpResponse::Ok().json(json!({"name": b.name, "tenant_id": owner, "public": b.public})))
 }

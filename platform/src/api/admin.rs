@@ -3,6 +3,7 @@
 use actix_web::{HttpRequest, HttpResponse, web};
 use serde::Deserialize;
 
+use super::business::audit;
 use super::{ApiError, AppState, authorize, json_body};
 use crate::store::{NewTenant, Scope, TenantLimits, TenantPatch};
 
@@ -40,9 +41,10 @@ fn standard() -> String {
 }
 
 async fn create_tenant(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
-    authorize(&req, &state, Scope::Admin).await?;
+    let key = authorize(&req, &state, Scope::Admin).await?;
     let b: CreateTenant = json_body(&state, payload).await?;
     let t = state.store.create_tenant(&NewTenant { name: b.name, weight: b.weight, plan: b.plan, limits: b.limits }).await?;
+    audit(&state, &key, &t.id, "tenant.create", &t.name, serde_json::to_value(&t).unwrap_or_default()).await;
     Ok(HttpResponse::Created().json(t))
 }
 
@@ -61,7 +63,7 @@ async fn get_tenant(req: HttpRequest, state: web::Data<AppState>, id: web::Path<
 /// `null` is cleared (unlimited). `weight` and `plan` always have a value, so `null` is refused
 /// for them.
 async fn patch_tenant(req: HttpRequest, state: web::Data<AppState>, id: web::Path<String>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
-    authorize(&req, &state, Scope::Admin).await?;
+    let key = authorize(&req, &state, Scope::Admin).await?;
     let body: serde_json::Value = json_body(&state, payload).await?;
     let Some(fields) = body.as_object() else {
         return Err(ApiError::Invalid("a tenant patch is a JSON object (a merge patch: absent fields stay, null clears a limit)".into()));
@@ -74,16 +76,20 @@ async fn patch_tenant(req: HttpRequest, state: web::Data<AppState>, id: web::Pat
     if fields.get("limits").is_some_and(serde_json::Value::is_null) {
         return Err(ApiError::Invalid("`limits` cannot be null; clear one limit with `{\"limits\": {\"NAME\": null}}`".into()));
     }
-    let patch: TenantPatch = serde_json::from_value(body).map_err(|e| ApiError::Invalid(format!("invalid tenant patch: {e}")))?;
+    let patch: TenantPatch = serde_json::from_value(body.clone()).map_err(|e| ApiError::Invalid(format!("invalid tenant patch: {e}")))?;
     let t = state.store.update_tenant(&id, &patch).await?;
+    audit(&state, &key, &t.id, "tenant.update", &t.name, body).await;
     Ok(HttpResponse::Ok().json(t))
 }
 
 async fn delete_tenant(req: HttpRequest, state: web::Data<AppState>, id: web::Path<String>) -> Result<HttpResponse, ApiError> {
-    authorize(&req, &state, Scope::Admin).await?;
+    let key = authorize(&req, &state, Scope::Admin).await?;
+    let name = state.store.tenant(&id).await?.map(|t| t.name).unwrap_or_default();
     // Its keys are revoked and its adapters deleted with it (their files go once requests
     // still running on them finish), its files with their bytes; its usage stays billable.
     let deleted = state.store.delete_tenant(&id).await?.ok_or_else(|| ApiError::NotFound(format!("tenant {id}")))?;
+    let detail = serde_json::json!({"adapters": deleted.adapters.len(), "files": deleted.files.len(), "batches": deleted.batches});
+    audit(&state, &key, &id, "tenant.delete", &name, detail).await;
     // Its batches run here stop before the answer, so that no line of them starts after it (a
     // replica that runs one stops it at its next look for cancelled batches); they end with
     // what finished, and their output is not written.
@@ -131,7 +137,7 @@ fn tenant_scopes() -> Vec<Scope> {
 }
 
 async fn create_key(req: HttpRequest, state: web::Data<AppState>, id: web::Path<String>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
-    authorize(&req, &state, Scope::Admin).await?;
+    let by = authorize(&req, &state, Scope::Admin).await?;
     // The body is optional: without one, the key gets the inference and adapters scopes.
     let body = super::read_body(&state, payload).await?;
     let scopes = if body.iter().all(u8::is_ascii_whitespace) { tenant_scopes() } else { super::parse_json::<CreateKey>(&body)?.scopes };
@@ -142,18 +148,20 @@ async fn create_key(req: HttpRequest, state: web::Data<AppState>, id: web::Path<
         crate::store::StoreError::NotFound(_) => ApiError::NotFound(format!("tenant {id}")),
         e => e.into(),
     })?;
+    audit(&state, &by, &id, "key.create", &key.id, serde_json::json!({"scopes": key.scopes, "prefix": key.prefix})).await;
     Ok(HttpResponse::Created().json(serde_json::json!({"id": key.id, "key": secret, "prefix": key.prefix, "scopes": key.scopes, "tenant_id": key.tenant_id})))
 }
 
 /// A new operator key: `admin` (everything) and/or `metrics` (scraping `/metrics` only, for a
 /// Prometheus server).
 async fn create_operator_key(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
-    authorize(&req, &state, Scope::Admin).await?;
+    let by = authorize(&req, &state, Scope::Admin).await?;
     let b: CreateKey = json_body(&state, payload).await?;
     if let Some(s) = b.scopes.iter().find(|s| !matches!(s, Scope::Admin | Scope::Metrics)) {
         return Err(ApiError::Invalid(format!("an operator key has the admin and/or metrics scopes; {} belongs to a tenant's key", s.as_str())));
     }
     let (key, secret) = state.store.create_key(None, &b.scopes).await?;
+    audit(&state, &by, "", "key.create", &key.id, serde_json::json!({"scopes": key.scopes, "prefix": key.prefix})).await;
     Ok(HttpResponse::Created().json(serde_json::json!({"id": key.id, "key": secret, "prefix": key.prefix, "scopes": key.scopes, "tenant_id": null})))
 }
 
@@ -173,9 +181,11 @@ async fn list_operator_keys(req: HttpRequest, state: web::Data<AppState>) -> Res
 }
 
 async fn revoke_key(req: HttpRequest, state: web::Data<AppState>, id: web::Path<String>) -> Result<HttpResponse, ApiError> {
-    authorize(&req, &state, Scope::Admin).await?;
+    let by = authorize(&req, &state, Scope::Admin).await?;
+    let owner = state.store.key_tenant(&id).await?;
     if !state.store.revoke_key(&id).await? {
         return Err(ApiError::NotFound(format!("key {id}")));
     }
+    audit(&state, &by, owner.as_deref().unwrap_or(""), "key.revoke", &id, serde_json::json!({})).await;
     Ok(HttpResponse::NoContent().finish())
 }

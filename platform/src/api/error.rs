@@ -1,5 +1,6 @@
 //! The one table from errors to HTTP statuses and stable codes, with OpenAI's error body:
-//! `{"error": {"message", "type", "code"}}`.
+//! `{"error": {"message", "type", "param", "code"}}` (LoRAX's routes answer the same errors in
+//! LoRAX's shape, `{"error", "error_type"}`).
 
 use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
@@ -94,6 +95,40 @@ impl ApiError {
             body["error"]["lines"] = serde_json::to_value(lines).unwrap_or_default();
         }
         body
+    }
+}
+
+/// LoRAX's (and TGI's) `error_type` of each error, for the LoRAX routes: `validation`,
+/// `generation` and `overloaded` are LoRAX's own; LoRAX has no keys, so what is about them is
+/// `authentication`, and a missing resource is `not_found`.
+pub const LORAX_ERROR_TYPES: &[&str] = &["validation", "authentication", "not_found", "overloaded", "generation"];
+
+impl ApiError {
+    /// LoRAX's `error_type` of this error (one of [`LORAX_ERROR_TYPES`]).
+    pub fn lorax_type(&self) -> &'static str {
+        match self {
+            ApiError::MissingKey | ApiError::BadKey | ApiError::Forbidden(_) => "authentication",
+            ApiError::NotFound(_) => "not_found",
+            ApiError::Invalid(_)
+            | ApiError::InvalidParam { .. }
+            | ApiError::InvalidLines { .. }
+            | ApiError::Conflict(_)
+            | ApiError::TooLarge(_)
+            | ApiError::Timeout(_) => "validation",
+            ApiError::RateLimited { .. } | ApiError::Quota(_) | ApiError::Overloaded { .. } | ApiError::Unavailable(_) => "overloaded",
+            ApiError::Cancelled | ApiError::Internal(_) => "generation",
+        }
+    }
+
+    /// The body in LoRAX's shape, `{"error": message, "error_type": type}`, also sent inside
+    /// its event streams.
+    pub fn lorax_body(&self) -> serde_json::Value {
+        serde_json::json!({"error": self.to_string(), "error_type": self.lorax_type()})
+    }
+
+    /// [`ResponseError::error_response`] (its status and headers) with the LoRAX body.
+    pub fn lorax_response(&self) -> HttpResponse {
+        self.error_response().set_body(actix_web::body::BoxBody::new(self.lorax_body().to_string()))
     }
 }
 

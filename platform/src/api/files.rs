@@ -10,6 +10,7 @@ use std::path::PathBuf;
 
 use actix_multipart::Multipart;
 use actix_web::{HttpRequest, HttpResponse, web};
+use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -85,20 +86,21 @@ async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
     state.background.run(move || std::fs::create_dir_all(&scratch_root)).await?.map_err(io_error("creating the upload directory"))?;
     let mut scratch = Scratch(Some(path.clone()));
 
+    let (payload, clock) = super::body::paced(payload, &state.settings);
     let mut form = Multipart::new(req.headers(), payload);
     let (mut purpose, mut file) = (None, None);
-    while let Some(field) = super::next_chunk(&mut form, state.settings.body_timeout).await? {
-        let mut field = field.map_err(|e| ApiError::Invalid(format!("malformed multipart body: {e}")))?;
+    while let Some(field) = form.next().await {
+        let mut field = field.map_err(|e| clock.error(|| ApiError::Invalid(format!("malformed multipart body: {e}"))))?;
         let field_name = field.name().unwrap_or_default().to_string();
         match field_name.as_str() {
             "purpose" => {
-                let bytes = super::adapters::read_small(&state, &mut field, "purpose", 64).await?;
+                let bytes = super::adapters::read_small(&clock, &mut field, "purpose", 64).await?;
                 purpose = Some(String::from_utf8_lossy(&bytes).trim().to_string());
             }
             "file" if file.is_some() => return Err(ApiError::Invalid("the form has two `file` fields".into())),
             "file" => {
                 let name = clean_filename(field.content_disposition().and_then(|cd| cd.get_filename()).unwrap_or_default());
-                let size = super::adapters::write_field(&state, &mut field, "file", path.clone(), limits.max_file_bytes).await?;
+                let size = super::adapters::write_field(&state, &clock, &mut field, "file", path.clone(), limits.max_file_bytes).await?;
                 file = Some((name, size));
             }
             other => {
@@ -158,6 +160,8 @@ async fn upload(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
         return Err(e.into());
     }
     scratch.0 = None;
+    let detail = json!({"filename": record.filename, "bytes": record.bytes, "lines": record.lines});
+    super::business::audit_as(&state, &caller.tenant.id, &caller.key_id, &caller.tenant.id, "file.upload", &record.id, detail).await;
     Ok(HttpResponse::Ok().json(file_json(&record)))
 }
 
@@ -271,5 +275,7 @@ async fn delete(req: HttpRequest, state: web::Data<AppState>, id: web::Path<Stri
         .or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) })
         .map_err(io_error("removing the file"))?;
     state.adapter_files.remove_file(&record.path).await;
+    super::business::audit_as(&state, &caller.tenant.id, &caller.key_id, &caller.tenant.id, "file.delete", &record.id, json!({"filename": record.filename}))
+        .await;
     Ok(HttpResponse::Ok().json(json!({"id": record.id, "object": "file", "deleted": true})))
 }

@@ -77,7 +77,7 @@ pub async fn admitted(req: &HttpRequest, state: &AppState) -> Result<Admitted, A
 #[derive(Debug, Clone)]
 pub enum Target {
     Base,
-    Adapter(AdapterRecord),
+    Adapter(Box<AdapterRecord>),
 }
 
 impl Target {
@@ -108,7 +108,11 @@ pub async fn resolve(state: &AppState, tenant: &str, name: &str) -> Result<Targe
         }
         _ => state.store.visible_adapter(tenant, name).await?,
     };
-    record.map(Target::Adapter).ok_or_else(not_found)
+    let record = record.ok_or_else(not_found)?;
+    if let Some(why) = state.base.unusable(&record) {
+        return Err(ApiError::InvalidParam { param: "model".into(), message: why });
+    }
+    Ok(Target::Adapter(Box::new(record)))
 }
 
 /// One event of a job.
@@ -225,6 +229,7 @@ pub async fn start(state: &AppState, admitted: Admitted, spec: JobSpec) -> Resul
         completion_price,
         instance: state.settings.instance.clone(),
         batch_id: spec.batch.as_ref().map_or_else(String::new, |b| b.batch_id.to_string()),
+        base_model: state.base.name.clone(),
     };
     let open_first = spec.batch.is_some() || state.settings.open_row_after.is_zero();
     if open_first {

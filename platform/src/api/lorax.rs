@@ -176,7 +176,12 @@ fn headers(res: &mut HttpResponseBuilder, state: &AppState, adapter_id: &str, pr
     }
 }
 
-async fn generate(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
+/// `POST /generate`; errors in LoRAX's shape.
+async fn generate(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> HttpResponse {
+    generated(req, state, payload).await.unwrap_or_else(|e| e.lorax_response())
+}
+
+async fn generated(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     let (caller, p) = prepare(&req, &state, payload).await?;
     let job = infer::start(&state, caller, p.spec).await?;
     let prompt_tokens = job.prompt_tokens;
@@ -251,17 +256,22 @@ impl Streaming {
             }
             Some(JobEvent::Failed(e)) => {
                 self.done = true;
-                Some(sse(&e.body()))
+                Some(sse(&e.lorax_body()))
             }
             None => {
                 self.done = true;
-                Some(sse(&ApiError::Unavailable("the request ended without a result".into()).body()))
+                Some(sse(&ApiError::Unavailable("the request ended without a result".into()).lorax_body()))
             }
         }
     }
 }
 
-async fn generate_stream(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
+/// `POST /generate_stream`; errors in LoRAX's shape, before the stream and inside it.
+async fn generate_stream(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> HttpResponse {
+    streamed(req, state, payload).await.unwrap_or_else(|e| e.lorax_response())
+}
+
+async fn streamed(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     let (caller, p) = prepare(&req, &state, payload).await?;
     let job = infer::start(&state, caller, p.spec).await?;
     let mut res = HttpResponse::Ok();

@@ -6,11 +6,14 @@ mod admin;
 mod admission;
 pub mod batch;
 mod blocking;
+mod body;
+pub(crate) mod business;
 pub mod cluster;
 mod error;
 pub mod files;
 mod infer;
 mod limits;
+pub mod listen;
 mod lorax;
 mod metrics;
 mod objects;
@@ -29,10 +32,10 @@ use std::sync::Arc;
 
 use actix_web::{HttpRequest, HttpResponse, web};
 
-pub use adapters::{Blobs, sweep};
+pub use adapters::{Blobs, restore_pins, sweep};
 pub use admission::{Admission, AdmissionConfig};
 pub use blocking::BlockingPool;
-pub use error::ApiError;
+pub use error::{ApiError, LORAX_ERROR_TYPES};
 pub use limits::Limiter;
 pub use metrics::{Metrics, StateTime};
 pub use objects::{AdapterFiles, ObjectError};
@@ -63,8 +66,12 @@ pub struct ApiSettings {
     pub blocking_queue: usize,
     /// A request body that sends nothing for this long is cut with 408.
     pub body_timeout: std::time::Duration,
+    /// Bytes a second a body must keep up past its first `body_timeout` (see [`body`]).
+    pub body_min_rate: u64,
     /// Uploads one key may run at once.
     pub max_uploads_per_key: u32,
+    /// Live keys a tenant may hold when it mints its own.
+    pub max_keys_per_tenant: u32,
     /// Percent of each pool a tenant without its own `max_pinned_pages` may pin.
     pub tenant_pinned_percent: u32,
     /// This server's name on the ledger rows it opens (see [`crate::store::Ledger`]).
@@ -112,7 +119,9 @@ impl ApiSettings {
             blocking_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             blocking_queue: 1024,
             body_timeout: std::time::Duration::from_secs(30),
+            body_min_rate: 1024,
             max_uploads_per_key: 2,
+            max_keys_per_tenant: 10,
             tenant_pinned_percent: 10,
             instance: instance.into(),
             open_row_after: OPEN_ROW_AFTER,
@@ -132,6 +141,8 @@ pub struct AppState {
     pub tokenizer: Arc<Tokenizer>,
     /// The name clients use for the base model.
     pub model_name: Arc<str>,
+    /// The base model as adapters record it (its name and shape).
+    pub base: Arc<BaseModel>,
     pub data_dir: Arc<Path>,
     pub limiter: Arc<Limiter>,
     pub metrics: Arc<Metrics>,
@@ -188,9 +199,10 @@ impl AppState {
             end_tokens: crate::engine::end_tokens(&tokenizer, serving.model_config()).into(),
             grammar: Arc::default(),
             store,
-            serving,
             tokenizer,
+            base: Arc::new(BaseModel::new(model_name, serving.base_shape())),
             model_name: model_name.into(),
+            serving,
             data_dir: data_dir.into(),
             limiter: Limiter::new(),
             metrics: Arc::new(Metrics::default()),
@@ -200,6 +212,44 @@ impl AppState {
             settings: Arc::new(settings),
             started_at: crate::store::now_ms(),
         }
+    }
+}
+
+/// The base model this server serves, as an adapter records the model it was uploaded for: its
+/// served name, and its shape (the layers and the sizes of each projection an adapter's matrices
+/// must fit). An adapter recorded for another shape cannot be used here; one recorded under
+/// another name but the same shape can (a model served under a new name), and its listing says
+/// which it was uploaded for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BaseModel {
+    pub name: String,
+    pub shape: String,
+}
+
+impl BaseModel {
+    pub fn new(name: &str, shape: &loraplex_adapters::BaseShape) -> Self {
+        let modules: Vec<String> = loraplex_adapters::TargetModule::ALL
+            .iter()
+            .map(|&m| {
+                let (i, o) = shape.dims(m);
+                format!("{} {i}x{o}", m.hf_name())
+            })
+            .collect();
+        BaseModel { name: name.to_string(), shape: format!("{} layers; {}", shape.num_layers, modules.join(", ")) }
+    }
+
+    /// Why `adapter` cannot be used with this model, when it cannot.
+    pub fn unusable(&self, adapter: &crate::store::AdapterRecord) -> Option<String> {
+        let shape = adapter.base_shape.as_deref()?;
+        (shape != self.shape).then(|| {
+            format!(
+                "adapter `{}` was uploaded for the base model `{}` ({shape}), not for `{}`, which this server serves ({}): upload it again for this model",
+                adapter.label(),
+                adapter.base_model.as_deref().unwrap_or("unknown"),
+                self.name,
+                self.shape
+            )
+        })
     }
 }
 
@@ -289,6 +339,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .route("/admin/stats", web::get().to(stats))
         .route("/openapi.json", web::get().to(openapi_json))
         .configure(admin::routes)
+        .configure(business::routes)
         .configure(openai::routes)
         .configure(lorax::routes)
         .configure(adapters::routes)
@@ -315,23 +366,14 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiE
     serde_json::from_slice(body).map_err(|e| ApiError::Invalid(format!("invalid JSON body: {e}")))
 }
 
-/// The next part of a body (a chunk, a multipart field); 408 if none comes within `timeout`.
-pub async fn next_chunk<S>(stream: &mut S, timeout: std::time::Duration) -> Result<Option<S::Item>, ApiError>
-where
-    S: futures::Stream + Unpin,
-{
+/// Reads a request body of at most [`MAX_JSON_BYTES`]; a body that stalls, or falls behind the
+/// minimum rate, is cut with 408 (see [`body`]).
+pub async fn read_body(state: &AppState, payload: web::Payload) -> Result<web::Bytes, ApiError> {
     use futures::StreamExt;
-    tokio::time::timeout(timeout, stream.next())
-        .await
-        .map_err(|_| ApiError::Timeout(format!("the request body stalled: nothing arrived for {} s", timeout.as_secs_f64())))
-}
-
-/// Reads a request body of at most [`MAX_JSON_BYTES`]; a body that stalls for the body timeout
-/// is cut with 408.
-pub async fn read_body(state: &AppState, mut payload: web::Payload) -> Result<web::Bytes, ApiError> {
+    let (mut payload, clock) = body::paced(payload, &state.settings);
     let mut out = web::BytesMut::new();
-    while let Some(chunk) = next_chunk(&mut payload, state.settings.body_timeout).await? {
-        let chunk = chunk.map_err(|e| ApiError::Invalid(format!("reading the body: {e}")))?;
+    while let Some(chunk) = payload.next().await {
+        let chunk = chunk.map_err(|e| clock.error(|| ApiError::Invalid(format!("reading the body: {e}"))))?;
         if out.len().saturating_add(chunk.len()) > MAX_JSON_BYTES {
             return Err(ApiError::TooLarge(format!("the body is larger than {MAX_JSON_BYTES} bytes")));
         }
@@ -432,13 +474,18 @@ pub async fn authorize(req: &HttpRequest, state: &AppState, scope: Scope) -> Res
 
 /// [`authorize`], with the key's tenant and plan (a lookup the store keeps for a moment).
 pub async fn principal(req: &HttpRequest, state: &AppState, scope: Scope) -> Result<std::sync::Arc<Principal>, ApiError> {
-    let header = req.headers().get("authorization").and_then(|h| h.to_str().ok()).ok_or(ApiError::MissingKey)?;
-    let secret = header.strip_prefix("Bearer ").map(str::trim).filter(|s| !s.is_empty()).ok_or(ApiError::MissingKey)?;
-    let found = state.store.principal(secret).await?.ok_or(ApiError::BadKey)?;
+    let found = principal_of(req.headers(), state).await?;
     if !found.key.has(scope) {
         return Err(ApiError::Forbidden(scope.as_str()));
     }
     Ok(found)
+}
+
+/// The key of a request with these headers, whatever its scope.
+async fn principal_of(headers: &actix_web::http::header::HeaderMap, state: &AppState) -> Result<std::sync::Arc<Principal>, ApiError> {
+    let header = headers.get("authorization").and_then(|h| h.to_str().ok()).ok_or(ApiError::MissingKey)?;
+    let secret = header.strip_prefix("Bearer ").map(str::trim).filter(|s| !s.is_empty()).ok_or(ApiError::MissingKey)?;
+    state.store.principal(secret).await?.ok_or(ApiError::BadKey)
 }
 
 #[cfg(test)]

@@ -746,7 +746,8 @@ async fn model_objects(state: &AppState, caller: &infer::Caller) -> Result<Vec<V
         "parent": null,
         "max_model_len": state.serving.model_config().max_position_embeddings,
     })];
-    for a in state.store.visible_adapters(&caller.tenant.id).await? {
+    // Adapters of another base model are not models this server can run.
+    for a in state.store.visible_adapters(&caller.tenant.id).await?.into_iter().filter(|a| state.base.unusable(a).is_none()) {
         let owned_by = if a.owner == caller.tenant.id { caller.tenant.name.as_str() } else { "loraplex" };
         data.push(json!({
             "id": a.name,

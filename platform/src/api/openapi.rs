@@ -54,6 +54,16 @@ pub const ROUTES: &[(&str, &str, &str, &str)] = &[
     ("get", "/admin/keys", "The operator's keys, revoked ones included, newest first (never their secrets).", "admin"),
     ("delete", "/admin/keys/{id}", "Revoke a key.", "admin"),
     ("get", "/admin/billing/report", "Every tenant's bill: ?from=&to=&format=json|csv.", "admin"),
+    ("get", "/admin/plans", "Every plan and its prices (micro-dollars per million tokens) and batch discount.", "admin"),
+    ("post", "/admin/plans", "Create a plan: {name, prompt_price, cached_prompt_price, completion_price, batch_percent}.", "admin"),
+    ("patch", "/admin/plans/{name}", "Change a plan's prices: requests admitted from then on pay them; the ledger's rows keep theirs.", "admin"),
+    ("get", "/admin/tenants/{id}/prices", "A tenant's plan, its own prices over it, and the prices it pays.", "admin"),
+    ("put", "/admin/tenants/{id}/prices", "Set a tenant's own prices over its plan's (a null or absent field is the plan's; {} clears them).", "admin"),
+    ("get", "/admin/audit", "Who changed what, when, newest first: ?tenant_id=&before=&limit=.", "admin"),
+    ("get", "/v1/me", "The caller's tenant: its plan and prices, its limits, and what it uses and has left of each quota.", "inference"),
+    ("post", "/v1/keys", "Mint a key of the caller's tenant (its scopes or fewer), within the per-tenant cap; the secret is shown once.", "inference"),
+    ("get", "/v1/keys", "The caller's tenant's keys, revoked ones included, newest first (never their secrets).", "inference"),
+    ("delete", "/v1/keys/{id}", "Revoke one of the caller's tenant's keys.", "inference"),
     ("post", "/v1/files", "Upload a file of requests for the Batch API (multipart: purpose=batch, file: JSONL, one request a line).", "inference"),
     ("get", "/v1/files", "The caller's files, newest first: ?purpose=&limit=&after=&order=asc|desc.", "inference"),
     ("get", "/v1/files/{id}", "One file.", "inference"),
@@ -90,11 +100,18 @@ struct Shape {
     /// Success statuses and their responses.
     ok: Vec<(&'static str, Value)>,
     errors: &'static [u16],
+    /// The errors come in LoRAX's shape (`LoraxError`), not OpenAI's.
+    lorax: bool,
 }
 
 impl Shape {
     fn new(ok: Vec<(&'static str, Value)>, errors: &'static [u16]) -> Self {
-        Self { query: Vec::new(), body: None, ok, errors }
+        Self { query: Vec::new(), body: None, ok, errors, lorax: false }
+    }
+
+    fn lorax(mut self) -> Self {
+        self.lorax = true;
+        self
     }
 
     fn body(mut self, body: Value) -> Self {
@@ -242,6 +259,7 @@ fn shape(method: &str, path: &str) -> Shape {
             vec![("200", json!({"description": "The generated text.", "headers": lorax_headers(true), "content": {"application/json": {"schema": r("Generated")}}}))],
             INFERENCE_ERRORS,
         )
+        .lorax()
         .body(json_body(
             "GenerateRequest",
             &[
@@ -263,6 +281,7 @@ fn shape(method: &str, path: &str) -> Shape {
             )],
             INFERENCE_ERRORS,
         )
+        .lorax()
         .body(json_body(
             "GenerateRequest",
             &[("stream", json!({"inputs": "Hello", "parameters": {"max_new_tokens": 4, "details": true, "return_k_alternatives": 1, "stop": ["x"]}}))],
@@ -342,6 +361,29 @@ fn shape(method: &str, path: &str) -> Shape {
             "content": {"application/json": {"schema": r("KeyRequest"), "example": {"scopes": ["metrics"]}}},
         })),
         ("delete", "/admin/keys/{id}") => Shape::new(vec![("204", json!({"description": "Revoked."}))], &[400, 401, 403, 404, 503]),
+        ("get", "/admin/plans") => Shape::new(vec![("200", json_ok("Every plan.", r("PlanList")))], &[401, 403, 503]),
+        ("post", "/admin/plans") => Shape::new(vec![("201", json_ok("The plan.", r("Plan")))], &[400, 401, 403, 408, 409, 413, 503]).body(json_body(
+            "NewPlan",
+            &[("plan", json!({"name": "startup", "prompt_price": 300000, "cached_prompt_price": 75000, "completion_price": 900000, "batch_percent": 50}))],
+        )),
+        ("patch", "/admin/plans/{name}") => Shape::new(vec![("200", json_ok("The plan as changed.", r("Plan")))], &[400, 401, 403, 404, 408, 413, 503])
+            .body(json_body("PlanPatch", &[("prices", json!({"completion_price": 1000000}))])),
+        ("get", "/admin/tenants/{id}/prices") => Shape::new(vec![("200", json_ok("The tenant's prices.", r("TenantPrices")))], &[400, 401, 403, 404, 503]),
+        ("put", "/admin/tenants/{id}/prices") => Shape::new(vec![("200", json_ok("The tenant's prices as set.", r("TenantPrices")))], &[400, 401, 403, 404, 408, 413, 503])
+            .body(json_body("PriceOverride", &[("discount", json!({"completion_price": 1000000, "batch_percent": 40})), ("clear", json!({}))])),
+        ("get", "/admin/audit") => Shape::new(vec![("200", json_ok("The entries, newest first.", r("AuditLog")))], &[400, 401, 403, 503]).query(vec![
+            query("tenant_id", "Only changes made by or about this tenant.", json!({"type": "string", "maxLength": 64})),
+            query("before", "Only entries before this Unix millisecond (the `at` of the last entry of the page before).", json!({"type": "integer", "format": "int64"})),
+            query("limit", "At most this many entries (1 to 1000; default 100).", json!({"type": "integer", "minimum": 1, "maximum": 1000})),
+        ]),
+        ("get", "/v1/me") => Shape::new(vec![("200", json_ok("The caller's tenant.", r("Me")))], &[401, 403, 503]),
+        ("post", "/v1/keys") => Shape::new(vec![("201", json_ok("The key; `key` is its secret.", r("CreatedKey")))], &[400, 401, 403, 408, 413, 429, 503]).body(json!({
+            "required": false,
+            "description": "Optional: without a body, the key has the caller's scopes.",
+            "content": {"application/json": {"schema": r("KeyRequest"), "example": {"scopes": ["inference"]}}},
+        })),
+        ("get", "/v1/keys") => Shape::new(vec![("200", json_ok("The tenant's keys.", r("KeyList")))], &[401, 403, 503]),
+        ("delete", "/v1/keys/{id}") => Shape::new(vec![("204", json!({"description": "Revoked."}))], &[400, 401, 403, 404, 503]),
         ("get", "/admin/billing/report") => Shape::new(
             vec![(
                 "200",
@@ -405,11 +447,15 @@ fn error_responses() -> Value {
     }});
     let mut out = Map::new();
     for &(status, name, description) in ERRORS {
-        let mut response = json_ok(description, r("Error"));
-        if status == 429 || status == 503 {
-            response["headers"] = retry_after.clone();
+        // LoRAX's routes are inference routes: their errors are those.
+        let shapes: &[(&str, &str)] = if INFERENCE_ERRORS.contains(&status) { &[("", "Error"), ("Lorax", "LoraxError")] } else { &[("", "Error")] };
+        for &(prefix, schema) in shapes {
+            let mut response = json_ok(description, r(schema));
+            if status == 429 || status == 503 {
+                response["headers"] = retry_after.clone();
+            }
+            out.insert(format!("{prefix}{name}"), response);
         }
-        out.insert(name.into(), response);
     }
     Value::Object(out)
 }
@@ -420,9 +466,10 @@ fn operation(method: &str, path: &str, summary: &str, scope: &str) -> Value {
     for (status, response) in shape.ok {
         responses.insert(status.into(), response);
     }
+    let prefix = if shape.lorax { "Lorax" } else { "" };
     for status in shape.errors {
         if let Some(&(_, name, _)) = ERRORS.iter().find(|e| e.0 == *status) {
-            responses.insert(status.to_string(), json!({"$ref": format!("#/components/responses/{name}")}));
+            responses.insert(status.to_string(), json!({"$ref": format!("#/components/responses/{prefix}{name}")}));
         }
     }
     let mut parameters: Vec<Value> = path
@@ -466,7 +513,7 @@ pub fn document(version: &str) -> Value {
             "version": version,
             "description": "Multi-tenant LoRA serving: OpenAI- and LoRAX-compatible inference, adapters, tenants and billing. \
                 Every route but /health, /ready and /openapi.json needs `Authorization: Bearer KEY` with the scope named by the operation's `x-scope` \
-                (tenant keys: inference, adapters; operator keys: admin, metrics). Errors have one shape everywhere: `{\"error\": {\"message\", \"type\", \"code\"}}`.",
+                (tenant keys: inference, adapters; operator keys: admin, metrics). Errors have OpenAI's shape, `{\"error\": {\"message\", \"type\", \"param\", \"code\"}}`, everywhere but on LoRAX's routes, which answer the same errors in LoRAX's shape, `{\"error\", \"error_type\"}`.",
         },
         "paths": paths,
         "components": {

@@ -8,7 +8,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix_web::middleware::from_fn;
 use actix_web::{App, HttpServer, web};
 use anyhow::{Context, bail};
 use loraplex_kernels::cuda::CudaBackend;
@@ -131,7 +130,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         blocking_threads: args.blocking_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())).max(1),
         blocking_queue: args.blocking_queue,
         body_timeout: Duration::from_secs(args.body_timeout.max(1)),
+        body_min_rate: args.body_min_rate,
         max_uploads_per_key: args.max_uploads_per_key.max(1),
+        max_keys_per_tenant: args.max_keys_per_tenant,
         tenant_pinned_percent: args.tenant_pinned_percent,
         instance: instance_id(&data_dir)?,
         open_row_after: Duration::from_millis(args.open_row_after_ms),
@@ -153,6 +154,15 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             }
             None => !store.has_admin_key().await?,
         };
+        let base = api::BaseModel::new(&model_name, serving.base_shape());
+        let adopted = store.adopt_adapters(&base.name, &base.shape).await?;
+        if adopted > 0 {
+            println!("adapters: {adopted} versions recorded before adapters named their base model are taken to be for `{}`", base.name);
+        }
+        let other_model = store.all_adapter_versions().await?.iter().filter(|a| base.unusable(a).is_some()).count();
+        if other_model > 0 {
+            println!("adapters: {other_model} versions were uploaded for another base model and cannot be used with this one (see /admin/adapters)");
+        }
         let swept = api::sweep(&data_dir, &store, *serving.base_shape(), *serving.adapter_limits()).await.context("cleaning the data directory")?;
         if swept.orphans + swept.validated > 0 {
             println!("adapter files: kept {}, removed {} orphaned, validated {} from before manifests", swept.kept, swept.orphans, swept.validated);
@@ -181,18 +191,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             state.limiter = api::Limiter::shared(store.clone(), &instance).await.context("starting the shared limits")?;
             println!("tenant limits: shared by every replica of this database");
         }
-        let app_state = state.clone();
-        let mut server = HttpServer::new(move || {
-            App::new().wrap(from_fn(api::shed_refused_bodies)).wrap(from_fn(api::request_id)).app_data(web::Data::new(app_state.clone())).configure(api::routes)
-        })
-        .on_connect(api::on_connect)
-        .shutdown_timeout(args.shutdown_timeout)
-        // actix stops at once on SIGINT; here both signals drain (see `stop_on_signals`).
-        .disable_signals();
-        if let Some(n) = args.http_workers {
-            server = server.workers(n.max(1));
-        }
-        let server = server.bind((args.host.as_str(), args.port)).with_context(|| format!("listening on {}:{}", args.host, args.port))?;
+        let listeners = api::listen::bind(&args.host, args.port).with_context(|| format!("listening on {}:{}", args.host, args.port))?;
+        let addrs = api::listen::addresses(&listeners);
         if generate_key {
             let (_, secret) = store.create_key(None, &[crate::store::Scope::Admin]).await?;
             println!("admin key (shown once; keep it): {secret}");
@@ -201,6 +201,10 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         let resumed = api::batch::resume(&state).await.context("resuming the batches of the last run")?;
         if resumed > 0 {
             println!("batches: {resumed} of the last run go on");
+        }
+        let pins = api::restore_pins(&state).await.context("restoring the pins of the last run")?;
+        if pins > 0 {
+            println!("pins: restoring {pins} of the last run");
         }
         let metrics_server = match args.cluster.metrics_port {
             Some(port) => {
@@ -221,13 +225,14 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             }
             None => None,
         };
-        for addr in server.addrs() {
+        for addr in addrs {
             println!("listening on http://{addr}");
         }
         api::cluster::watch(state.clone(), Duration::from_millis(args.cluster.cluster_sync_ms));
         use std::io::Write;
         std::io::stdout().flush()?;
-        let server = server.run();
+        // Both signals drain (see `stop_on_signals`); the server itself listens for none.
+        let server = api::listen::server(state.clone(), listeners, args.http_workers, args.shutdown_timeout).context("starting the HTTP server")?;
         actix_web::rt::spawn(stop_on_signals(server.handle()));
         server.await?;
         if let Some(handle) = metrics_server {

@@ -55,10 +55,12 @@ impl Store {
                 content_hash: new.content_hash.clone(),
                 blob: new.blob.clone(),
                 created_at: now_ms(),
+                base_model: Some(new.base_model.clone()),
+                base_shape: Some(new.base_shape.clone()),
             };
             sqlx::query(
-                "INSERT INTO adapters (id, owner, name, version, rank, targets, bytes, content_hash, blob, created_at, public) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                "INSERT INTO adapters (id, owner, name, version, rank, targets, bytes, content_hash, blob, created_at, public, base_model, base_shape) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
             )
             .bind(&record.id)
             .bind(&record.owner)
@@ -71,6 +73,8 @@ impl Store {
             .bind(&record.blob)
             .bind(record.created_at)
             .bind(record.public)
+            .bind(&record.base_model)
+            .bind(&record.base_shape)
             .execute(&mut *tx)
             .await?;
             tx.commit().await?;
@@ -191,5 +195,55 @@ impl Store {
                 .fetch_one(&self.pool)
                 .await?;
         Ok((n, bytes.unwrap_or(0)))
+    }
+
+    /// Records `model` (its served name and shape) as the base model of every version recorded
+    /// before versions named theirs; how many were.
+    pub async fn adopt_adapters(&self, model: &str, shape: &str) -> Result<u64, StoreError> {
+        let done =
+            sqlx::query("UPDATE adapters SET base_model = $1, base_shape = $2 WHERE base_shape IS NULL").bind(model).bind(shape).execute(&self.pool).await?;
+        Ok(done.rows_affected())
+    }
+
+    /// Records `holder`'s pin ('' the operator's) of adapter version `adapter_id`, to be
+    /// restored at the next start.
+    pub async fn record_pin(&self, adapter_id: &str, holder: &str) -> Result<(), StoreError> {
+        let sql = "INSERT INTO adapter_pins (adapter_id, holder, created_at) VALUES ($1, $2, $3) ON CONFLICT (adapter_id, holder) DO NOTHING";
+        self.retrying(|| async {
+            sqlx::query(sql).bind(adapter_id).bind(holder).bind(now_ms()).execute(&self.pool).await.map(|_| ()).map_err(StoreError::from)
+        })
+        .await
+    }
+
+    /// Forgets `holder`'s pins of every version of `owner`'s adapter `name`; whether there were any.
+    pub async fn forget_pins(&self, owner: &str, name: &str, holder: &str) -> Result<bool, StoreError> {
+        let sql = "DELETE FROM adapter_pins WHERE holder = $3 AND adapter_id IN (SELECT id FROM adapters WHERE owner = $1 AND name = $2)";
+        self.retrying(|| async {
+            let done = sqlx::query(sql).bind(owner).bind(name).bind(holder).execute(&self.pool).await?;
+            Ok(done.rows_affected() > 0)
+        })
+        .await
+    }
+
+    /// Every recorded pin of a live adapter version whose holder still exists (the operator, or a
+    /// tenant not deleted): (the version, its holder), oldest first. Pins of deleted versions and
+    /// holders are forgotten on the way.
+    pub async fn pins(&self) -> Result<Vec<(AdapterRecord, String)>, StoreError> {
+        sqlx::query(
+            "DELETE FROM adapter_pins WHERE adapter_id NOT IN (SELECT id FROM adapters WHERE deleted_at IS NULL) \
+             OR (holder <> '' AND holder NOT IN (SELECT id FROM tenants WHERE deleted_at IS NULL))",
+        )
+        .execute(&self.pool)
+        .await?;
+        let sql = "SELECT a.id, a.owner, a.name, a.version, a.public, a.rank, a.targets, a.bytes, a.content_hash, a.blob, a.created_at, \
+             a.base_model, a.base_shape, p.holder FROM adapter_pins p JOIN adapters a ON a.id = p.adapter_id \
+             WHERE a.deleted_at IS NULL ORDER BY p.created_at, p.adapter_id, p.holder";
+        let rows = sqlx::query(sql).fetch_all(&self.pool).await?;
+        rows.iter()
+            .map(|row| {
+                use sqlx::{FromRow, Row};
+                Ok((AdapterRecord::from_row(row)?, row.try_get::<String, _>("holder")?))
+            })
+            .collect()
     }
 }

@@ -113,7 +113,8 @@ impl Store {
     }
 }
 
-/// A live key with its tenant and the tenant's plan, read in one statement (so one snapshot
+/// A live key with its tenant and the tenant's plan (with the tenant's own prices over the
+/// plan's), read in one statement (so one snapshot
 /// and one round trip): the tenant's and plan's columns are NULL for an operator's key.
 #[derive(Debug, sqlx::FromRow)]
 struct PrincipalRow {
@@ -180,11 +181,14 @@ impl Store {
                     t.name AS t_name, t.weight AS t_weight, t.plan AS t_plan, t.requests_per_min AS t_requests_per_min, \
                     t.tokens_per_min AS t_tokens_per_min, t.max_concurrent AS t_max_concurrent, t.max_adapters AS t_max_adapters, \
                     t.max_adapter_bytes AS t_max_adapter_bytes, t.max_pinned_pages AS t_max_pinned_pages, t.created_at AS t_created_at, \
-                    p.name AS p_name, p.prompt_price AS p_prompt_price, p.cached_prompt_price AS p_cached_prompt_price, \
-                    p.completion_price AS p_completion_price, p.batch_percent AS p_batch_percent \
+                    p.name AS p_name, COALESCE(o.prompt_price, p.prompt_price) AS p_prompt_price, \
+                    COALESCE(o.cached_prompt_price, p.cached_prompt_price) AS p_cached_prompt_price, \
+                    COALESCE(o.completion_price, p.completion_price) AS p_completion_price, \
+                    COALESCE(o.batch_percent, p.batch_percent) AS p_batch_percent \
              FROM api_keys k \
              LEFT JOIN tenants t ON t.id = k.tenant_id AND t.deleted_at IS NULL \
              LEFT JOIN plans p ON p.name = t.plan \
+             LEFT JOIN tenant_prices o ON o.tenant_id = t.id \
              WHERE k.secret_hash = $1 AND k.revoked_at IS NULL AND (k.tenant_id IS NULL OR t.id IS NOT NULL)",
         )
         .bind(hash)

@@ -199,6 +199,14 @@ impl Store {
         Ok(files.unwrap_or(0).saturating_add(running.unwrap_or(0)))
     }
 
+    /// The bytes of file storage a tenant uses (see `storage_used`).
+    pub async fn file_storage_used(&self, tenant: &str) -> Result<i64, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let used = Self::storage_used(&mut tx, tenant).await?;
+        tx.commit().await?;
+        Ok(used)
+    }
+
     /// A live file of `tenant`.
     pub async fn file(&self, tenant: &str, id: &str) -> Result<Option<FileRecord>, StoreError> {
         let sql = format!("SELECT {FILE_COLUMNS} FROM files WHERE id = $1 AND tenant_id = $2 AND deleted_at IS NULL");

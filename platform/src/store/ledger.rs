@@ -57,6 +57,8 @@ pub struct UsageRecord {
     pub instance: String,
     /// The batch it is a line of; empty for an interactive request.
     pub batch_id: String,
+    /// The base model that served it (its served name).
+    pub base_model: String,
 }
 
 /// Most rows in one transaction.
@@ -315,7 +317,7 @@ pub fn date(day: i64) -> String {
 
 /// The columns of a usage row, in the order both statements below name them.
 const USAGE_COLUMNS: &str = "id, tenant_id, key_id, adapter, prompt_tokens, cached_prompt_tokens, completion_tokens, queue_ms, ttft_ms, \
-     total_ms, outcome, started_at, finished_at, plan, prompt_price, cached_prompt_price, completion_price, instance, batch_id";
+     total_ms, outcome, started_at, finished_at, plan, prompt_price, cached_prompt_price, completion_price, instance, batch_id, base_model";
 
 /// What a known row (opened earlier) takes from a later write: its outcome, tokens and times;
 /// its plan and prices stay as opened. A row already `cancelled` or `interrupted` (voided with
@@ -335,7 +337,7 @@ fn upsert_usage_sql(kind: DbKind) -> String {
             "INSERT INTO usage ({USAGE_COLUMNS}) SELECT {USAGE_COLUMNS} FROM json_to_recordset($1::json) AS r(id TEXT, tenant_id TEXT, \
              key_id TEXT, adapter TEXT, prompt_tokens BIGINT, cached_prompt_tokens BIGINT, completion_tokens BIGINT, queue_ms DOUBLE PRECISION, \
              ttft_ms DOUBLE PRECISION, total_ms DOUBLE PRECISION, outcome TEXT, started_at BIGINT, finished_at BIGINT, plan TEXT, \
-             prompt_price BIGINT, cached_prompt_price BIGINT, completion_price BIGINT, instance TEXT, batch_id TEXT) {USAGE_ON_CONFLICT}"
+             prompt_price BIGINT, cached_prompt_price BIGINT, completion_price BIGINT, instance TEXT, batch_id TEXT, base_model TEXT) {USAGE_ON_CONFLICT}"
         ),
         DbKind::Sqlite => {
             let fields = USAGE_COLUMNS.split(',').map(|c| format!("json_extract(value, '$.{}')", c.trim())).collect::<Vec<_>>().join(", ");
@@ -424,7 +426,7 @@ impl Store {
     pub async fn usage_row(&self, id: &str) -> Result<Option<UsageRecord>, StoreError> {
         Ok(sqlx::query_as(
             "SELECT id, tenant_id, key_id, adapter, prompt_tokens, cached_prompt_tokens, completion_tokens, queue_ms, ttft_ms, total_ms, outcome, \
-             started_at, finished_at, plan, prompt_price, cached_prompt_price, completion_price, instance, batch_id FROM usage WHERE id = $1",
+             started_at, finished_at, plan, prompt_price, cached_prompt_price, completion_price, instance, batch_id, base_model FROM usage WHERE id = $1",
         )
         .bind(id)
         .fetch_optional(&self.pool)

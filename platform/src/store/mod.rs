@@ -7,6 +7,7 @@
 
 mod auth;
 mod batches;
+mod business;
 mod keys;
 mod ledger;
 pub mod limits;
@@ -48,6 +49,7 @@ use sqlx::any::AnyPoolOptions;
 
 pub use auth::Principal;
 pub use batches::{BatchRecord, BatchResult, BatchUsage, FileRecord, Page, batch_status, file_purpose};
+pub use business::{AuditEntry, MAX_PRICE, PriceOverride, validate_plan};
 pub use keys::KeyInfo;
 pub use ledger::{BillingLine, BillingReport, DAY_MS, Ledger, TenantTotals, Totals, UsageRecord, date, outcome};
 pub use money::Money;
@@ -62,7 +64,7 @@ macro_rules! tenant_columns {
 /// The columns of [`AdapterRecord`], in order.
 macro_rules! adapter_columns {
     () => {
-        "id, owner, name, version, public, rank, targets, bytes, content_hash, blob, created_at"
+        "id, owner, name, version, public, rank, targets, bytes, content_hash, blob, created_at, base_model, base_shape"
     };
 }
 
@@ -398,7 +400,13 @@ impl Store {
                 let now = now_ms();
                 let mut tx = self.write_tx().await?;
                 self.lock_owner(&mut tx, id).await?;
-                let n = sqlx::query("UPDATE tenants SET deleted_at = $1 WHERE id = $2 AND deleted_at IS NULL").bind(now).bind(id).execute(&mut *tx).await?;
+                // Its name is free again: the deleted row keeps it with its id, as its bills
+                // name it from now on.
+                let n = sqlx::query("UPDATE tenants SET deleted_at = $1, name = name || ' (deleted ' || id || ')' WHERE id = $2 AND deleted_at IS NULL")
+                    .bind(now)
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await?;
                 if n.rows_affected() == 0 {
                     return Ok(None);
                 }
@@ -683,6 +691,11 @@ pub struct AdapterRecord {
     pub content_hash: String,
     pub blob: String,
     pub created_at: i64,
+    /// The served name of the base model it was uploaded for, and that model's shape (see
+    /// [`crate::api::BaseModel`]); `None` only until a server adopts versions recorded before
+    /// these were.
+    pub base_model: Option<String>,
+    pub base_shape: Option<String>,
 }
 
 impl AdapterRecord {
@@ -701,4 +714,7 @@ pub struct NewAdapter {
     pub bytes: i64,
     pub content_hash: String,
     pub blob: String,
+    /// The base model it is uploaded for: its served name and shape.
+    pub base_model: String,
+    pub base_shape: String,
 }

@@ -71,6 +71,8 @@ async fn adapter_versions_and_visibility() {
             bytes: 1000,
             content_hash: "ab".repeat(32),
             blob: format!("adapters/{owner}/{name}"),
+            base_model: "m".into(),
+            base_shape: "s".into(),
         };
         assert_eq!(s.insert_adapter(&new(&a.id, "support"), &none).await.unwrap().version, 1);
         let v2 = s.insert_adapter(&new(&a.id, "support"), &none).await.unwrap();
@@ -129,6 +131,7 @@ async fn a_group_of_usage_rows_is_written_exactly() {
             completion_price: price * 3,
             instance: "replica-1".into(),
             batch_id: String::new(),
+            base_model: "loraplex-tiny".into(),
         };
         let opened = row("a", "running", 500_000);
         let ended = UsageRecord { completion_tokens: 99, total_ms: f64::NAN, plan: "other".into(), ..row("a", "ok", 1) };
@@ -173,6 +176,7 @@ async fn the_ledger_commits_in_groups_and_the_report_adds_up() {
                 cached_prompt_price: plan.cached_prompt_price,
                 completion_price: plan.completion_price,
                 batch_id: String::new(),
+                base_model: "loraplex-tiny".into(),
                 instance: "test".into(),
                 key_id: "key".into(),
                 adapter: if i % 2 == 0 { "support@1".into() } else { String::new() },
@@ -262,6 +266,7 @@ fn row(id: &str, tenant: &Tenant, plan: &Plan, outcome: &str, instance: &str, fi
         completion_price: plan.completion_price,
         instance: instance.into(),
         batch_id: String::new(),
+        base_model: "loraplex-tiny".into(),
     }
 }
 
@@ -426,6 +431,8 @@ async fn quotas_hold_under_concurrent_uploads_and_versions_stay_contiguous() {
             bytes,
             content_hash: "00".repeat(32),
             blob: random_id("adapters/blob"),
+            base_model: "m".into(),
+            base_shape: "s".into(),
         };
         // 16 distinct names at once: exactly 3 get in; the rest are quota errors, never a
         // database error.

@@ -145,7 +145,14 @@ fn bad_bodies_get_a_clear_4xx_on_every_route_and_the_server_keeps_serving() {
         for (name, route, body, status, needle) in table(context) {
             let res = env.call(Some(&key), "POST", route, Some(body));
             cases.check(name, &res, status, &needle);
-            cases.ok(&format!("{name}: an OpenAI error body"), res.json()["error"]["code"].is_string(), res.text());
+            let shape = if route.starts_with("/generate") {
+                // LoRAX's routes keep LoRAX's shape.
+                let v = res.json();
+                v["error"].is_string() && v["error_type"].is_string() && v.as_object().is_some_and(|o| o.len() == 2)
+            } else {
+                res.json()["error"]["code"].is_string()
+            };
+            cases.ok(&format!("{name}: the route's error shape"), shape, res.text());
             cases.ok(&format!("{name}: a short answer"), res.body.len() < 1024, res.body.len());
         }
         // Bodies that are not JSON at all.
@@ -167,6 +174,22 @@ fn bad_bodies_get_a_clear_4xx_on_every_route_and_the_server_keeps_serving() {
         ] {
             cases.check(&format!("usage with {query}"), &env.call(Some(&key), "GET", &format!("/v1/usage?{query}"), None), 400, needle);
         }
+        // LoRAX's error types: a bad key, an unknown adapter, a limit, each in LoRAX's shape.
+        let lorax = json!({"inputs": "hi", "parameters": {"max_new_tokens": 1}});
+        for route in ["/generate", "/generate_stream"] {
+            let res = env.call(Some("sk-unknown-0123456789"), "POST", route, Some(lorax.clone()));
+            cases.check(&format!("{route}: a bad key"), &res, 401, "\"error_type\":\"authentication\"");
+            let unknown = json!({"inputs": "hi", "parameters": {"adapter_id": "nope"}});
+            let res = env.call(Some(&key), "POST", route, Some(unknown));
+            cases.check(&format!("{route}: an unknown adapter"), &res, 404, "\"error_type\":\"not_found\"");
+            let res = env.call(Some(&key), "POST", route, Some(json!({"inputs": "hi", "parameters": {"watermark": true}})));
+            cases.check(&format!("{route}: a bad parameter"), &res, 400, "\"error_type\":\"validation\"");
+        }
+        let (_, once) = env.tenant("once", json!({"requests_per_min": 1}));
+        cases.check("lorax: the one request of the minute", &env.call(Some(&once), "POST", "/generate", Some(lorax.clone())), 200, "generated_text");
+        let res = env.call(Some(&once), "POST", "/generate", Some(lorax));
+        cases.check("lorax: over the rate limit", &res, 429, "\"error_type\":\"overloaded\"");
+        cases.ok("lorax: over the rate limit, with Retry-After", res.header("retry-after").is_some(), format!("{:?}", res.headers));
         cases.check("an unknown route", &env.call(Some(&key), "POST", "/v1/nothing", None), 404, "not found");
         cases.check("a wrong method", &env.call(Some(&key), "GET", "/v1/completions", None), 404, "not found");
         // Still serving, on every route.

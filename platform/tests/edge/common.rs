@@ -91,6 +91,13 @@ impl Env {
         self.http = self.server.client();
     }
 
+    /// Stops the server (SIGKILL) and starts it again on the same data and database, with
+    /// `extra` added to its arguments from now on.
+    pub fn restart_with(&mut self, extra: &[&str]) {
+        self.args.extend(extra.iter().map(|s| s.to_string()));
+        self.crash_and_restart();
+    }
+
     pub fn data(&self) -> PathBuf {
         self.dir.path().join("data")
     }

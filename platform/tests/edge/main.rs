@@ -5,10 +5,13 @@
 mod auth;
 mod batches;
 mod bodies;
+mod business;
 mod chat;
 mod common;
 mod crash;
 mod deep;
 mod limits;
+mod pace;
 mod races;
+mod restarts;
 mod uploads;

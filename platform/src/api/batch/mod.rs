@@ -141,6 +141,8 @@ async fn create(req: HttpRequest, state: web::Data<AppState>, payload: web::Payl
     };
     state.store.insert_batch(&record, Some(i64::from(state.settings.batch.max_active))).await?;
     Batches::start(&state, &record.id);
+    let detail = serde_json::json!({"input_file_id": record.input_file_id, "endpoint": record.endpoint});
+    super::business::audit_as(&state, &caller.tenant.id, &caller.key_id, &caller.tenant.id, "batch.create", &record.id, detail).await;
     Ok(HttpResponse::Ok().json(batch_json(&state, &record).await?))
 }
 
@@ -237,6 +239,7 @@ async fn cancel(req: HttpRequest, state: web::Data<AppState>, id: web::Path<Stri
         other => return Err(ApiError::Conflict(format!("the batch is {other}: only a batch that is validating or in progress can be cancelled"))),
     }
     let batch = owned(&state, &caller, &id).await?;
+    super::business::audit_as(&state, &caller.tenant.id, &caller.key_id, &caller.tenant.id, "batch.cancel", &batch.id, serde_json::json!({})).await;
     Ok(HttpResponse::Ok().json(batch_json(&state, &batch).await?))
 }
 

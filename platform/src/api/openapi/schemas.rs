@@ -486,6 +486,14 @@ fn chat_completion_chunk() -> Value {
 /// One server-sent event whose `data` is a JSON value of one of `schemas` (or `[DONE]`). What
 /// the JSON is, is said with JSON Schema's `contentMediaType` and `contentSchema`, which
 /// OpenAPI 3.0 only allows as extensions (`x-`); `.ci/schemathesis` reads them.
+/// LoRAX's error body, on its routes.
+fn lorax_error() -> Value {
+    record(json!({
+        "error": described(string(), "The message."),
+        "error_type": described(json!({"type": "string", "enum": crate::api::LORAX_ERROR_TYPES}), "What kind of error: LoRAX's own, and `authentication` and `not_found`."),
+    }))
+}
+
 fn event(schemas: &[&str], done: bool) -> Value {
     let json_data = json!({
         "type": "string",
@@ -627,7 +635,83 @@ fn weight() -> Value {
 }
 
 fn plan() -> Value {
-    json!({"type": "string", "enum": ["free", "standard", "enterprise"], "description": "A price plan. Default standard."})
+    json!({"type": "string", "minLength": 1, "maxLength": 64, "pattern": "^[A-Za-z0-9_-][A-Za-z0-9._-]*$", "description": "A price plan's name (`GET /admin/plans`). Default standard."})
+}
+
+/// A price: micro-dollars per million tokens.
+fn price() -> Value {
+    json!({"type": "integer", "format": "int64", "minimum": 0, "maximum": crate::store::MAX_PRICE, "description": "Micro-dollars per million tokens."})
+}
+
+fn percent() -> Value {
+    json!({"type": "integer", "format": "int64", "minimum": 0, "maximum": 100, "description": "Percent of the prices a token of batch work costs."})
+}
+
+fn plan_record() -> Value {
+    record(json!({
+        "name": plan(),
+        "prompt_price": price(),
+        "cached_prompt_price": price(),
+        "completion_price": price(),
+        "batch_percent": percent(),
+        "batch_prices": record(json!({"prompt_price": price(), "cached_prompt_price": price(), "completion_price": price()})),
+    }))
+}
+
+fn business_schemas() -> Vec<(&'static str, Value)> {
+    let quota = record(json!({"used": count(), "limit": nullable(count()), "left": described(nullable(count()), "null: unlimited.")}));
+    vec![
+        ("Plan", plan_record()),
+        ("PlanList", record(json!({"data": array(r("Plan"))}))),
+        (
+            "NewPlan",
+            strict(
+                &["name", "prompt_price", "cached_prompt_price", "completion_price"],
+                json!({"name": plan(), "prompt_price": price(), "cached_prompt_price": price(), "completion_price": price(), "batch_percent": percent()}),
+            ),
+        ),
+        ("PlanPatch", strict(&[], json!({"prompt_price": price(), "cached_prompt_price": price(), "completion_price": price(), "batch_percent": percent()}))),
+        (
+            "PriceOverride",
+            strict(
+                &[],
+                json!({"prompt_price": nullable(price()), "cached_prompt_price": nullable(price()), "completion_price": nullable(price()), "batch_percent": nullable(percent())}),
+            ),
+        ),
+        (
+            "TenantPrices",
+            record(json!({
+                "plan": r("Plan"),
+                "override": r("PriceOverride"),
+                "effective": r("Plan"),
+            })),
+        ),
+        (
+            "AuditLog",
+            record(json!({"data": array(record(json!({
+                "id": string(),
+                "at": described(count(), "Unix milliseconds."),
+                "actor": described(nullable(string()), "The tenant that made the change; null for the operator."),
+                "actor_name": nullable(string()),
+                "key_id": described(string(), "The key it was made with."),
+                "tenant_id": described(nullable(string()), "The tenant it is about."),
+                "tenant": nullable(string()),
+                "action": described(string(), "`thing.verb`: tenant.create, key.revoke, plan.update, adapter.upload, ..."),
+                "target": described(string(), "What it was done to: an id or a name."),
+                "detail": described(json!({}), "The change's fields."),
+            })))})),
+        ),
+        (
+            "Me",
+            record(json!({
+                "tenant": record(json!({"id": string(), "name": string(), "weight": number(), "plan": plan(), "created_at": count()})),
+                "prices": r("Plan"),
+                "limits": r("TenantLimits"),
+                "key": record(json!({"id": string(), "prefix": string(), "scopes": array(string())})),
+                "quotas": record(json!({"adapters": quota.clone(), "adapter_bytes": quota.clone(), "file_bytes": quota.clone(), "keys": quota})),
+            })),
+        ),
+    ]
 }
 
 const LIMITS: [&str; 6] = ["requests_per_min", "tokens_per_min", "max_concurrent", "max_adapters", "max_adapter_bytes", "max_pinned_pages"];
@@ -728,6 +812,9 @@ fn adapter() -> Value {
         "bytes": count(),
         "content_hash": string(),
         "created_at": described(count(), "Unix milliseconds."),
+        "base_model": described(nullable(string()), "The served name of the base model it was uploaded for."),
+        "usable": described(boolean(), "Whether this server's base model can use it (its shape is the one it was uploaded for)."),
+        "unusable_reason": described(nullable(string()), "Why it cannot be used, when it cannot."),
     }))
 }
 
@@ -884,7 +971,8 @@ pub fn schemas() -> Value {
         ("LoraxToken", lorax_token()),
         ("Generated", generated()),
         ("GenerateStreamToken", stream_token()),
-        ("GenerateEvent", event(&["GenerateStreamToken", "Error"], false)),
+        ("LoraxError", lorax_error()),
+        ("GenerateEvent", event(&["GenerateStreamToken", "LoraxError"], false)),
         ("TenantLimits", tenant_limits()),
         ("CreateTenant", create_tenant()),
         ("TenantPatch", tenant_patch()),
@@ -958,5 +1046,5 @@ pub fn schemas() -> Value {
         ("Health", record(json!({"status": constant("ok")}))),
         ("Ready", ready()),
     ];
-    Value::Object(all.into_iter().chain(batch::schemas()).map(|(k, v)| (k.to_string(), v)).collect())
+    Value::Object(all.into_iter().chain(batch::schemas()).chain(business_schemas()).map(|(k, v)| (k.to_string(), v)).collect())
 }

@@ -114,6 +114,7 @@ async fn unrecorded_line(state: &AppState, id: &str, tenant: &str, batch: &str, 
         completion_price: standard.completion_price / 2,
         instance: "test-instance".into(),
         batch_id: batch.into(),
+        base_model: "loraplex-tiny".into(),
     }
 }
 
@@ -122,7 +123,7 @@ async fn batch_rows(state: &AppState, id: &str) -> Vec<UsageRecord> {
     state.ledger.flush().await;
     sqlx::query_as(
         "SELECT id, tenant_id, key_id, adapter, prompt_tokens, cached_prompt_tokens, completion_tokens, queue_ms, ttft_ms, total_ms, outcome, \
-         started_at, finished_at, plan, prompt_price, cached_prompt_price, completion_price, instance, batch_id FROM usage WHERE batch_id = $1",
+         started_at, finished_at, plan, prompt_price, cached_prompt_price, completion_price, instance, batch_id, base_model FROM usage WHERE batch_id = $1",
     )
     .bind(id)
     .fetch_all(state.store.pool())

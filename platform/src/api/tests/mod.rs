@@ -130,7 +130,8 @@ where
         "POST" => TestRequest::post(),
         "DELETE" => TestRequest::delete(),
         "PATCH" => TestRequest::patch(),
-        _ => unreachable!(),
+        "PUT" => TestRequest::put(),
+        other => panic!("no test request for method {other}"),
     }
     .uri(uri);
     if let Some(k) = key {
