@@ -11,6 +11,7 @@ import { Dashboard } from './views/dashboard.js';
 import { AllAdapters } from './views/all-adapters.js';
 import { Usage } from './views/usage.js';
 import { Playground } from './views/playground.js';
+import { Account, AuditLog, Plans } from './views/business.js';
 
 /** @typedef {'operator' | 'tenant'} Role */
 
@@ -21,12 +22,15 @@ const VIEWS = {
     ['tenants', 'Tenants', Tenants],
     ['adapters', 'Adapters', AllAdapters],
     ['billing', 'Billing', Billing],
+    ['plans', 'Plans and prices', Plans],
+    ['audit', 'Audit log', AuditLog],
     ['keys', 'Operator keys', OperatorKeys],
   ],
   tenant: [
     ['adapters', 'My adapters', MyAdapters],
     ['playground', 'Playground', Playground],
     ['usage', 'Usage', Usage],
+    ['account', 'Account and keys', Account],
   ],
 };
 

@@ -7,11 +7,12 @@ import { ConfirmButton, ErrorNote, ListState, Secret, useLoad } from './common.j
 /** @typedef {{ id: string, prefix: string, scopes: string, created_at: number, revoked_at: number | null }} Key */
 
 /**
- * Keys of one owner. `base` is where they are listed and minted: `/admin/tenants/{id}/keys` or
- * `/admin/keys`; `scopes` are those a new key may get, `initial` those ticked at first.
- * @param {{ base: string, owner: string, scopes: string[], initial: string[] }} props
+ * Keys of one owner. `base` is where they are listed and minted: `/admin/tenants/{id}/keys`,
+ * `/admin/keys` or a tenant's own `/v1/keys`; `revoke` where one is revoked (`/admin/keys` or
+ * `/v1/keys`); `scopes` are those a new key may get, `initial` those ticked at first.
+ * @param {{ base: string, revoke?: string, owner: string, scopes: string[], initial: string[] }} props
  */
-export function Keys({ base, owner, scopes: allowed, initial }) {
+export function Keys({ base, revoke = '/admin/keys', owner, scopes: allowed, initial }) {
   const [keys, error, reload] = useLoad(() => api('GET', base).then((r) => /** @type {Key[]} */ (r.data)), [base]);
   const [scopes, setScopes] = useState(initial);
   const [secret, setSecret] = useState('');
@@ -56,7 +57,7 @@ export function Keys({ base, owner, scopes: allowed, initial }) {
                 <td>
                   ${k.revoked_at == null
                     ? html`<${ConfirmButton} label="Revoke" question=${`Revoke key ${k.prefix}…? Requests with it are refused at once.`} action="Revoke key"
-                        onConfirm=${async () => { await api('DELETE', `/admin/keys/${encodeURIComponent(k.id)}`); reload(); }} />`
+                        onConfirm=${async () => { await api('DELETE', `${revoke}/${encodeURIComponent(k.id)}`); reload(); }} />`
                     : null}
                 </td>
               </tr>`,

@@ -305,6 +305,36 @@ try {
   await page.locator('.uplot').nth(2).waitFor({ timeout: 5000 }).catch(() => problems.push('the usage charts are missing'));
   await audit('tenant-usage');
 
+  step('the tenant sees its plan, prices and quotas, mints a key of its own and revokes it');
+  await page.getByRole('link', { name: 'Account and keys' }).click();
+  const prices = page.getByRole('table', { name: 'Prices' });
+  await prices.waitFor();
+  const priceRows = await prices.locator('tbody tr').evaluateAll((trs) => trs.map((tr) => [...tr.children].map((c) => c.textContent ?? '')));
+  // The standard plan: $0.50 / $0.125 / $1.50 per million tokens, half in a batch.
+  if (JSON.stringify(priceRows) !== JSON.stringify([['Prompt', '$0.50', '$0.25'], ['Cached prompt', '$0.125', '$0.0625'], ['Completion', '$1.50', '$0.75']])) {
+    problems.push(`the tenant's prices: ${JSON.stringify(priceRows)}`);
+  }
+  const keysQuota = await page.getByRole('table', { name: 'Quotas' }).getByRole('row').filter({ has: page.getByRole('rowheader', { name: 'Live keys' }) }).getByRole('cell').allTextContents();
+  if (keysQuota[1] !== '10' || Number(keysQuota[0]) + Number(keysQuota[2]) !== 10 || Number(keysQuota[0]) < 1) problems.push(`the tenant's key quota: ${JSON.stringify(keysQuota)}`);
+  const ownForm = page.getByRole('form', { name: 'New key for acme' });
+  await ownForm.getByRole('checkbox', { name: 'adapters' }).uncheck();
+  await ownForm.getByRole('button', { name: 'Create key' }).click();
+  const ownField = page.getByRole('textbox', { name: 'New key for acme' });
+  await ownField.waitFor();
+  const ownSecret = await ownField.inputValue();
+  const asOwn = await fetch(`${base}/v1/me`, { headers: { Authorization: `Bearer ${ownSecret}` } });
+  const ownMe = await asOwn.json();
+  if (asOwn.status !== 200 || JSON.stringify(ownMe.key.scopes) !== '["inference"]') problems.push(`the tenant's own key: ${asOwn.status} ${JSON.stringify(ownMe.key)}`);
+  await audit('tenant-key-minted');
+  await page.getByRole('button', { name: 'Done' }).click();
+  const ownRow = page.getByRole('table', { name: 'Keys of acme' }).getByRole('row').filter({ hasText: ownSecret.slice(0, 12) });
+  await ownRow.getByRole('button', { name: 'Revoke' }).click();
+  await ownRow.getByRole('alertdialog').getByRole('button', { name: 'Revoke key' }).click();
+  await expectText(ownRow, 'revoked', 'the tenant revoked its own key');
+  const afterRevoke = await fetch(`${base}/v1/me`, { headers: { Authorization: `Bearer ${ownSecret}` } });
+  if (afterRevoke.status !== 401) problems.push(`the revoked key still answers ${afterRevoke.status}`);
+  await audit('tenant-account');
+
   step('the operator sees the bill equal the usage and downloads the CSV');
   await page.getByRole('button', { name: 'Sign out' }).click();
   await page.getByLabel('API key').fill(adminKey);
@@ -390,6 +420,48 @@ try {
   const opKeys = page.getByRole('table', { name: 'Keys of the operator' });
   await expectText(opKeys.getByRole('row').filter({ hasText: opSecret.slice(0, 12) }), 'metrics', 'the metrics key listed');
   await audit('operator-keys');
+
+  step('the operator creates a plan, edits its prices, gives acme its own price, and reads the audit log');
+  await page.getByRole('link', { name: 'Plans and prices' }).click();
+  const newPlan = page.getByRole('form', { name: 'New plan' });
+  await newPlan.getByLabel('Name').fill('startup');
+  await newPlan.getByLabel('Prompt ($ per M tokens)', { exact: true }).fill('0.3');
+  await newPlan.getByLabel('Cached prompt ($ per M tokens)', { exact: true }).fill('0.075');
+  await newPlan.getByLabel('Completion ($ per M tokens)', { exact: true }).fill('0.9');
+  await newPlan.getByRole('button', { name: 'Create plan' }).click();
+  const plansTable = page.getByRole('table', { name: 'Plans' });
+  const startup = plansTable.getByRole('row').filter({ has: page.getByRole('rowheader', { name: 'startup', exact: true }) });
+  await expectText(startup, '$0.90', 'the new plan listed');
+  await startup.getByRole('button', { name: 'Edit prices' }).click();
+  const editPlan = page.getByRole('form', { name: 'Prices of startup' });
+  await editPlan.getByLabel('Completion ($ per M tokens)', { exact: true }).fill('1.1');
+  await audit('plan-edit');
+  await editPlan.getByRole('button', { name: 'Save prices' }).click();
+  await expectText(startup, '$1.10', 'the edited price');
+  const stored = (await (await fetch(`${base}/admin/plans`, { headers: { Authorization: `Bearer ${adminKey}` } })).json()).data.find((/** @type {any} */ p) => p.name === 'startup');
+  if (!stored || stored.completion_price !== 1100000 || stored.prompt_price !== 300000) problems.push(`the stored plan: ${JSON.stringify(stored)}`);
+  const own = page.getByRole('region', { name: "A tenant's own prices" });
+  await own.getByLabel('Tenant').selectOption({ label: 'acme' });
+  const ownPrices = own.getByRole('form', { name: 'Own prices' });
+  await ownPrices.getByLabel('Completion ($ per M tokens)', { exact: true }).fill('1.2');
+  await ownPrices.getByRole('button', { name: 'Save own prices' }).click();
+  await expectText(own.getByRole('status'), 'Completion $1.20', "acme's own price");
+  await audit('tenant-prices');
+  const acmeMe = await (await fetch(`${base}/v1/me`, { headers: { Authorization: `Bearer ${tenantKey}` } })).json();
+  if (acmeMe.prices.completion_price !== 1200000 || acmeMe.prices.prompt_price !== 500000) problems.push(`acme pays ${JSON.stringify(acmeMe.prices)}`);
+  await own.getByRole('button', { name: "Use the plan's prices" }).click();
+  await expectText(own.getByRole('status'), 'Completion $1.50', "acme back on its plan's prices");
+  await page.getByRole('link', { name: 'Audit log' }).click();
+  const log = page.getByRole('table', { name: 'Audit log' });
+  await log.waitFor();
+  const logRows = await log.locator('tbody tr').evaluateAll((trs) => trs.map((tr) => [...tr.children].map((c) => c.textContent ?? '')));
+  for (const [who, action] of [['operator', 'plan.create'], ['operator', 'plan.update'], ['operator', 'tenant.prices'], ['operator', 'tenant.delete'], ['acme', 'key.create'], ['acme', 'key.revoke'], ['acme', 'adapter.upload']]) {
+    if (!logRows.some((r) => r[1] === who && r[2] === action)) problems.push(`the audit log has no ${action} by ${who}: ${JSON.stringify(logRows.slice(0, 12))}`);
+  }
+  await log.page().getByLabel('Tenant').selectOption({ label: 'acme' });
+  await page.waitForFunction(() => [...document.querySelectorAll('table[aria-label="Audit log"] tbody tr')].every((tr) => tr.children[1]?.textContent === 'acme' || tr.children[4]?.textContent === 'acme'), null, { timeout: 5000 })
+    .catch(() => problems.push('the audit log filtered to acme shows other tenants\' changes'));
+  await audit('audit-log');
 
   step('the dashboard shows the requests, their latency and the workers, refreshed');
   await page.getByRole('link', { name: 'Dashboard' }).click();
