@@ -47,6 +47,10 @@ pub struct EngineArgs {
     /// Host memory for loaded adapters waiting to enter (or re-enter) the pool, in MiB.
     #[arg(long, env = "LORAPLEX_HOST_CACHE_MB", default_value_t = 4096)]
     pub host_cache_mb: u64,
+    /// Percent of `--host-cache-mb` one tenant's adapters may hold: a load beyond it drops that
+    /// tenant's own oldest adapters from host memory, not other tenants' (100: no share).
+    #[arg(long, env = "LORAPLEX_HOST_TENANT_PERCENT", default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub host_tenant_percent: u32,
     /// Threads that read and validate adapters from disk.
     #[arg(long, env = "LORAPLEX_ADAPTER_LOADERS", default_value_t = 2)]
     pub adapter_loaders: usize,
@@ -80,6 +84,12 @@ pub struct EngineArgs {
     /// Do not keep computed prompt blocks for reuse by later requests.
     #[arg(long, env = "LORAPLEX_NO_PREFIX_CACHE")]
     pub no_prefix_cache: bool,
+    /// Percent of the KV pool one tenant's idle cached prompt blocks may hold when the pool is
+    /// short: beyond it, that tenant's own oldest blocks are evicted before anyone else's, so a
+    /// tenant sending many distinct prompts cannot push out the prefixes others reuse (100: one
+    /// LRU for every tenant).
+    #[arg(long, env = "LORAPLEX_PREFIX_TENANT_PERCENT", default_value_t = 25, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub prefix_tenant_percent: u32,
     /// What attending to one cached token costs relative to a token's other work, in the step's
     /// budget of `--max-batch-tokens` (0: count tokens only). Default: from the model's shapes
     /// and the backend's attention speed, so a chunk of a long prompt takes as much of a step
@@ -232,8 +242,10 @@ impl EngineArgs {
                 host_cache_bytes: self.host_cache_mb.saturating_mul(1 << 20),
                 threads: self.adapter_loaders,
                 limits: AdapterLimits { max_rank: self.max_lora_rank, ..AdapterLimits::default() },
+                tenant_percent: self.host_tenant_percent,
             },
             prefix_cache: !self.no_prefix_cache,
+            prefix_tenant_percent: self.prefix_tenant_percent,
             pinned_percent: 0,
             attention_cost: self.attention_cost,
             shared_slowdown: self.shared_slowdown.is_finite().then_some(self.shared_slowdown),

@@ -197,6 +197,9 @@ impl<B: Backend> Worker<B> {
         if let Some(reason) = self.fault.take() {
             return Err(format!("injected fault: {reason}").into());
         }
+        // Those whose client left during the last step (or while its messages were handled)
+        // take no part in this one.
+        self.drop_abandoned();
         let Ok(engine) = &mut self.engine else { return Ok(false) };
         if !engine.has_work() {
             // No requests, but adapter loads may be under way: place them as they arrive.
@@ -344,6 +347,10 @@ impl<B: Backend> Handler<Submit> for Worker<B> {
             let _ = msg.events.send(Event::Error(e.clone()));
             e
         };
+        // Its caller left while the request came here: nothing to queue.
+        if msg.events.is_closed() {
+            return Err(RuntimeError::Cancelled);
+        }
         let engine = match self.engine.as_mut() {
             Ok(engine) => engine,
             Err(e) => return Err(refuse(RuntimeError::Unavailable(e.clone()))),

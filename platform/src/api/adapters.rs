@@ -632,7 +632,7 @@ async fn pin_latest(state: &AppState, record: &AdapterRecord, holder: Holder) ->
     if let Some(why) = state.base.unusable(record) {
         return Err(ApiError::Conflict(why));
     }
-    let adapter = AdapterRef::validated(record.id.as_str(), adapter_dir(state, record).await?);
+    let adapter = AdapterRef::validated(record.id.as_str(), adapter_dir(state, record).await?).for_owner(&record.owner);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let mut recorded = false;
     loop {

@@ -139,6 +139,8 @@ pub struct JobSpec {
     pub grammar: Option<super::structured::GrammarSource>,
     /// The batch this is a line of: it runs in the batch class, at the plan's batch prices.
     pub batch: Option<BatchLine>,
+    /// The client's connection: a job whose client has left is not started.
+    pub peer: Peer,
 }
 
 /// A request that is a line of a batch.
@@ -173,8 +175,12 @@ pub async fn start(state: &AppState, admitted: Admitted, spec: JobSpec) -> Resul
     };
     let adapter_ref = match &spec.target {
         Target::Base => None,
-        Target::Adapter(a) => Some(AdapterRef::validated(a.id.as_str(), super::adapters::adapter_dir(state, a).await?)),
+        Target::Adapter(a) => Some(AdapterRef::validated(a.id.as_str(), super::adapters::adapter_dir(state, a).await?).for_owner(&a.owner)),
     };
+    // A client that left while it waited for a slot costs no tokenizing nor compiling.
+    if spec.peer.gone() {
+        return Err(ApiError::Cancelled);
+    }
     // Tokens.
     let prompts = validate::tokenize(state, spec.prompts).await?;
     let grammar = match spec.grammar {
@@ -201,6 +207,10 @@ pub async fn start(state: &AppState, admitted: Admitted, spec: JobSpec) -> Resul
     let reserving = Instant::now();
     permit.reserve(budget).await.inspect_err(|_| state.metrics.limited(&caller.tenant.name))?;
     state_time.limits += reserving.elapsed();
+    // Nor a step: one that left while its prompt was tokenized is never queued.
+    if spec.peer.gone() {
+        return Err(ApiError::Cancelled);
+    }
 
     // The ledger row: written when the job ends (and opened while it runs; see the module).
     let label = spec.target.label();

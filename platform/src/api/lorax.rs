@@ -141,6 +141,7 @@ async fn prepare(req: &HttpRequest, state: &AppState, payload: web::Payload) -> 
         target,
         grammar,
         batch: None,
+        peer: Peer::of(req),
     };
     let prepared = Prepared { spec, adapter_id, details: p.details, full_text, seed: p.seed, eos };
     Ok((caller, prepared))
@@ -183,9 +184,10 @@ async fn generate(req: HttpRequest, state: web::Data<AppState>, payload: web::Pa
 
 async fn generated(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     let (caller, p) = prepare(&req, &state, payload).await?;
+    let peer = p.spec.peer.clone();
     let job = infer::start(&state, caller, p.spec).await?;
     let prompt_tokens = job.prompt_tokens;
-    let (samples, usage) = infer::gather(job, 1, 1, &Peer::of(&req)).await?;
+    let (samples, usage) = infer::gather(job, 1, 1, &peer).await?;
     let g = &samples[0][0];
     let text = match &p.full_text {
         Some(input) => format!("{input}{}", g.text),
@@ -273,19 +275,11 @@ async fn generate_stream(req: HttpRequest, state: web::Data<AppState>, payload: 
 
 async fn streamed(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     let (caller, p) = prepare(&req, &state, payload).await?;
+    let peer = p.spec.peer.clone();
     let job = infer::start(&state, caller, p.spec).await?;
     let mut res = HttpResponse::Ok();
     headers(&mut res, &state, &p.adapter_id, job.prompt_tokens, None);
-    let s = Streaming {
-        state: (**state).clone(),
-        job,
-        peer: Peer::of(&req),
-        eos: p.eos,
-        seed: p.seed,
-        text: p.full_text.unwrap_or_default(),
-        held: None,
-        done: false,
-    };
+    let s = Streaming { state: (**state).clone(), job, peer, eos: p.eos, seed: p.seed, text: p.full_text.unwrap_or_default(), held: None, done: false };
     let body = futures::stream::unfold(s, |mut s| async move { s.next().await.map(|b| (Ok::<_, std::convert::Infallible>(b), s)) });
     Ok(res.content_type("text/event-stream").insert_header(("cache-control", "no-cache")).streaming(body))
 }

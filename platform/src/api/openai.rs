@@ -413,7 +413,7 @@ async fn run(state: &AppState, caller: Admitted, mut p: Parsed, endpoint: &'stat
     let target = infer::resolve(state, &caller.caller.tenant.id, &p.model).await?;
     let ignored = std::mem::take(&mut p.ignored);
     if p.stream {
-        let (job, shape) = start(state, caller, p, target, endpoint, None).await?;
+        let (job, shape) = start(state, caller, p, target, endpoint, None, peer).await?;
         return Ok(with_ignored(stream_response(state.clone(), job, shape, peer.clone()), &ignored));
     }
     Ok(with_ignored(HttpResponse::Ok().json(answer(state, caller, p, target, endpoint, None, peer).await?), &ignored))
@@ -427,6 +427,7 @@ async fn start(
     target: infer::Target,
     endpoint: &'static str,
     batch: Option<infer::BatchLine>,
+    peer: &Peer,
 ) -> Result<(Job, Shape), ApiError> {
     let shape = Shape {
         id: infer::response_id(if p.chat { "chatcmpl" } else { "cmpl" }),
@@ -439,7 +440,17 @@ async fn start(
         chat: p.chat,
         tools: p.tools,
     };
-    let spec = JobSpec { endpoint, prompts: p.prompts, knobs: p.knobs, default_max: p.default_max, truncate: None, target, grammar: p.grammar, batch };
+    let spec = JobSpec {
+        endpoint,
+        prompts: p.prompts,
+        knobs: p.knobs,
+        default_max: p.default_max,
+        truncate: None,
+        target,
+        grammar: p.grammar,
+        batch,
+        peer: peer.clone(),
+    };
     Ok((infer::start(state, caller, spec).await?, shape))
 }
 
@@ -454,7 +465,7 @@ pub(super) async fn answer(
     batch: Option<infer::BatchLine>,
     peer: &Peer,
 ) -> Result<Value, ApiError> {
-    let (job, shape) = start(state, caller, p, target, endpoint, batch).await?;
+    let (job, shape) = start(state, caller, p, target, endpoint, batch, peer).await?;
     let (samples, usage) = infer::gather(job, shape.prompts, shape.n, peer).await?;
     let mut choices = Vec::with_capacity(shape.prompts * shape.n);
     for (p, prompt) in samples.iter().enumerate() {

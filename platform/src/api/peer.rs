@@ -6,7 +6,9 @@
 //! each connection keeps a duplicate of its socket (taken when the connection is accepted) and
 //! a request can look at it: the peer has gone when a non-consuming read sees the end of the
 //! stream or an error. Peeking never takes bytes from the connection, so HTTP parsing is not
-//! affected.
+//! affected. A request that waits on its client registers one more duplicate with the reactor,
+//! so the client's FIN or reset wakes it at once: the work of a request whose client left stops
+//! within the step that is running, not at the next look.
 //!
 //! The same socket lets a refusal cost nothing in proportion to the body it refuses. A request
 //! refused before its body was read (no key, over a limit, a server full) leaves the rest of the
@@ -24,13 +26,21 @@ use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::{ConnectionType, header};
 use actix_web::middleware::Next;
 
-/// How often a waiting request looks at its connection.
+/// How often a waiting request looks at its connection where the reactor cannot watch it.
 const POLL: Duration = Duration::from_millis(100);
 
 /// The client's side of a request's connection; `None` when it cannot be watched (tests in
 /// process, non-Unix systems), which reads as always there.
 #[derive(Clone, Debug, Default)]
-pub struct Peer(Option<std::sync::Arc<std::net::TcpStream>>);
+pub struct Peer(Option<std::sync::Arc<Watch>>);
+
+/// A request's view of its connection.
+#[derive(Debug)]
+struct Watch {
+    socket: std::sync::Arc<std::net::TcpStream>,
+    /// Registered with the reactor on the first wait (`None`: it could not be; polled then).
+    ready: std::sync::OnceLock<Option<tokio::net::TcpStream>>,
+}
 
 /// Stored in each connection's data by [`on_connect`].
 #[derive(Clone, Debug)]
@@ -52,14 +62,20 @@ pub fn on_connect(conn: &dyn std::any::Any, data: &mut actix_web::dev::Extension
 
 impl Peer {
     pub fn of(req: &HttpRequest) -> Self {
-        Peer(req.conn_data::<Watched>().map(|w| w.0.clone()))
+        Peer(req.conn_data::<Watched>().map(|w| std::sync::Arc::new(Watch { socket: w.0.clone(), ready: std::sync::OnceLock::new() })))
+    }
+
+    /// Watches a connection of its own (the tests').
+    #[cfg(test)]
+    fn watching(socket: std::net::TcpStream) -> Self {
+        Peer(Some(std::sync::Arc::new(Watch { socket: std::sync::Arc::new(socket), ready: std::sync::OnceLock::new() })))
     }
 
     /// True once the client has closed its side of the connection or it broke.
     pub fn gone(&self) -> bool {
-        let Some(socket) = &self.0 else { return false };
+        let Some(watch) = &self.0 else { return false };
         let mut byte = [0u8; 1];
-        match socket.peek(&mut byte) {
+        match watch.socket.peek(&mut byte) {
             Ok(0) => true,
             Ok(_) => false,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::Interrupted => false,
@@ -71,16 +87,32 @@ impl Peer {
     /// sent and the server has not read yet ends the request stream, and the connection closes
     /// once the response is written. Writing is not affected.
     pub fn stop_reading(&self) {
-        if let Some(socket) = &self.0 {
+        if let Some(watch) = &self.0 {
             // Fails only if the connection is already gone, which is what was wanted.
-            let _ = socket.shutdown(std::net::Shutdown::Read);
+            let _ = watch.socket.shutdown(std::net::Shutdown::Read);
         }
     }
 
     /// Completes when the client has gone; never, for a peer that cannot be watched.
     pub async fn closed(&self) {
-        if self.0.is_none() {
-            return std::future::pending().await;
+        let Some(watch) = &self.0 else { return std::future::pending().await };
+        if let Some(stream) = watch.registered() {
+            loop {
+                if self.gone() {
+                    return;
+                }
+                // Readable: bytes came (a pipelined request: not an end), or the client's FIN or
+                // a reset did. Unless it was an end, the readiness is cleared (by answering "would
+                // block" for it), and a later event wakes this again.
+                if stream.readable().await.is_err() {
+                    // The reactor cannot watch it after all: looked at as below.
+                    break;
+                }
+                if self.gone() {
+                    return;
+                }
+                let _ = stream.try_io(tokio::io::Interest::READABLE, || Err::<(), _>(std::io::ErrorKind::WouldBlock.into()));
+            }
         }
         loop {
             if self.gone() {
@@ -88,6 +120,20 @@ impl Peer {
             }
             tokio::time::sleep(POLL).await;
         }
+    }
+}
+
+impl Watch {
+    /// The connection registered with this thread's reactor for readiness, on the first call;
+    /// `None` outside a runtime, or when it cannot be registered.
+    fn registered(&self) -> Option<&tokio::net::TcpStream> {
+        self.ready
+            .get_or_init(|| {
+                tokio::runtime::Handle::try_current().ok()?;
+                // One more descriptor of the same socket, owned by the reactor's stream.
+                tokio::net::TcpStream::from_std(self.socket.try_clone().ok()?).ok()
+            })
+            .as_ref()
     }
 }
 
@@ -141,4 +187,33 @@ pub async fn request_id(req: ServiceRequest, next: Next<impl MessageBody>) -> Re
         res.headers_mut().insert(header::HeaderName::from_static("x-request-id"), id);
     }
     Ok(res)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The clock stands still unless a timer is all that is left to wait for: a wait that the
+    /// connection itself ends takes no time on it, one that looks at the connection now and
+    /// then takes a look's interval at least.
+    #[tokio::test(start_paused = true)]
+    async fn a_waiting_request_wakes_when_its_client_leaves_not_at_the_next_look() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        server.set_nonblocking(true).unwrap();
+        let peer = Peer::watching(server);
+        assert!(!peer.gone());
+        let start = tokio::time::Instant::now();
+        let leaving = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            drop(client);
+        });
+        peer.closed().await;
+        assert_eq!(start.elapsed(), Duration::ZERO, "woken by a timer, not by the connection");
+        assert!(peer.gone());
+        leaving.join().unwrap();
+        // A clone shares the registration, and sees the end at once.
+        peer.clone().closed().await;
+    }
 }

@@ -59,6 +59,9 @@ pub struct EngineConfig {
     pub adapters: LoaderConfig,
     /// Keep full KV blocks for later requests with the same prefix.
     pub prefix_cache: bool,
+    /// Percent of the pool one tenant's idle cached prefix blocks may hold under pressure:
+    /// beyond it they are evicted first (100: one LRU for every tenant).
+    pub prefix_tenant_percent: u32,
     /// Percent of the pool's pages that adapter pins (loads that hold an adapter) may take
     /// together; the rest is for requests, which are refused at admission if they could need
     /// more than it.
@@ -97,6 +100,7 @@ impl Default for EngineConfig {
             max_running: 256,
             adapters: LoaderConfig::default(),
             prefix_cache: true,
+            prefix_tenant_percent: 25,
             pinned_percent: 0,
             attention_cost: None,
             shared_slowdown: Some(0.25),
@@ -252,6 +256,7 @@ impl<B: Backend> Engine<B> {
         }
         let layout = config.kv_layout(&model);
         let mem = DevicePool::with_bytes(model.backend().as_ref(), layout, config.pool_bytes)?;
+        mem.pages.set_tenant_share((config.prefix_tenant_percent < 100).then_some(config.prefix_tenant_percent));
         let loader = match host {
             Some(pool) => AdapterLoader::on(pool),
             None => AdapterLoader::new(&config.adapters, model.base_shape(), mem.page_elems()).map_err(EngineError::Loader)?,
@@ -712,7 +717,7 @@ fn publish_blocks(s: &mut Sequence, cache: &mut PrefixCache) {
         s.hashes.push(name);
         if !s.blocks.is_shared(b)
             && !cache.contains(&name)
-            && let Some(entry) = s.blocks.share(b)
+            && let Some(entry) = s.blocks.share(b, Some(&s.namespace))
         {
             let _ = cache.insert(name, entry);
         }
@@ -731,7 +736,7 @@ fn split_samples<B: Backend>(
     let bs = mem.layout.block_size;
     let full = s.prompt_len / bs;
     for i in 0..full {
-        if let Some(entry) = s.blocks.share(i) {
+        if let Some(entry) = s.blocks.share(i, Some(&s.namespace)) {
             // Named blocks join the cache; others live as long as the samples holding them.
             if let (Some(cache), Some(name)) = (prefix.as_deref_mut(), s.hashes.get(i)) {
                 let _ = cache.insert(*name, entry);

@@ -36,12 +36,20 @@ pub struct AdapterRef {
     /// The directory was validated when the adapter was uploaded and holds its manifest
     /// (`loraplex_adapter.json`): loads read that, not the PEFT config.
     pub validated: bool,
+    /// The tenant whose adapter it is, for its share of the host tier (`None`: no share).
+    pub tenant: Option<Arc<str>>,
 }
 
 impl AdapterRef {
     /// A PEFT adapter directory, parsed and validated when it is loaded.
     pub fn new(key: impl Into<Arc<str>>, dir: impl AsRef<Path>) -> Self {
-        Self { key: key.into(), dir: Arc::from(dir.as_ref()), validated: false }
+        Self { key: key.into(), dir: Arc::from(dir.as_ref()), validated: false, tenant: None }
+    }
+
+    /// The same, as the adapter of `owner` (a tenant's id; empty for the operator's adapters,
+    /// which take no tenant's share).
+    pub fn for_owner(self, owner: &str) -> Self {
+        Self { tenant: (!owner.is_empty()).then(|| owner.into()), ..self }
     }
 
     /// An uploaded adapter, validated once at upload (see [`loraplex_adapters::Manifest`]).

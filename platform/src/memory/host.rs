@@ -5,6 +5,10 @@
 //! byte-weighted cache (moka), so an adapter evicted from the device pool comes back with one
 //! copy instead of a disk read. All of it runs on the loader threads: whoever submits a load
 //! never waits for it and learns the outcome from [`AdapterLoader::completed`].
+//!
+//! Each tenant's adapters may hold a share of the tier ([`LoaderConfig::tenant_percent`]): a
+//! load that takes a tenant beyond it drops that tenant's own oldest loads, so a tenant cycling
+//! through many adapters does not push every other tenant's out to disk.
 
 use std::path::Path;
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -25,11 +29,13 @@ pub struct LoaderConfig {
     /// Threads reading and packing adapters.
     pub threads: usize,
     pub limits: AdapterLimits,
+    /// Percent of `host_cache_bytes` one tenant's adapters may hold (100: no share).
+    pub tenant_percent: u32,
 }
 
 impl Default for LoaderConfig {
     fn default() -> Self {
-        Self { host_cache_bytes: 4 << 30, threads: 2, limits: AdapterLimits::default() }
+        Self { host_cache_bytes: 4 << 30, threads: 2, limits: AdapterLimits::default(), tenant_percent: 50 }
     }
 }
 
@@ -42,6 +48,10 @@ pub struct HostAdapter {
     pub content_hash: String,
     pub max_rank: usize,
     pub targets: Vec<TargetModule>,
+    /// Whose it is (see [`AdapterRef::tenant`]).
+    pub tenant: Option<Arc<str>>,
+    /// When it was loaded: a tenant beyond its share loses its oldest first.
+    pub loaded: std::time::Instant,
 }
 
 /// The outcome of one load.
@@ -60,10 +70,12 @@ struct LoadContext {
     limits: AdapterLimits,
     page_elems: usize,
     cache: Cache<Arc<str>, Arc<HostAdapter>>,
+    /// Bytes of one tenant's adapters beyond which its oldest are dropped (`None`: no share).
+    tenant_share: Option<u64>,
 }
 
 impl LoadContext {
-    fn load(&self, key: &Arc<str>, dir: &Path, validated: bool) -> Result<Arc<HostAdapter>, String> {
+    fn load(&self, key: &Arc<str>, dir: &Path, validated: bool, tenant: Option<Arc<str>>) -> Result<Arc<HostAdapter>, String> {
         // An uploaded adapter was parsed and validated once, at upload: its manifest says what
         // is in the weights file, and no PEFT config or pattern is read again.
         let adapter = if validated { LoraAdapter::load_validated(dir, &self.shape, &self.limits) } else { LoraAdapter::load(dir, &self.shape, &self.limits) };
@@ -75,9 +87,34 @@ impl LoadContext {
             max_rank: adapter.modules().map(|m| m.rank).max().unwrap_or(0),
             targets: adapter.target_modules(),
             packed,
+            tenant,
+            loaded: std::time::Instant::now(),
         });
         self.cache.insert(key.clone(), host.clone());
+        self.keep_share(&host);
         Ok(host)
+    }
+
+    /// Drops the oldest other adapters of `host`'s tenant while the tenant holds more than its
+    /// share. A walk over the tier per load: loads read and pack whole adapters from disk, and
+    /// the tier holds at most thousands of them.
+    fn keep_share(&self, host: &HostAdapter) {
+        let (Some(share), Some(tenant)) = (self.tenant_share, &host.tenant) else { return };
+        let mut mine: Vec<(std::time::Instant, Arc<str>, u64)> = self
+            .cache
+            .iter()
+            .filter(|(k, v)| v.tenant.as_ref() == Some(tenant) && **k != host.key)
+            .map(|(k, v)| (v.loaded, (*k).clone(), v.packed.bytes() as u64))
+            .collect();
+        let mut held = host.packed.bytes() as u64 + mine.iter().map(|m| m.2).sum::<u64>();
+        mine.sort_by_key(|m| m.0);
+        for (_, key, bytes) in mine {
+            if held <= share {
+                break;
+            }
+            self.cache.invalidate(&key);
+            held -= bytes;
+        }
     }
 }
 
@@ -111,7 +148,8 @@ impl LoaderPool {
     fn context(config: &LoaderConfig, shape: BaseShape, page_elems: usize) -> Arc<LoadContext> {
         let cache: Cache<Arc<str>, Arc<HostAdapter>> =
             Cache::builder().max_capacity(config.host_cache_bytes / 1024).weigher(|_k, v: &Arc<HostAdapter>| weight_kib(v.packed.bytes())).build();
-        Arc::new(LoadContext { shape, limits: config.limits, page_elems, cache })
+        let tenant_share = (config.tenant_percent < 100).then(|| config.host_cache_bytes / 100 * config.tenant_percent as u64);
+        Arc::new(LoadContext { shape, limits: config.limits, page_elems, cache, tenant_share })
     }
 
     /// Starts `config.threads` loader threads. `shape` is what adapters are validated against
@@ -147,8 +185,8 @@ impl LoaderPool {
         let failed = reply.clone();
         let failed_key = adapter.key.clone();
         let task: LoadTask = Box::new(move || {
-            let AdapterRef { key, dir, validated } = adapter;
-            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ctx.load(&key, &dir, validated)))
+            let AdapterRef { key, dir, validated, tenant } = adapter;
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ctx.load(&key, &dir, validated, tenant)))
                 .unwrap_or_else(|_| Err(format!("{}: the loader failed unexpectedly", dir.display())))
                 .map_err(Arc::from);
             // The asker may be gone (a rebuilt worker); the adapter stays cached.

@@ -106,14 +106,14 @@ impl BlockTable {
         self.pins.get(i)?.clone()
     }
 
-    /// Turns owned block `i`, which must be full, into a pool cache entry this table keeps
-    /// pinned. Returns the entry's owner handle; whoever keeps it keeps the block cached after
-    /// the table lets go. `None` if block `i` is not owned.
-    pub fn share(&mut self, i: usize) -> Option<CachedPages> {
+    /// Turns owned block `i`, which must be full, into a pool cache entry (of `tenant`'s) this
+    /// table keeps pinned. Returns the entry's owner handle; whoever keeps it keeps the block
+    /// cached after the table lets go. `None` if block `i` is not owned.
+    pub fn share(&mut self, i: usize, tenant: Option<&std::sync::Arc<str>>) -> Option<CachedPages> {
         if self.pins.get(i)?.is_some() {
             return None;
         }
-        let (entry, pin) = self.owned.into_entry(self.pages[i], EntryKind::Prefix)?;
+        let (entry, pin) = self.owned.into_entry(self.pages[i], EntryKind::Prefix, tenant.cloned())?;
         self.pins[i] = Some(pin);
         Some(entry)
     }
@@ -161,8 +161,8 @@ mod tests {
         let pool = PagePool::new(6);
         let mut a = BlockTable::new(&pool, 4);
         assert!(a.reserve(10));
-        let entry = a.share(0).expect("block 0 is owned");
-        assert!(a.share(0).is_none(), "already shared");
+        let entry = a.share(0, None).expect("block 0 is owned");
+        assert!(a.share(0, None).is_none(), "already shared");
         assert!(a.is_shared(0) && !a.is_shared(1));
         let mut b = BlockTable::new(&pool, 4);
         b.push_shared(a.pages()[0], a.pin_of(0).unwrap());

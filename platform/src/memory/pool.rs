@@ -12,6 +12,12 @@
 //! Invariants: every page is either free, held by exactly one lease, or held by exactly one
 //! resident entry; an entry with a pin is never evicted; the LRU holds exactly the resident,
 //! unpinned entries whose owner is alive.
+//!
+//! Cached prefix blocks belong to a tenant (their cache namespace). With a share set
+//! ([`PagePool::set_tenant_share`]), the unpinned blocks a tenant holds beyond its share are
+//! evicted before anything else, its own oldest first: a tenant that floods the server with
+//! distinct prompts may fill pages nobody else wants, but under pressure it evicts its own
+//! blocks, not the prefixes other tenants reuse.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -35,6 +41,17 @@ struct Entry {
     owned: bool,
     /// Position in the LRU while resident, unpinned and owned.
     lru_tick: Option<u64>,
+    /// The tenant whose blocks these are (prefix blocks; adapters have none).
+    tenant: Option<Arc<str>>,
+}
+
+/// One tenant's entries in the LRU.
+#[derive(Debug, Default)]
+struct TenantLru {
+    /// Their pages.
+    pages: usize,
+    /// By tick, as in the pool's LRU.
+    lru: BTreeMap<u64, u64>,
 }
 
 #[derive(Debug)]
@@ -48,6 +65,10 @@ struct PoolState {
     lru: BTreeMap<u64, u64>,
     /// Pages of the entries in `lru`.
     reclaimable: usize,
+    /// The entries of `lru` that belong to a tenant, by tenant.
+    tenants: HashMap<Arc<str>, TenantLru>,
+    /// The pages of a tenant's entries in the LRU beyond which they are evicted first.
+    tenant_share: Option<usize>,
     adapter_pages: usize,
     prefix_pages: usize,
     clock: u64,
@@ -57,25 +78,71 @@ struct PoolState {
 }
 
 impl PoolState {
-    /// Pops `n` free pages, evicting least recently used unpinned entries as needed; all or
-    /// nothing.
+    /// Pops `n` free pages, evicting least recently used unpinned entries as needed (a
+    /// tenant's beyond its share first); all or nothing.
     fn take(&mut self, n: usize) -> Option<Vec<u32>> {
         if self.free.len() + self.reclaimable < n {
             return None;
         }
         while self.free.len() < n {
-            let (_, id) = self.lru.pop_first()?;
+            let id = self.victim()?;
+            self.unlist(id);
             self.evict(id);
         }
         let at = self.free.len() - n;
         Some(self.free.drain(at..).rev().collect())
     }
 
+    /// The entry to evict next: the oldest of the tenant furthest beyond its share, if one is;
+    /// else the least recently used of all.
+    fn victim(&self) -> Option<u64> {
+        if let Some(share) = self.tenant_share
+            && let Some(over) = self.tenants.values().filter(|t| t.pages > share).max_by_key(|t| t.pages)
+            && let Some((_, &id)) = over.lru.first_key_value()
+        {
+            return Some(id);
+        }
+        self.lru.first_key_value().map(|(_, &id)| id)
+    }
+
+    /// Puts a resident, unpinned, owned entry at the LRU's recent end.
+    fn list(&mut self, id: u64) {
+        self.clock += 1;
+        let tick = self.clock;
+        let Some(e) = self.entries.get_mut(&id) else { return };
+        e.lru_tick = Some(tick);
+        let n = e.pages.len();
+        self.reclaimable += n;
+        self.lru.insert(tick, id);
+        if let Some(t) = &e.tenant {
+            let lru = self.tenants.entry(t.clone()).or_default();
+            lru.pages += n;
+            lru.lru.insert(tick, id);
+        }
+    }
+
+    /// Takes an entry out of the LRU (pinned, evicted or removed); nothing if it is not there.
+    fn unlist(&mut self, id: u64) {
+        let Some(e) = self.entries.get_mut(&id) else { return };
+        let Some(tick) = e.lru_tick.take() else { return };
+        let n = e.pages.len();
+        self.lru.remove(&tick);
+        self.reclaimable -= n;
+        if let Some(t) = &e.tenant
+            && let Some(lru) = self.tenants.get_mut(t)
+        {
+            lru.pages -= n;
+            lru.lru.remove(&tick);
+            if lru.lru.is_empty() {
+                self.tenants.remove(t);
+            }
+        }
+    }
+
+    /// Frees an unlisted entry's pages; its owner sees it as no longer resident.
     fn evict(&mut self, id: u64) {
         let Some(e) = self.entries.get_mut(&id) else { return };
-        e.lru_tick = None;
         let (kind, pages) = (e.kind, std::mem::take(&mut e.pages));
-        self.reclaimable -= pages.len();
         *self.kind_pages(kind) -= pages.len();
         self.free.extend(pages);
         self.evictions += 1;
@@ -94,11 +161,8 @@ impl PoolState {
 
     /// Frees a resident entry's pages and forgets it (its owner and pins are all gone).
     fn remove(&mut self, id: u64) {
+        self.unlist(id);
         let Some(mut e) = self.entries.remove(&id) else { return };
-        if let Some(tick) = e.lru_tick.take() {
-            self.lru.remove(&tick);
-            self.reclaimable -= e.pages.len();
-        }
         *self.kind_pages(e.kind) -= e.pages.len();
         self.free.append(&mut e.pages);
     }
@@ -109,10 +173,7 @@ impl PoolState {
             return false;
         }
         e.pins += 1;
-        if let Some(tick) = e.lru_tick.take() {
-            self.lru.remove(&tick);
-            self.reclaimable -= e.pages.len();
-        }
+        self.unlist(id);
         true
     }
 
@@ -125,10 +186,7 @@ impl PoolState {
         if !e.owned {
             self.remove(id);
         } else if !e.pages.is_empty() {
-            self.clock += 1;
-            e.lru_tick = Some(self.clock);
-            self.reclaimable += e.pages.len();
-            self.lru.insert(self.clock, id);
+            self.list(id);
         }
     }
 }
@@ -169,6 +227,8 @@ impl PagePool {
             entries: HashMap::new(),
             lru: BTreeMap::new(),
             reclaimable: 0,
+            tenants: HashMap::new(),
+            tenant_share: None,
             adapter_pages: 0,
             prefix_pages: 0,
             clock: 0,
@@ -183,6 +243,18 @@ impl PagePool {
         // Every method restores the invariants before it can panic, so a poisoned lock still
         // guards consistent state.
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Keeps each tenant's unpinned cached blocks to `percent` of the pages under pressure:
+    /// beyond it, they are evicted before anything else (`None`: one LRU for everything).
+    pub fn set_tenant_share(&self, percent: Option<u32>) {
+        let mut s = self.lock();
+        s.tenant_share = percent.map(|p| (s.total as u128 * p.min(100) as u128 / 100) as usize);
+    }
+
+    /// Unpinned cached pages of `tenant`'s prefix blocks.
+    pub fn tenant_cached(&self, tenant: &str) -> usize {
+        self.lock().tenants.get(tenant).map_or(0, |t| t.pages)
     }
 
     pub fn stats(&self) -> PoolStats {
@@ -225,7 +297,7 @@ impl PagePool {
         *s.kind_pages(kind) += n;
         let id = s.next_id;
         s.next_id += 1;
-        s.entries.insert(id, Entry { kind, pages, pins: 1, owned: true, lru_tick: None });
+        s.entries.insert(id, Entry { kind, pages, pins: 1, owned: true, lru_tick: None, tenant: None });
         drop(s);
         Some((CachedPages { pool: self.clone(), id }, PagePin { pool: self.clone(), id }))
     }
@@ -268,9 +340,9 @@ impl PageLease {
 
 impl PageLease {
     /// Moves one of this lease's pages into a new cache entry of `kind` (a full KV block that
-    /// becomes a shared, cached prefix block), returned pinned once. `None` if the lease does
-    /// not hold `page`.
-    pub fn into_entry(&mut self, page: u32, kind: EntryKind) -> Option<(CachedPages, PagePin)> {
+    /// becomes a shared, cached prefix block of `tenant`'s), returned pinned once. `None` if
+    /// the lease does not hold `page`.
+    pub fn into_entry(&mut self, page: u32, kind: EntryKind, tenant: Option<Arc<str>>) -> Option<(CachedPages, PagePin)> {
         let at = self.pages.iter().position(|&p| p == page)?;
         self.pages.swap_remove(at);
         let mut s = self.pool.lock();
@@ -278,7 +350,7 @@ impl PageLease {
         *s.kind_pages(kind) += 1;
         let id = s.next_id;
         s.next_id += 1;
-        s.entries.insert(id, Entry { kind, pages: vec![page], pins: 1, owned: true, lru_tick: None });
+        s.entries.insert(id, Entry { kind, pages: vec![page], pins: 1, owned: true, lru_tick: None, tenant });
         drop(s);
         Some((CachedPages { pool: self.pool.clone(), id }, PagePin { pool: self.pool.clone(), id }))
     }

@@ -160,9 +160,9 @@ mod tests {
         let mut table = BlockTable::new(&pool, 4);
         assert!(table.reserve(12));
         for (i, name) in names.iter().enumerate().take(2) {
-            cache.insert(*name, table.share(i).unwrap()).unwrap();
+            cache.insert(*name, table.share(i, None).unwrap()).unwrap();
         }
-        assert!(cache.insert(names[0], table.share(2).unwrap()).is_err(), "a resident block keeps its name");
+        assert!(cache.insert(names[0], table.share(2, None).unwrap()).is_err(), "a resident block keeps its name");
         let hit = cache.lookup(&names);
         assert_eq!(hit.iter().map(|h| h.0).collect::<Vec<_>>(), table.pages()[..2]);
         let foreign = BlockHash::chain(BlockHash::root("u", None), &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], 4, 3);

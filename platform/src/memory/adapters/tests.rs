@@ -21,11 +21,16 @@ fn layout() -> KvLayout {
 }
 
 fn setup(pages: usize, host_cache_bytes: u64) -> (CpuBackend, DevicePool<CpuBackend>, AdapterResidency) {
+    setup_shared(pages, host_cache_bytes, 100)
+}
+
+/// As [`setup`], each tenant's adapters held to `tenant_percent` of the host tier.
+fn setup_shared(pages: usize, host_cache_bytes: u64, tenant_percent: u32) -> (CpuBackend, DevicePool<CpuBackend>, AdapterResidency) {
     let backend = CpuBackend::new();
     let layout = layout();
     let buffer = backend.zeros(pages * layout.page_elems()).unwrap();
     let mem = DevicePool { buffer, layout, pages: PagePool::new(pages) };
-    let config = LoaderConfig { host_cache_bytes, threads: 2, limits: AdapterLimits::default() };
+    let config = LoaderConfig { host_cache_bytes, threads: 2, limits: AdapterLimits::default(), tenant_percent };
     let loader = AdapterLoader::new(&config, shape(), layout.page_elems()).unwrap();
     (backend, mem, AdapterResidency::new(loader, 4, pages))
 }
@@ -218,6 +223,30 @@ fn the_host_tier_is_bounded_by_bytes() {
         settle(&backend, &mut mem, &mut res, name);
     }
     assert!(res.loader().host_bytes() <= 200 * 1024, "{}", res.loader().host_bytes());
+}
+
+#[test]
+fn a_tenant_beyond_its_share_of_the_host_tier_loses_its_own_oldest_adapters() {
+    let (backend, mut mem, mut res) = setup(64, 1 << 30);
+    res.request(&reference("a2_r16_all"));
+    settle(&backend, &mut mem, &mut res, "a2_r16_all");
+    let size = res.loader().cached("a2_r16_all").unwrap().packed.bytes() as u64;
+    for percent in [100, 15] {
+        // Room for eight; a tenant's share (15%) for one.
+        let (backend, mut mem, mut res) = setup_shared(64, 8 * size, percent);
+        let load = |res: &mut AdapterResidency, mem: &mut DevicePool<CpuBackend>, key: &str, owner: &str| {
+            res.request(&AdapterRef::new(key, fixture("a2_r16_all")).for_owner(owner));
+            settle(&backend, mem, res, key);
+        };
+        load(&mut res, &mut mem, "quiet/1", "quiet");
+        load(&mut res, &mut mem, "flood/1", "flood");
+        load(&mut res, &mut mem, "flood/2", "flood");
+        // The operator's adapters take no tenant's share.
+        load(&mut res, &mut mem, "operator/1", "");
+        let cached = |key: &str| res.loader().cached(key).is_some();
+        assert!(cached("quiet/1") && cached("flood/2") && cached("operator/1"), "at {percent}%");
+        assert_eq!(cached("flood/1"), percent == 100, "at {percent}%: the flooding tenant's older adapter");
+    }
 }
 
 /// Polls until `key` is no longer loading from disk (or a few seconds pass).

@@ -99,10 +99,11 @@ fn random_operations_keep_the_invariants() {
     use rand::{Rng, SeedableRng};
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let pool = PagePool::new(64);
+    pool.set_tenant_share(Some(10));
     let mut leases: Vec<PageLease> = Vec::new();
     let mut entries: Vec<(CachedPages, Vec<PagePin>)> = Vec::new();
     for _ in 0..4000 {
-        match rng.random_range(0..7) {
+        match rng.random_range(0..8) {
             0 => {
                 if let Some(l) = pool.lease(rng.random_range(0..6)) {
                     leases.push(l);
@@ -126,6 +127,16 @@ fn random_operations_keep_the_invariants() {
                 let i = rng.random_range(0..entries.len());
                 if let Some(p) = entries[i].0.pin() {
                     entries[i].1.push(p);
+                }
+            }
+            6 => {
+                // A prefix block of one of three tenants, whose share is a tenth of the pool.
+                if let Some(mut l) = pool.lease(1) {
+                    let page = l.pages()[0];
+                    let tenant: Arc<str> = ["a", "b", "c"][rng.random_range(0..3)].into();
+                    if let Some((e, pin)) = l.into_entry(page, EntryKind::Prefix, Some(tenant)) {
+                        entries.push((e, vec![pin]));
+                    }
                 }
             }
             5 if !entries.is_empty() => {
@@ -152,6 +163,7 @@ fn random_operations_keep_the_invariants() {
         seen.dedup();
         assert_eq!(seen.len(), n, "a page is in two places");
         assert!(s.reclaimable <= s.adapter + s.cached);
+        assert!(["a", "b", "c"].iter().map(|t| pool.tenant_cached(t)).sum::<usize>() <= s.reclaimable);
     }
 }
 
@@ -160,8 +172,8 @@ fn a_leased_page_becomes_a_shared_entry() {
     let pool = PagePool::new(4);
     let mut lease = pool.lease(2).unwrap();
     let page = lease.pages()[1];
-    assert!(lease.into_entry(99, EntryKind::Prefix).is_none(), "not this lease's page");
-    let (entry, pin) = lease.into_entry(page, EntryKind::Prefix).unwrap();
+    assert!(lease.into_entry(99, EntryKind::Prefix, None).is_none(), "not this lease's page");
+    let (entry, pin) = lease.into_entry(page, EntryKind::Prefix, None).unwrap();
     assert_eq!(lease.pages().len(), 1);
     assert_eq!(entry.pages(), vec![page]);
     assert_eq!((pool.stats().kv, pool.stats().cached, pool.stats().reclaimable), (1, 1, 0));
@@ -176,4 +188,46 @@ fn a_leased_page_becomes_a_shared_entry() {
     drop(all);
     drop(entry);
     assert_eq!(pool.stats(), PoolStats { total: 4, free: 4, evictions: 1, ..Default::default() });
+}
+
+/// `n` cached blocks of `tenant`, unpinned (evictable), oldest first.
+fn cached_blocks(pool: &PagePool, tenant: &str, n: usize) -> Vec<CachedPages> {
+    let mut lease = pool.lease(n).unwrap();
+    let tenant: Arc<str> = tenant.into();
+    let pages = lease.pages().to_vec();
+    pages.into_iter().map(|p| lease.into_entry(p, EntryKind::Prefix, Some(tenant.clone())).unwrap().0).collect()
+}
+
+#[test]
+fn a_tenant_beyond_its_share_evicts_its_own_blocks_first() {
+    for share in [None, Some(30)] {
+        let pool = PagePool::new(10);
+        pool.set_tenant_share(share);
+        let quiet = cached_blocks(&pool, "quiet", 2);
+        let flood = cached_blocks(&pool, "flood", 6);
+        assert_eq!((pool.tenant_cached("quiet"), pool.tenant_cached("flood")), (2, 6));
+        assert_eq!(pool.stats().reclaimable, 8);
+        // Two pages free; four more must come from the cache.
+        let _lease = pool.lease(6).unwrap();
+        let kept = |blocks: &[CachedPages]| blocks.iter().filter(|b| b.is_resident()).count();
+        match share {
+            // One LRU: the oldest go, which are the quiet tenant's.
+            None => assert_eq!((kept(&quiet), kept(&flood)), (0, 4)),
+            // The flooding tenant holds 6 against a share of 3: its own oldest three go, then
+            // the oldest of all (a quiet block).
+            Some(_) => {
+                assert_eq!((kept(&quiet), kept(&flood)), (1, 3));
+                assert!(!flood[2].is_resident() && flood[3].is_resident(), "its oldest first");
+                assert!(!quiet[0].is_resident() && quiet[1].is_resident());
+            }
+        }
+        assert_eq!(pool.tenant_cached("flood"), kept(&flood));
+        // A pin takes a block out of its tenant's count; the last unpin puts it back.
+        let pin = flood[5].pin().unwrap();
+        assert_eq!(pool.tenant_cached("flood"), kept(&flood) - 1);
+        drop(pin);
+        assert_eq!(pool.tenant_cached("flood"), kept(&flood));
+        drop((quiet, flood));
+        assert_eq!((pool.tenant_cached("quiet"), pool.tenant_cached("flood"), pool.stats().reclaimable), (0, 0, 0));
+    }
 }
