@@ -70,7 +70,7 @@ fn half() -> i64 {
 }
 
 async fn create_plan(req: HttpRequest, state: web::Data<AppState>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
-    let key = super::authorize(&req, &state, Scope::Admin).await?;
+    let key = authorize(&req, &state, Scope::Admin).await?;
     let b: NewPlan = json_body(&state, payload).await?;
     let plan = Plan {
         name: b.name,
@@ -84,27 +84,15 @@ async fn create_plan(req: HttpRequest, state: web::Data<AppState>, payload: web:
     Ok(HttpResponse::Created().json(plan_json(&plan)))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PlanPatch {
-    prompt_price: Option<i64>,
-    cached_prompt_price: Option<i64>,
-    completion_price: Option<i64>,
-    batch_percent: Option<i64>,
-}
-
-/// Changes the prices a patch names; requests admitted from now on pay them (the ledger's
-/// rows keep the prices they were admitted at).
+/// Changes the prices a patch names (the fields of a tenant's own prices, laid over the plan's
+/// as those are); requests admitted from now on pay them (the ledger's rows keep the prices
+/// they were admitted at).
 async fn patch_plan(req: HttpRequest, state: web::Data<AppState>, name: web::Path<String>, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     let key = authorize(&req, &state, Scope::Admin).await?;
-    let b: PlanPatch = json_body(&state, payload).await?;
-    let mut plan = state.store.plan(&name).await?.ok_or_else(|| ApiError::NotFound(format!("plan {name:?}")))?;
+    let patch: PriceOverride = json_body(&state, payload).await?;
+    let plan = state.store.plan(&name).await?.ok_or_else(|| ApiError::NotFound(format!("plan {name:?}")))?;
     let before = plan_json(&plan);
-    plan.prompt_price = b.prompt_price.unwrap_or(plan.prompt_price);
-    plan.cached_prompt_price = b.cached_prompt_price.unwrap_or(plan.cached_prompt_price);
-    plan.completion_price = b.completion_price.unwrap_or(plan.completion_price);
-    plan.batch_percent = b.batch_percent.unwrap_or(plan.batch_percent);
-    let plan = state.store.update_plan(&plan).await?;
+    let plan = state.store.update_plan(&patch.apply(&plan)).await?;
     audit(&state, &key, "", "plan.update", &plan.name, json!({"before": before, "after": plan_json(&plan)})).await;
     Ok(HttpResponse::Ok().json(plan_json(&plan)))
 }

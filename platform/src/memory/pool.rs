@@ -253,6 +253,7 @@ impl PagePool {
     }
 
     /// Unpinned cached pages of `tenant`'s prefix blocks.
+    #[cfg(test)]
     pub fn tenant_cached(&self, tenant: &str) -> usize {
         self.lock().tenants.get(tenant).map_or(0, |t| t.pages)
     }

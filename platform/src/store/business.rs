@@ -6,7 +6,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{ApiKey, Plan, Scope, Store, StoreError, hash_secret, hex, now_ms, random_id, validate_name};
+use super::{ApiKey, Plan, Scope, Store, StoreError, now_ms, random_id, validate_name};
+
+/// The live keys of the tenant `$1`.
+const LIVE_KEYS: &str = "SELECT COUNT(*) FROM api_keys WHERE tenant_id = $1 AND revoked_at IS NULL";
 
 /// The highest price accepted: a million dollars per million tokens.
 pub const MAX_PRICE: i64 = 1_000_000_000_000;
@@ -175,37 +178,17 @@ impl Store {
     /// A key the tenant mints itself: refused (a quota) when it holds `max_keys` live keys.
     /// Counted and created in one write transaction, so concurrent mints cannot pass the cap.
     pub async fn mint_tenant_key(&self, tenant: &str, scopes: &[Scope], max_keys: i64) -> Result<(ApiKey, String), StoreError> {
-        if scopes.is_empty() {
-            return Err(StoreError::Invalid { field: "scopes", why: "a key needs at least one scope".into() });
-        }
+        super::keys::check_scopes(scopes)?;
         self.retrying(|| async {
             let mut tx = self.write_tx().await?;
             self.lock_owner(&mut tx, &format!("keys:{tenant}")).await?;
-            let (live,): (i64,) =
-                sqlx::query_as("SELECT COUNT(*) FROM api_keys WHERE tenant_id = $1 AND revoked_at IS NULL").bind(tenant).fetch_one(&mut *tx).await?;
+            let (live,): (i64,) = sqlx::query_as(LIVE_KEYS).bind(tenant).fetch_one(&mut *tx).await?;
             if live >= max_keys {
                 return Err(StoreError::Quota(format!("key limit reached: {live} live keys of {max_keys}; revoke one first")));
             }
-            let bytes: [u8; 32] = rand::Rng::random(&mut rand::rng());
-            let secret = format!("lpx_{}", hex(&bytes));
-            let key = ApiKey {
-                id: random_id("key"),
-                tenant_id: Some(tenant.to_string()),
-                prefix: secret[..12].to_string(),
-                scopes: Scope::join(scopes),
-                created_at: now_ms(),
-            };
-            sqlx::query("INSERT INTO api_keys (id, tenant_id, secret_hash, prefix, scopes, created_at) VALUES ($1, $2, $3, $4, $5, $6)")
-                .bind(&key.id)
-                .bind(&key.tenant_id)
-                .bind(hash_secret(&secret))
-                .bind(&key.prefix)
-                .bind(&key.scopes)
-                .bind(key.created_at)
-                .execute(&mut *tx)
-                .await?;
+            let minted = super::keys::insert_key(&mut *tx, Some(tenant), scopes).await?;
             tx.commit().await?;
-            Ok((key, secret))
+            Ok(minted)
         })
         .await
     }
@@ -224,8 +207,7 @@ impl Store {
 
     /// How many live keys a tenant holds.
     pub async fn live_keys(&self, tenant: &str) -> Result<i64, StoreError> {
-        let (n,): (i64,) =
-            sqlx::query_as("SELECT COUNT(*) FROM api_keys WHERE tenant_id = $1 AND revoked_at IS NULL").bind(tenant).fetch_one(&self.pool).await?;
+        let (n,): (i64,) = sqlx::query_as(LIVE_KEYS).bind(tenant).fetch_one(&self.pool).await?;
         Ok(n)
     }
 

@@ -19,37 +19,53 @@ pub struct KeyInfo {
     pub revoked_at: Option<i64>,
 }
 
+/// Refuses a key without scopes.
+pub(super) fn check_scopes(scopes: &[Scope]) -> Result<(), StoreError> {
+    if scopes.is_empty() {
+        return Err(StoreError::Invalid { field: "scopes", why: "a key needs at least one scope".into() });
+    }
+    Ok(())
+}
+
+/// Mints a key for `tenant` (`None`: the operator's) and writes its row through `db` (the pool,
+/// or a transaction that checked something first); returns it with its secret.
+pub(super) async fn insert_key<'e>(
+    db: impl sqlx::Executor<'e, Database = sqlx::Any>,
+    tenant: Option<&str>,
+    scopes: &[Scope],
+) -> Result<(ApiKey, String), sqlx::Error> {
+    let bytes: [u8; 32] = rand::rng().random();
+    let secret = format!("lpx_{}", hex(&bytes));
+    let key = ApiKey {
+        id: random_id("key"),
+        tenant_id: tenant.map(str::to_string),
+        prefix: secret[..12].to_string(),
+        scopes: Scope::join(scopes),
+        created_at: now_ms(),
+    };
+    sqlx::query("INSERT INTO api_keys (id, tenant_id, secret_hash, prefix, scopes, created_at) VALUES ($1, $2, $3, $4, $5, $6)")
+        .bind(&key.id)
+        .bind(&key.tenant_id)
+        .bind(hash_secret(&secret))
+        .bind(&key.prefix)
+        .bind(&key.scopes)
+        .bind(key.created_at)
+        .execute(db)
+        .await?;
+    Ok((key, secret))
+}
+
 impl Store {
     /// A new key for `tenant` (`None`: an operator key) with `scopes`. The secret is returned
     /// once and only its hash is stored.
     pub async fn create_key(&self, tenant: Option<&str>, scopes: &[Scope]) -> Result<(ApiKey, String), StoreError> {
-        if scopes.is_empty() {
-            return Err(StoreError::Invalid { field: "scopes", why: "a key needs at least one scope".into() });
-        }
+        check_scopes(scopes)?;
         if let Some(t) = tenant
             && self.tenant(t).await?.is_none()
         {
             return Err(StoreError::NotFound("tenant"));
         }
-        let bytes: [u8; 32] = rand::rng().random();
-        let secret = format!("lpx_{}", hex(&bytes));
-        let key = ApiKey {
-            id: random_id("key"),
-            tenant_id: tenant.map(str::to_string),
-            prefix: secret[..12].to_string(),
-            scopes: Scope::join(scopes),
-            created_at: now_ms(),
-        };
-        sqlx::query("INSERT INTO api_keys (id, tenant_id, secret_hash, prefix, scopes, created_at) VALUES ($1, $2, $3, $4, $5, $6)")
-            .bind(&key.id)
-            .bind(&key.tenant_id)
-            .bind(hash_secret(&secret))
-            .bind(&key.prefix)
-            .bind(&key.scopes)
-            .bind(key.created_at)
-            .execute(&self.pool)
-            .await?;
-        Ok((key, secret))
+        Ok(insert_key(&self.pool, tenant, scopes).await?)
     }
 
     /// Makes `secret` a live operator key (as given on the command line); true if it was new.
