@@ -15,6 +15,7 @@ pub mod cpu;
 pub mod cuda;
 mod layout;
 pub mod mmap;
+pub mod quant;
 
 pub use layout::{AttentionParams, BatchMeta, KvLayout, LORA_ROW_ALIGN, LoraRows, LoraSegments, LoraTarget, NO_ADAPTER, NUM_MODULES, RowDType};
 
@@ -122,6 +123,13 @@ pub trait Memory {
     /// storage on the CPU backend; f32 or bf16 on CUDA). Arithmetic accumulates in f32 either way.
     fn compute_dtype(&self) -> DType {
         DType::F32
+    }
+    /// The element type a weight decoded from a quantized format (a GGUF's blocks) is best
+    /// handed to [`Memory::load_weight_data`] in: what this backend's matmuls multiply
+    /// (bf16 where they round their inputs to bf16 anyway), so decoding loses nothing the
+    /// matmul keeps.
+    fn weight_dtype(&self) -> DType {
+        self.compute_dtype()
     }
     /// A zero-filled buffer of `len` elements of [`Memory::compute_dtype`].
     fn zeros(&self, len: usize) -> Result<Self::Buffer>;

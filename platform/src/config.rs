@@ -11,6 +11,7 @@ use loraplex_kernels::{DType, RowDType};
 
 use crate::engine::EngineConfig;
 use crate::memory::LoaderConfig;
+use crate::model::source::ModelSpec;
 use crate::sampling::SamplingParams;
 use crate::synth::{AdapterTargets, FileDType, Preset};
 
@@ -28,13 +29,13 @@ pub enum Command {
     /// Write a random model in the HuggingFace layout.
     Synth(SynthArgs),
     /// Logits of given token sequences (teacher forced), for parity checks.
-    Logits(LogitsArgs),
+    Logits(Box<LogitsArgs>),
     /// Run the HTTP server: OpenAI- and LoRAX-compatible inference, adapters, tenants, billing.
     Serve(Box<ServeArgs>),
     /// Measure performance.
     Bench {
         #[command(subcommand)]
-        which: BenchCommand,
+        which: Box<BenchCommand>,
     },
 }
 
@@ -319,11 +320,68 @@ pub struct PromptArgs {
     pub batch: Option<PathBuf>,
 }
 
+/// Where hub ids given as `--model` come from, and where they are kept. The `HF_*` variables
+/// are the ones Python's `huggingface_hub` reads, so both share one cache.
+#[derive(Debug, Clone, Args)]
+pub struct HubArgs {
+    /// In a hub repository of GGUF files, the one to load: its file name, or its quantization
+    /// (`Q4_K_M`, `Q8_0`).
+    #[arg(long, env = "LORAPLEX_GGUF_FILE")]
+    pub gguf_file: Option<String>,
+    /// Token for gated and private hub repositories (default: the one `hf auth login` saved).
+    #[arg(long, env = "HF_TOKEN", hide_env_values = true)]
+    pub hf_token: Option<String>,
+    /// The hub's address (a mirror, or a hub of your own).
+    #[arg(long, env = "HF_ENDPOINT", default_value = DEFAULT_HUB)]
+    pub hf_endpoint: String,
+    /// Never reach the hub: hub ids are served from the cache alone.
+    #[arg(long, env = "HF_HUB_OFFLINE", value_parser = clap::builder::BoolishValueParser::new(), num_args = 0..=1, default_value_t = false, default_missing_value = "true", action = clap::ArgAction::Set)]
+    pub hf_offline: bool,
+    /// The hub cache (default: `$HF_HOME/hub`, else `~/.cache/huggingface/hub`).
+    #[arg(long, env = "HF_HUB_CACHE")]
+    pub hf_hub_cache: Option<PathBuf>,
+    /// The hub's home directory, holding the cache and the saved token.
+    #[arg(long, env = "HF_HOME")]
+    pub hf_home: Option<PathBuf>,
+}
+
+impl Default for HubArgs {
+    /// The public hub, its cache found from the environment as `huggingface_hub` finds it.
+    fn default() -> Self {
+        Self { gguf_file: None, hf_token: None, hf_endpoint: DEFAULT_HUB.into(), hf_offline: false, hf_hub_cache: None, hf_home: None }
+    }
+}
+
+/// The hub's address unless `--hf-endpoint` says otherwise.
+pub const DEFAULT_HUB: &str = "https://huggingface.co";
+
+impl HubArgs {
+    /// Resolves `spec` to files on disk, fetching a hub id's into the cache.
+    pub fn resolve(&self, spec: &ModelSpec) -> Result<crate::model::source::ResolvedModel, crate::model::source::SourceError> {
+        crate::model::source::resolve(spec, self.gguf_file.as_deref(), &self.hub(std::env::home_dir().as_deref()))
+    }
+
+    /// The hub client these arguments describe (`home` is the user's home directory).
+    pub fn hub(&self, home: Option<&std::path::Path>) -> crate::model::hub::Hub {
+        use crate::model::hub::{Hub, HubOptions};
+        Hub::new(HubOptions {
+            endpoint: self.hf_endpoint.clone(),
+            token: self.hf_token.clone(),
+            offline: self.hf_offline,
+            cache_dir: HubOptions::cache_dir(self.hf_hub_cache.as_deref(), self.hf_home.as_deref(), home),
+            progress: true,
+        })
+    }
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct GenerateArgs {
-    /// A HuggingFace model directory (config.json, safetensors, tokenizer.json).
+    /// The model: a HuggingFace directory (config.json, safetensors, tokenizer.json), a .gguf
+    /// file, or a hub id (`org/name`, `org/name@revision`).
     #[arg(long, env = "LORAPLEX_MODEL")]
-    pub model: PathBuf,
+    pub model: ModelSpec,
+    #[command(flatten)]
+    pub hub: HubArgs,
     #[command(flatten)]
     pub input: PromptArgs,
     /// A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) to apply.
@@ -348,9 +406,11 @@ pub struct GenerateArgs {
 
 #[derive(Debug, Clone, Args)]
 pub struct LogitsArgs {
-    /// A HuggingFace model directory.
+    /// The model: a HuggingFace directory, a .gguf file, or a hub id (`org/name[@revision]`).
     #[arg(long)]
-    pub model: PathBuf,
+    pub model: ModelSpec,
+    #[command(flatten)]
+    pub hub: HubArgs,
     /// JSON lines, one case each: {"name", "prompt_ids": [...], "follow": [...], "rows": N,
     /// "adapter": "DIR"} (follow, rows and adapter optional).
     #[arg(long)]
@@ -406,11 +466,15 @@ pub struct SynthArgs {
 
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
-    /// A HuggingFace model directory. Without one, a synthetic tiny model is generated in the
-    /// data directory on first start (for trying the server out; its text is gibberish).
+    /// The model: a HuggingFace directory, a .gguf file, or a hub id (`org/name[@revision]`,
+    /// fetched into the hub cache). Without one, a synthetic tiny model is generated in the
+    /// data directory on first start (for trying the server out offline; its text is gibberish).
     #[arg(long, env = "LORAPLEX_MODEL")]
-    pub model: Option<PathBuf>,
-    /// The name clients use for the base model (default: the model directory's name).
+    pub model: Option<ModelSpec>,
+    #[command(flatten)]
+    pub hub: HubArgs,
+    /// The name clients use for the base model (default: the hub id, or the directory's or
+    /// GGUF file's name).
     #[arg(long, env = "LORAPLEX_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
     /// The compute device: cpu, cuda (the first GPUs, one per worker), cuda:N, or auto (the
@@ -694,9 +758,11 @@ pub struct BenchStructuredArgs {
     /// What activations enter the matmuls of bf16 weights as (see `serve --matmul-dtype`).
     #[arg(long, value_enum, default_value_t = MatmulDType::F32)]
     pub matmul_dtype: MatmulDType,
-    /// Measure this model directory instead of a synthesized one.
+    /// Measure this model (a directory, a .gguf file or a hub id) instead of a synthesized one.
     #[arg(long)]
-    pub model: Option<PathBuf>,
+    pub model: Option<ModelSpec>,
+    #[command(flatten)]
+    pub hub: HubArgs,
     /// Rows of the decode batch.
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
@@ -744,9 +810,11 @@ pub struct BenchRuntimeArgs {
     /// What activations enter the matmuls of bf16 weights as (see `serve --matmul-dtype`).
     #[arg(long, value_enum, default_value_t = MatmulDType::F32)]
     pub matmul_dtype: MatmulDType,
-    /// Measure this model directory instead of a synthesized one.
+    /// Measure this model (a directory, a .gguf file or a hub id) instead of a synthesized one.
     #[arg(long)]
-    pub model: Option<PathBuf>,
+    pub model: Option<ModelSpec>,
+    #[command(flatten)]
+    pub hub: HubArgs,
     /// Scenarios to run: fairness, prefix, churn, preemption or all.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     pub scenarios: Vec<String>,
@@ -852,9 +920,11 @@ pub struct BenchNoisyArgs {
     /// CPU, half the bytes read per token).
     #[arg(long, value_enum, default_value_t = FileDType::F32)]
     pub model_dtype: FileDType,
-    /// Serve this model directory instead of a synthesized one.
+    /// Serve this model (a directory, a .gguf file or a hub id) instead of a synthesized one.
     #[arg(long)]
-    pub model: Option<PathBuf>,
+    pub model: Option<ModelSpec>,
+    #[command(flatten)]
+    pub hub: HubArgs,
     /// Abusive patterns to run, in order: plain, huge-prompts, stop-lists, adapter-configs,
     /// pin-storms, disconnects, stalled-bodies, batch, or all.
     #[arg(long, value_delimiter = ',', default_value = "all")]
@@ -932,9 +1002,11 @@ pub struct BenchLoraArgs {
     /// What activations enter the matmuls of bf16 weights as (see `serve --matmul-dtype`).
     #[arg(long, value_enum, default_value_t = MatmulDType::F32)]
     pub matmul_dtype: MatmulDType,
-    /// Measure this model directory instead of a synthesized one (adapters are synthesized for it).
+    /// Measure this model (a directory, a .gguf file or a hub id) instead of a synthesized one (adapters are synthesized for it).
     #[arg(long)]
-    pub model: Option<PathBuf>,
+    pub model: Option<ModelSpec>,
+    #[command(flatten)]
+    pub hub: HubArgs,
     /// Key/value heads of the synthesized model instead of the preset's (see `synth --kv-heads`).
     #[arg(long)]
     pub kv_heads: Option<usize>,
@@ -985,9 +1057,11 @@ pub struct BenchSloraArgs {
     /// and its KV pages in bf16.
     #[arg(long, value_enum, default_value_t = MatmulDType::F32)]
     pub matmul_dtype: MatmulDType,
-    /// Measure this model directory instead of a synthesized one (adapters are synthesized for it).
+    /// Measure this model (a directory, a .gguf file or a hub id) instead of a synthesized one (adapters are synthesized for it).
     #[arg(long)]
-    pub model: Option<PathBuf>,
+    pub model: Option<ModelSpec>,
+    #[command(flatten)]
+    pub hub: HubArgs,
     /// Key/value heads of the synthesized model instead of the preset's.
     #[arg(long)]
     pub kv_heads: Option<usize>,
@@ -1060,9 +1134,11 @@ pub struct BenchEngineArgs {
     /// What activations enter the matmuls of bf16 weights as (see `serve --matmul-dtype`).
     #[arg(long, value_enum, default_value_t = MatmulDType::F32)]
     pub matmul_dtype: MatmulDType,
-    /// Measure this model directory instead of a synthesized one.
+    /// Measure this model (a directory, a .gguf file or a hub id) instead of a synthesized one.
     #[arg(long)]
-    pub model: Option<PathBuf>,
+    pub model: Option<ModelSpec>,
+    #[command(flatten)]
+    pub hub: HubArgs,
     /// Key/value heads of the synthesized model instead of the preset's (see `synth --kv-heads`).
     #[arg(long)]
     pub kv_heads: Option<usize>,

@@ -14,6 +14,7 @@ fn bench_lora_reports_every_scenario() {
         model_dtype: FileDType::F32,
         matmul_dtype: MatmulDType::F32,
         model: None,
+        hub: Default::default(),
         kv_heads: None,
         device: Device::Cpu,
         batch: 4,

@@ -15,6 +15,7 @@ fn noisy_neighbor_runs_every_pattern_and_reports_it() {
         preset: Preset::Tiny,
         model_dtype: loraplex::synth::FileDType::Bf16,
         model: None,
+        hub: Default::default(),
         patterns: vec!["all".into()],
         b_fraction: 0.15,
         b_requests: 6,

@@ -94,7 +94,11 @@ fn seeded_sampling_is_reproducible() {
 #[test]
 fn missing_and_truncated_files_are_named() {
     let o = generate_ids(Path::new("/nonexistent/model"), &[]);
-    assert_fails_with(&o, &["/nonexistent/model/config.json"]);
+    assert_fails_with(&o, &["model /nonexistent/model: no such file or directory"]);
+    // A directory without a config names the file it lacks.
+    let empty = tempfile::tempdir().unwrap();
+    let o = generate_ids(empty.path(), &[]);
+    assert_fails_with(&o, &["config.json"]);
 
     let dir = model_copy();
     let weights = dir.path().join("model.safetensors");

@@ -234,6 +234,13 @@ impl Memory for CpuBackend {
         "cpu".to_string()
     }
 
+    fn weight_dtype(&self) -> DType {
+        match self.inputs {
+            MatmulInputs::F32 => DType::F32,
+            MatmulInputs::Bf16 => DType::Bf16,
+        }
+    }
+
     /// A tenth: what the attention kernels ran at against the packed matmuls' FLOP/s when the
     /// schedulers' step budget was tuned with it (20 against 180–240 GFLOP/s on a 2-core AVX-512
     /// machine, `bench engine` on long prompts). They now run at about half (in a profile of a

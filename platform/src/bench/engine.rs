@@ -160,7 +160,7 @@ impl Costs {
 pub fn run(args: &BenchEngineArgs) -> anyhow::Result<()> {
     crate::config::init_threads(args.threads)?;
     let tmp = tempfile::tempdir().context("creating a directory for the synthesized model")?;
-    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, args.model_dtype, args.kv_heads, tmp.path())?;
+    let (dir, source) = super::model_dir(args.model.as_ref(), &args.hub, args.preset, args.model_dtype, args.kv_heads, tmp.path())?;
     match args.device {
         Device::Cpu => {
             // The linear layers keep the checkpoint's element type in memory (f32, or half-size
@@ -193,7 +193,7 @@ fn measure<B: Backend>(
 ) -> anyhow::Result<()> {
     eprintln!("loading {source} ...");
     let model = Arc::new(model::load(backend.clone(), dir)?);
-    let tokenizer = Arc::new(Tokenizer::from_dir(dir)?);
+    let tokenizer = Arc::new(Tokenizer::open(dir)?);
     let c = model.config().clone();
     let kv_bytes = args.kv_dtype.row_dtype().dtype().size() as f64;
     let costs = Costs::of(&c, linear_bytes as f64, kv_bytes);

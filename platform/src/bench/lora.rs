@@ -90,7 +90,7 @@ pub fn run(args: &BenchLoraArgs) -> anyhow::Result<()> {
     crate::config::init_threads(args.threads)?;
     ensure!(args.batch > 0 && args.steps > 0 && args.rank > 0, "--batch, --steps and --rank must be positive");
     let tmp = tempfile::tempdir().context("creating a directory for the synthesized model and adapters")?;
-    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, args.model_dtype, args.kv_heads, tmp.path())?;
+    let (dir, source) = super::model_dir(args.model.as_ref(), &args.hub, args.preset, args.model_dtype, args.kv_heads, tmp.path())?;
     match args.device {
         Device::Cpu => {
             let backend = args.matmul_dtype.cpu_backend();
@@ -118,7 +118,7 @@ fn measure<B: Backend>(
 ) -> anyhow::Result<()> {
     eprintln!("loading {source} onto {device} ...");
     let model = Arc::new(model::load(backend, dir)?);
-    let tokenizer = Arc::new(Tokenizer::from_dir(dir)?);
+    let tokenizer = Arc::new(Tokenizer::open(dir)?);
     // Adapters for the batch, plus fresh ones for the residency timings (never loaded before).
     let timed = 8;
     eprintln!("synthesizing {} rank-{} adapters on all seven modules ...", args.batch + timed, args.rank);

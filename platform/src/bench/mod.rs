@@ -14,20 +14,25 @@ pub mod structured;
 
 use std::path::{Path, PathBuf};
 
+use crate::config::HubArgs;
 use crate::model::ModelConfig;
+use crate::model::source::ModelSpec;
 use crate::synth::{self, ModelDims, Preset};
 
-/// The model a benchmark measures: `model` if given, else one of `preset`'s size synthesized
-/// under `scratch`. Returns its directory and how the report names it.
+/// The model a benchmark measures: `model` if given (a hub id fetched through `hub`), else
+/// one of `preset`'s size synthesized under `scratch`. Returns its path (a directory or a GGUF
+/// file) and how the report names it.
 pub(crate) fn model_dir(
-    model: Option<&PathBuf>,
+    model: Option<&ModelSpec>,
+    hub: &HubArgs,
     preset: Preset,
     dtype: synth::FileDType,
     kv_heads: Option<usize>,
     scratch: &Path,
 ) -> anyhow::Result<(PathBuf, String)> {
-    if let Some(dir) = model {
-        return Ok((dir.clone(), dir.display().to_string()));
+    if let Some(spec) = model {
+        let resolved = hub.resolve(spec)?;
+        return Ok((resolved.files.path().to_path_buf(), spec.to_string()));
     }
     eprintln!("synthesizing the {preset:?} model in {dtype:?} ...");
     let out = scratch.join("model");

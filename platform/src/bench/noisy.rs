@@ -126,9 +126,9 @@ pub fn run_with(args: &BenchNoisyArgs, exe: &Path) -> anyhow::Result<()> {
     ensure!(args.b_fraction > 0.0 && args.b_fraction <= 1.0, "--b-fraction must be in (0, 1]");
     ensure!(args.a_share > 0.0 && args.b_requests > 0 && args.a_concurrent > 0 && args.capacity_seconds > 0.0, "the loads must be positive");
     let tmp = tempfile::tempdir().context("creating a scratch directory")?;
-    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, args.model_dtype, None, tmp.path())?;
-    let config = ModelConfig::from_dir(&dir)?;
-    let tokenizer = Tokenizer::from_dir(&dir)?;
+    let (dir, source) = super::model_dir(args.model.as_ref(), &args.hub, args.preset, args.model_dtype, None, tmp.path())?;
+    let config = ModelConfig::open(&dir)?;
+    let tokenizer = Tokenizer::open(&dir)?;
     let machine = Machine::here();
     println!("machine: {machine}");
 

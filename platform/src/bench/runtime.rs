@@ -563,7 +563,7 @@ struct Report {
 pub fn run(args: &BenchRuntimeArgs) -> anyhow::Result<()> {
     crate::config::init_threads(args.threads)?;
     let tmp = tempfile::tempdir().context("creating a scratch directory")?;
-    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, args.model_dtype, None, tmp.path())?;
+    let (dir, source) = super::model_dir(args.model.as_ref(), &args.hub, args.preset, args.model_dtype, None, tmp.path())?;
     let setup = load_setup(args.matmul_dtype.cpu_backend(), &dir, tmp.path())?;
     let engine =
         EngineConfig { max_batch_tokens: args.max_batch_tokens, max_running: args.max_running, pool_bytes: args.pool_mb << 20, ..EngineConfig::default() };
@@ -673,6 +673,6 @@ pub fn run(args: &BenchRuntimeArgs) -> anyhow::Result<()> {
 /// adapters.
 pub fn load_setup(backend: CpuBackend, dir: &Path, scratch: &Path) -> anyhow::Result<Setup> {
     let model = Arc::new(model::load(Arc::new(backend), dir)?);
-    let tokenizer = Arc::new(Tokenizer::from_dir(dir)?);
+    let tokenizer = Arc::new(Tokenizer::open(dir)?);
     Ok(Setup { model, tokenizer, scratch: scratch.to_path_buf() })
 }

@@ -167,7 +167,7 @@ pub fn run(args: &BenchSloraArgs) -> anyhow::Result<()> {
     );
     ensure!(args.duration > 0.0 && args.load > 0.0 && args.rate.is_none_or(|r| r > 0.0), "--duration, --load and --rate must be positive");
     let tmp = tempfile::tempdir().context("creating a directory for the synthesized model and adapters")?;
-    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, args.model_dtype, args.kv_heads, tmp.path())?;
+    let (dir, source) = super::model_dir(args.model.as_ref(), &args.hub, args.preset, args.model_dtype, args.kv_heads, tmp.path())?;
     match args.device {
         Device::Cpu => {
             let backend = args.matmul_dtype.cpu_backend();
@@ -187,7 +187,7 @@ fn measure<B: Backend>(backend: Arc<B>, kernels: String, dir: &Path, source: Str
     let compute = backend.compute_dtype();
     eprintln!("loading {source} onto {device} ...");
     let model = Arc::new(model::load(backend, dir)?);
-    let tokenizer = Arc::new(Tokenizer::from_dir(dir)?);
+    let tokenizer = Arc::new(Tokenizer::open(dir)?);
     let most = args.adapters.iter().copied().max().unwrap_or(1);
     let files = args.adapter_files.min(most);
     eprintln!("synthesizing {files} adapter(s) of ranks {:?} on q, k, v and o ...", args.ranks);
@@ -538,6 +538,7 @@ mod tests {
             model_dtype: FileDType::F32,
             matmul_dtype: crate::config::MatmulDType::F32,
             model: None,
+            hub: Default::default(),
             kv_heads: None,
             device: Device::Cpu,
             adapters: vec![2, 12],

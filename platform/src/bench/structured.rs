@@ -90,13 +90,13 @@ pub fn run(args: &BenchStructuredArgs) -> anyhow::Result<()> {
     crate::config::init_threads(args.threads)?;
     anyhow::ensure!(args.batch > 0 && args.steps > 0 && args.rounds > 0, "--batch, --steps and --rounds must be positive");
     let tmp = tempfile::tempdir().context("creating a directory for the synthesized model")?;
-    let (dir, source) = super::model_dir(args.model.as_ref(), args.preset, args.model_dtype, None, tmp.path())?;
+    let (dir, source) = super::model_dir(args.model.as_ref(), &args.hub, args.preset, args.model_dtype, None, tmp.path())?;
     let backend = args.matmul_dtype.cpu_backend();
     let machine = super::Machine::with_kernels(backend.describe());
     println!("machine: {machine}");
     eprintln!("loading {source} ...");
     let model = Arc::new(model::load(Arc::new(backend), &dir)?);
-    let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);
+    let tokenizer = Arc::new(Tokenizer::open(&dir)?);
     let eos = crate::engine::end_tokens(&tokenizer, model.config());
     let compiler = GrammarCompiler::new(tokenizer.clone(), &eos, GrammarLimits::default()).context("structured output for this tokenizer")?;
     let began = Instant::now();
@@ -243,6 +243,7 @@ mod tests {
             model_dtype: crate::synth::FileDType::F32,
             matmul_dtype: crate::config::MatmulDType::F32,
             model: None,
+            hub: Default::default(),
             batch: 4,
             context: 8,
             steps: 4,

@@ -61,8 +61,9 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     crate::config::init_threads(args.engine.threads)?;
     let (matmul, _) = args.engine.dtypes(false).map_err(anyhow::Error::msg)?;
     let backend = Arc::new(matmul.cpu_backend());
-    let model = Arc::new(model::load(backend, &args.model)?);
-    let tokenizer = Arc::new(Tokenizer::from_dir(&args.model)?);
+    let path = args.hub.resolve(&args.model)?.files.path().to_path_buf();
+    let model = Arc::new(model::load(backend, &path)?);
+    let tokenizer = Arc::new(Tokenizer::open(&path)?);
     if let Some(path) = &args.input.batch {
         return run_batch(args, path, model, tokenizer);
     }

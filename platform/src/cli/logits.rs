@@ -62,16 +62,17 @@ pub fn run(args: &LogitsArgs) -> anyhow::Result<()> {
         cases.push(case);
     }
     let kv = args.kv_dtype.row_dtype();
+    let model_path = args.hub.resolve(&args.model)?.files.path().to_path_buf();
     let (device, results) = match args.device {
         Device::Cpu => {
-            let model = model::load(Arc::new(args.matmul_dtype.cpu_backend()), &args.model)?;
+            let model = model::load(Arc::new(args.matmul_dtype.cpu_backend()), &model_path)?;
             ("cpu".to_string(), run_cases(&model, &cases, kv)?)
         }
         Device::Cuda(n) => {
             check_cuda_dtypes(args.matmul_dtype, args.kv_dtype).map_err(anyhow::Error::msg)?;
             cuda::probe().map_err(|why| anyhow::anyhow!("--device {} needs CUDA, which is not usable here: {why}", args.device))?;
             let backend = cuda::CudaBackend::open(n.unwrap_or(0), args.matmul_dtype.cuda_compute())?;
-            let model = model::load(Arc::new(backend), &args.model)?;
+            let model = model::load(Arc::new(backend), &model_path)?;
             (model.backend().device_name(), run_cases(&model, &cases, kv)?)
         }
         Device::Auto => bail!("loraplex logits runs on one named device: use --device cpu, cuda or cuda:N"),

@@ -23,16 +23,16 @@ use crate::tokenizer::Tokenizer;
 /// The synthetic model's name.
 pub const SYNTHETIC_MODEL: &str = "loraplex-tiny";
 
-/// The model directory to serve and its name: `--model`, or the synthetic one in the data
-/// directory (written on first start, atomically).
+/// The command that serves a real model, printed when the synthetic one is served.
+pub const REAL_MODEL_HINT: &str = "loraplex serve --model HuggingFaceTB/SmolLM2-135M-Instruct (a hub id, a .gguf file or a model directory)";
+
+/// The model to serve (a directory or a GGUF file) and its name: `--model`, resolved (a hub id
+/// fetched into the cache), or the synthetic one in the data directory (written on first
+/// start, atomically).
 fn model_dir(args: &ServeArgs) -> anyhow::Result<(PathBuf, String)> {
-    if let Some(dir) = &args.model {
-        let name = dir
-            .canonicalize()
-            .with_context(|| format!("model directory {}", dir.display()))?
-            .file_name()
-            .map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned());
-        return Ok((dir.clone(), name));
+    if let Some(spec) = &args.model {
+        let resolved = args.hub.resolve(spec)?;
+        return Ok((resolved.files.path().to_path_buf(), resolved.name));
     }
     let dir = args.data_dir.join("model");
     if !dir.join("config.json").is_file() {
@@ -51,6 +51,7 @@ fn model_dir(args: &ServeArgs) -> anyhow::Result<(PathBuf, String)> {
     } else {
         println!("no --model given: serving the synthetic tiny model in {}", dir.display());
     }
+    println!("for a real model: {REAL_MODEL_HINT}");
     Ok((dir, SYNTHETIC_MODEL.to_string()))
 }
 
@@ -68,8 +69,8 @@ fn start_runtime(args: &ServeArgs, dir: &Path) -> anyhow::Result<(Arc<dyn Servin
         _ => loraplex_kernels::cuda::probe(),
     };
     let resolved = args.device.resolve(args.workers, probe.clone()).map_err(anyhow::Error::msg)?;
-    let tokenizer = Arc::new(Tokenizer::from_dir(dir).with_context(|| format!("loading the tokenizer in {}", dir.display()))?);
-    let load = |what: &str| format!("loading the model in {} onto {what}", dir.display());
+    let tokenizer = Arc::new(Tokenizer::open(dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?);
+    let load = |what: &str| format!("loading the model {} onto {what}", dir.display());
     let serving: Arc<dyn Serving> = match resolved {
         Resolved::Cpu => {
             if let (Device::Auto, Err(why)) = (args.device, &probe) {

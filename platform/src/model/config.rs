@@ -133,6 +133,21 @@ impl ModelConfig {
         if linear > 0.0 { attention / linear } else { 0.0 }
     }
 
+    /// The config of the model at `path`: `config.json` of a directory, or a GGUF file's
+    /// metadata.
+    pub fn open(path: &Path) -> Result<Self, ModelError> {
+        if path.is_dir() { Self::from_dir(path) } else { Self::from_gguf(&super::gguf::GgufFile::open(path)?) }
+    }
+
+    /// The config a GGUF file's metadata describes.
+    pub fn from_gguf(file: &super::gguf::GgufFile) -> Result<Self, ModelError> {
+        let json = super::gguf::convert::config_json(file)?;
+        Self::from_json(&json.to_string(), file.path()).map_err(|e| match e {
+            ModelError::Config { path, detail } => ModelError::Gguf { path, detail: format!("{detail} (in the config rebuilt from its metadata: {json})") },
+            other => other,
+        })
+    }
+
     /// Reads and checks `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
         let path = dir.join("config.json");

@@ -5,10 +5,13 @@
 //! padding, over their block tables.
 
 pub mod config;
+pub mod gguf;
+pub mod hub;
 mod linear;
 mod llama;
 pub mod lora;
 pub mod rope;
+pub mod source;
 pub mod weights;
 
 use std::path::PathBuf;
@@ -29,6 +32,9 @@ pub enum ModelError {
     Config { path: PathBuf, detail: String },
     #[error("{}: {detail}", path.display())]
     Checkpoint { path: PathBuf, detail: String },
+    /// A GGUF file that is malformed, or holds what loraplex cannot read.
+    #[error("{}: {detail}", path.display())]
+    Gguf { path: PathBuf, detail: String },
     #[error("{}: tensor `{name}` is missing", path.display())]
     MissingTensor { name: String, path: PathBuf },
     #[error("{}: tensor `{name}` has shape {actual:?}, expected {expected:?}", path.display())]
@@ -42,9 +48,16 @@ pub enum ModelError {
 /// The device a model lives on, shared by everything that runs on it.
 pub type SharedBackend<B> = std::sync::Arc<B>;
 
-/// Loads the model in `dir` (config.json and safetensors) onto `backend`.
-pub fn load<B: Backend>(backend: SharedBackend<B>, dir: &std::path::Path) -> Result<Model<B>, ModelError> {
-    let config = ModelConfig::from_dir(dir)?;
-    let checkpoint = weights::Checkpoint::open(dir)?;
-    Model::load(backend, config, &checkpoint)
+/// Loads the model at `path` onto `backend`: a directory (config.json and safetensors) or a
+/// GGUF file (its weights dequantized at load).
+pub fn load<B: Backend>(backend: SharedBackend<B>, path: &std::path::Path) -> Result<Model<B>, ModelError> {
+    if path.is_dir() {
+        let config = ModelConfig::from_dir(path)?;
+        let checkpoint = weights::Checkpoint::open(path)?;
+        return Model::load(backend, config, &checkpoint);
+    }
+    let file = gguf::GgufFile::open(path)?;
+    let config = ModelConfig::from_gguf(&file)?;
+    let decode_to = backend.weight_dtype();
+    Model::load(backend, config, &weights::Checkpoint::gguf(file, decode_to)?)
 }

@@ -1,16 +1,19 @@
-//! Safetensors checkpoints: one file or sharded behind `model.safetensors.index.json`,
-//! memory-mapped, with f32, f16 and bf16 tensors converted to f32 on read.
+//! Checkpoints: safetensors (one file or sharded behind `model.safetensors.index.json`) or a
+//! GGUF file, memory-mapped, their tensors read under their HuggingFace names; f32, f16 and
+//! bf16 kept or converted to f32 on read, GGML quantized types dequantized to f32.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use loraplex_kernels::WeightData;
 use loraplex_kernels::mmap::MappedFile;
+use loraplex_kernels::{DType, WeightData};
 use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors, tensor::Metadata};
 use serde::Deserialize;
 
 use super::ModelError;
+use super::gguf::GgufFile;
+use super::gguf::convert::GgufCheckpoint;
 
 const SINGLE_FILE: &str = "model.safetensors";
 const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -26,6 +29,15 @@ pub enum TensorData {
 }
 
 impl TensorData {
+    /// The values widened to f32 (exact).
+    pub fn into_f32(self) -> Vec<f32> {
+        match self {
+            TensorData::F32(d) => d,
+            TensorData::Bf16(d) => d.into_iter().map(|b| half::bf16::from_bits(b).to_f32()).collect(),
+            TensorData::F16(d) => d.into_iter().map(half::f16::to_f32).collect(),
+        }
+    }
+
     pub fn as_weight(&self) -> WeightData<'_> {
         match self {
             TensorData::F32(d) => WeightData::F32(d),
@@ -43,8 +55,14 @@ struct Shard {
     metadata: Metadata,
 }
 
-/// The tensors of a checkpoint directory, read lazily from memory-mapped files.
-pub struct Checkpoint {
+/// The tensors of a checkpoint, read lazily from memory-mapped files.
+pub enum Checkpoint {
+    Safetensors(Safetensors),
+    Gguf(GgufCheckpoint),
+}
+
+/// A safetensors checkpoint directory.
+pub struct Safetensors {
     shards: Vec<Shard>,
     /// Tensor name -> index into `shards`.
     index: HashMap<String, usize>,
@@ -56,6 +74,51 @@ struct IndexFile {
 }
 
 impl Checkpoint {
+    /// Opens the checkpoint at `path`: a directory of safetensors, or a GGUF file.
+    pub fn open(path: &Path) -> Result<Self, ModelError> {
+        if path.is_dir() { Safetensors::open(path).map(Self::Safetensors) } else { Self::gguf(GgufFile::open(path)?, DType::F32) }
+    }
+
+    /// The tensors of an opened GGUF file, its quantized weights decoded to `decode_to` (f32
+    /// or bf16).
+    pub fn gguf(file: GgufFile, decode_to: DType) -> Result<Self, ModelError> {
+        Ok(Self::Gguf(GgufCheckpoint::new(file)?.decoding_to(decode_to)))
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        match self {
+            Self::Safetensors(s) => s.contains(name),
+            Self::Gguf(g) => g.contains(name),
+        }
+    }
+
+    /// Bytes per stored value of tensor `name` (rounded up), if the checkpoint has it.
+    pub fn element_bytes(&self, name: &str) -> Option<usize> {
+        match self {
+            Self::Safetensors(s) => s.element_bytes(name),
+            Self::Gguf(g) => g.element_bytes(name),
+        }
+    }
+
+    /// Reads tensor `name`, checks its shape, and converts it to f32.
+    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        match self {
+            Self::Safetensors(s) => s.tensor_f32(name, shape),
+            Self::Gguf(g) => g.tensor_f32(name, shape),
+        }
+    }
+
+    /// Reads tensor `name` and checks its shape, keeping the element type it is stored in when
+    /// that is f32, bf16 or f16; GGML quantized types are dequantized to f32.
+    pub fn tensor_data(&self, name: &str, shape: &[usize]) -> Result<TensorData, ModelError> {
+        match self {
+            Self::Safetensors(s) => s.tensor_data(name, shape),
+            Self::Gguf(g) => g.tensor_data(name, shape),
+        }
+    }
+}
+
+impl Safetensors {
     /// Opens `dir/model.safetensors`, or the shards listed by `dir/model.safetensors.index.json`.
     pub fn open(dir: &Path) -> Result<Self, ModelError> {
         let index_path = dir.join(INDEX_FILE);

@@ -222,34 +222,41 @@ fn parse_generation_eos(value: &Value, path: &Path) -> Result<Vec<u32>, Tokenize
 }
 
 /// Reads every optional side file in `dir`.
-pub(crate) fn load(dir: &Path) -> Result<SideConfig, TokenizerError> {
+/// What `tokenizer_config.json` (its JSON value, read from `config_path`) says, and whether it is
+/// a "legacy" config (no `added_tokens_decoder`).
+pub(crate) fn from_tokenizer_config(config: Option<&Value>, config_path: &Path) -> Result<(SideConfig, bool), TokenizerError> {
     let mut cfg = SideConfig::default();
-
-    let config_path = dir.join("tokenizer_config.json");
-    let config = read_optional_json(&config_path)?;
     let mut legacy = true;
-    if let Some(config) = &config {
-        let obj = as_object(config, &config_path)?;
-        merge_named(obj, &config_path, &mut cfg.named, true)?;
-        parse_token_list(obj, &config_path, &mut cfg.extra)?;
-        cfg.add_bos_token = parse_bool(obj, "add_bos_token", &config_path)?;
-        cfg.add_eos_token = parse_bool(obj, "add_eos_token", &config_path)?;
-        cfg.clean_up_tokenization_spaces = parse_bool(obj, "clean_up_tokenization_spaces", &config_path)?.unwrap_or(false);
-        cfg.templates = parse_chat_templates(obj, &config_path)?;
+    if let Some(config) = config {
+        let obj = as_object(config, config_path)?;
+        merge_named(obj, config_path, &mut cfg.named, true)?;
+        parse_token_list(obj, config_path, &mut cfg.extra)?;
+        cfg.add_bos_token = parse_bool(obj, "add_bos_token", config_path)?;
+        cfg.add_eos_token = parse_bool(obj, "add_eos_token", config_path)?;
+        cfg.clean_up_tokenization_spaces = parse_bool(obj, "clean_up_tokenization_spaces", config_path)?.unwrap_or(false);
+        cfg.templates = parse_chat_templates(obj, config_path)?;
         if let Some(decoder) = obj.get("added_tokens_decoder") {
             legacy = false;
             let Some(decoder) = decoder.as_object() else {
-                return Err(invalid(&config_path, "`added_tokens_decoder` must be an object"));
+                return Err(invalid(config_path, "`added_tokens_decoder` must be an object"));
             };
             for (id, token) in decoder {
-                let id: u32 = id.parse().map_err(|_| invalid(&config_path, format!("`added_tokens_decoder` key `{id}` is not a token id")))?;
-                if let Some(token) = parse_token(token, "added_tokens_decoder", &config_path, false)? {
+                let id: u32 = id.parse().map_err(|_| invalid(config_path, format!("`added_tokens_decoder` key `{id}` is not a token id")))?;
+                if let Some(token) = parse_token(token, "added_tokens_decoder", config_path, false)? {
                     cfg.added_tokens_decoder.push((id, token));
                 }
             }
             cfg.added_tokens_decoder.sort_by_key(|(id, _)| *id);
         }
     }
+
+    Ok((cfg, legacy))
+}
+
+pub(crate) fn load(dir: &Path) -> Result<SideConfig, TokenizerError> {
+    let config_path = dir.join("tokenizer_config.json");
+    let config = read_optional_json(&config_path)?;
+    let (mut cfg, legacy) = from_tokenizer_config(config.as_ref(), &config_path)?;
 
     // transformers reads special_tokens_map.json only for "legacy" configs (no
     // added_tokens_decoder), and there its values win over tokenizer_config.json. For current

@@ -15,6 +15,7 @@
 //!   in [`stream`].
 
 mod config;
+mod gguf;
 mod literal;
 mod pycompat;
 pub mod stream;
@@ -34,7 +35,7 @@ use template::ChatTemplates;
 /// Everything that can go wrong loading a tokenizer or using it.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
-    #[error("tokenizer directory {path} does not exist or is not a directory")]
+    #[error("{path}: no such directory (a model is a directory or a .gguf file)")]
     DirNotFound { path: PathBuf },
     #[error("{path} not found: a tokenizer directory needs a tokenizer.json")]
     MissingTokenizerJson { path: PathBuf },
@@ -155,6 +156,18 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 impl Tokenizer {
+    /// Loads the tokenizer of the model at `path`: a HuggingFace directory or a GGUF file.
+    pub fn open(path: &Path) -> Result<Self, TokenizerError> {
+        if path.is_dir() {
+            return Self::from_dir(path);
+        }
+        let file = crate::model::gguf::GgufFile::open(path).map_err(|e| match e {
+            crate::model::ModelError::Io { path, source } if source.kind() == std::io::ErrorKind::NotFound => TokenizerError::DirNotFound { path },
+            other => TokenizerError::InvalidConfig { path: path.to_path_buf(), message: other.to_string() },
+        })?;
+        Self::from_gguf(&file, path)
+    }
+
     /// Loads the tokenizer stored in `dir` (see the module documentation for the files read).
     pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
         if !dir.is_dir() {
@@ -168,10 +181,17 @@ impl Tokenizer {
             }
             Err(source) => return Err(TokenizerError::Io { path, source }),
         };
-        let mut inner =
+        let inner =
             tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TokenizerError::InvalidTokenizerJson { path: path.clone(), message: e.to_string() })?;
         let cfg = config::load(dir)?;
+        Self::from_parts(inner, cfg, dir, &path)
+    }
 
+    /// A tokenizer from its parts: `inner` as `tokenizer.json` describes it, `cfg` from the side
+    /// files (or what stands for them); `origin` is where it came from (for [`Self::path`]) and
+    /// `json_path` where `inner` was read (for messages).
+    fn from_parts(mut inner: tokenizers::Tokenizer, cfg: config::SideConfig, origin: &Path, json_path: &Path) -> Result<Self, TokenizerError> {
+        let (dir, path) = (origin, json_path.to_path_buf());
         inner.with_truncation(None).map_err(|e| TokenizerError::InvalidTokenizerJson { path: path.clone(), message: e.to_string() })?;
         inner.with_padding(None);
         config::add_missing_tokens(&mut inner, &cfg);
@@ -184,8 +204,10 @@ impl Tokenizer {
         if cfg.add_bos_token.is_some() || cfg.add_eos_token.is_some() || inner.get_post_processor().is_none() {
             let add_bos = bos.as_ref().filter(|_| cfg.add_bos_token == Some(true));
             let add_eos = eos.as_ref().filter(|_| cfg.add_eos_token == Some(true));
-            let processor = config::bos_eos_processor(add_bos, add_eos)
-                .map_err(|message| TokenizerError::InvalidConfig { path: dir.join("tokenizer_config.json"), message })?;
+            let processor = config::bos_eos_processor(add_bos, add_eos).map_err(|message| TokenizerError::InvalidConfig {
+                path: if dir.is_dir() { dir.join("tokenizer_config.json") } else { dir.to_path_buf() },
+                message,
+            })?;
             inner.with_post_processor(Some(processor));
         }
 
